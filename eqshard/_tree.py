@@ -1,0 +1,449 @@
+"""Tree paths as strings, and path-aware tree combinators.
+
+Everything in eqshard names a leaf by its path: dict keys, attribute names and
+sequence indices joined by a separator, so `model.layers[3].attn.q.weight` is
+`layers/3/attn/q/weight`. This module turns JAX key paths into those names,
+flattens trees into `{path: leaf}` dicts and back, and matches *prefix* trees
+(spec trees, trees of functions) against the trees they describe, with errors
+that name the first path that differs.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._typing import IsLeaf, KeyPath, typecheck
+
+
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array to eqshard: a `jax.Array`, a NumPy array or scalar, or a
+    `jax.ShapeDtypeStruct`. Python scalars are not arrays (Equinox's convention)."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
+def _key_to_string(key: Any) -> str:
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)  # keys of user-registered pytree nodes
+
+
+@typecheck
+def tree_path_to_string(path: KeyPath, sep: str | None = None) -> str | tuple[str, ...]:
+    """Turns a JAX key path into a name.
+
+    Dict keys (`DictKey`) become `str(key)`, attribute names (`GetAttrKey`, as used
+    by Equinox modules and namedtuples such as optax states) their name, sequence
+    indices (`SequenceKey`) and flattened indices (`FlattenedIndexKey`) their
+    number.
+
+    **Arguments:**
+
+    - `path`: a key path, as given by `jax.tree_util.tree_flatten_with_path`.
+    - `sep`: the separator to join the parts with. If `None`, the parts are
+      returned as a tuple of strings.
+
+    **Returns:**
+
+    A string such as `"layers/3/attn/weight"`, or the tuple of its parts.
+
+    !!! Example
+
+        ```python
+        path, _ = jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0][1]
+        eqshard.tree_path_to_string(path, sep="/")  # "a/1"
+        eqshard.tree_path_to_string(path)  # ("a", "1")
+        ```
+    """
+    parts = tuple(_key_to_string(key) for key in path)
+    return parts if sep is None else sep.join(parts)
+
+
+def path_str(path: KeyPath) -> str:
+    """The `/`-joined name of `path` for eqshard messages; `<root>` if empty."""
+    return "/".join(_key_to_string(key) for key in path) or "<root>"
+
+
+def _collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
+    return (
+        f"Two leaves flatten to the same name {name!r}: {jtu.keystr(first)} and "
+        f"{jtu.keystr(second)}. Names must be unique; use another `sep`, or rename "
+        "one of the keys."
+    )
+
+
+def _flatten_with_names(
+    tree: PyTree, is_leaf: IsLeaf, sep: str | None
+) -> tuple[dict[Any, Any], list[KeyPath], jtu.PyTreeDef]:
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    flat: dict[Any, Any] = {}
+    owner: dict[Any, KeyPath] = {}
+    paths = []
+    for path, leaf in path_leaves:
+        name = tree_path_to_string(path, sep)
+        if name in owner:
+            raise ValueError(_collision_message(name, owner[name], path))
+        owner[name] = path
+        flat[name] = leaf
+        paths.append(path)
+    return flat, paths, treedef
+
+
+@typecheck
+def flatten_tree(
+    tree: PyTree, *, is_leaf: IsLeaf = None, sep: str | None = None
+) -> dict[Any, Any]:
+    """Flattens a pytree into a dict from leaf names to leaves.
+
+    Names are made by [`eqshard.tree_path_to_string`][], in the order of
+    `jax.tree_util.tree_leaves`. `None` subtrees have no leaves, and so no names.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `is_leaf`: as in `jax.tree_util.tree_flatten`.
+    - `sep`: the separator for names; `None` gives tuples of key strings.
+
+    **Returns:**
+
+    A dict `{name: leaf}`.
+
+    **Raises:**
+
+    A `ValueError` naming both paths if two leaves get the same name, e.g. the
+    dict keys `1` and `"1"`.
+
+    !!! Example
+
+        ```python
+        eqshard.flatten_tree({"a": {"b": 1}, "c": [2, 3]}, sep="/")
+        # {"a/b": 1, "c/0": 2, "c/1": 3}
+        ```
+    """
+    flat, _, _ = _flatten_with_names(tree, is_leaf, sep)
+    return flat
+
+
+def _key_list(keys: Iterable[Any], limit: int = 10) -> str:
+    keys = [repr(k) for k in keys]
+    more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+@typecheck
+def unflatten_tree(
+    flat: dict[Any, Any],
+    like: PyTree,
+    *,
+    is_leaf: IsLeaf = None,
+    sep: str | None = None,
+) -> PyTree:
+    """Rebuilds a pytree of the structure of `like` from a dict of named leaves.
+
+    The inverse of [`eqshard.flatten_tree`][]: `unflatten_tree(flatten_tree(t), t)`
+    is `t`. The leaves of `like` are only used for their names.
+
+    **Arguments:**
+
+    - `flat`: a dict `{name: leaf}`.
+    - `like`: a pytree with the structure to rebuild.
+    - `is_leaf`, `sep`: as given to [`eqshard.flatten_tree`][].
+
+    **Returns:**
+
+    A pytree with the structure of `like` and the leaves of `flat`.
+
+    **Raises:**
+
+    A `ValueError` listing the names `like` has and `flat` lacks, and the names
+    `flat` has and `like` lacks.
+
+    !!! Example
+
+        ```python
+        like = {"a": {"b": 0}, "c": [0, 0]}
+        eqshard.unflatten_tree({"a/b": 1, "c/0": 2, "c/1": 3}, like, sep="/")
+        # {"a": {"b": 1}, "c": [2, 3]}
+        ```
+    """
+    names, _, treedef = _flatten_with_names(like, is_leaf, sep)
+    missing = [name for name in names if name not in flat]
+    unexpected = [name for name in flat if name not in names]
+    if missing or unexpected:
+        lines = ["`flat` does not have the names of the leaves of `like`."]
+        if missing:
+            lines.append(f"Missing from `flat`: {_key_list(missing)}.")
+        if unexpected:
+            lines.append(f"Not in `like`: {_key_list(unexpected)}.")
+        lines.append("Check that `sep` and `is_leaf` are those used to flatten.")
+        raise ValueError(" ".join(lines))
+    return jtu.tree_unflatten(treedef, [flat[name] for name in names])
+
+
+def _children(x: Any) -> tuple[list[tuple[KeyPath, Any]], jtu.PyTreeDef]:
+    """The direct children of the node `x`, with their one-key paths."""
+    return jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+
+
+def _describe(x: Any) -> str:
+    if is_array(x):
+        return f"an array of shape {tuple(x.shape)}"
+    if x is None:
+        return "None"
+    if isinstance(x, dict):
+        return f"a dict with keys {_key_list(x.keys())}"
+    if isinstance(x, list | tuple):
+        return f"a {type(x).__name__} of length {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def _first_mismatch(
+    prefix: Any, full: Any, is_leaf: Callable[[Any], bool], path: KeyPath = ()
+) -> tuple[KeyPath, str, str] | None:
+    """The first place where `prefix` is not a prefix of `full`, with a description
+    of what each has there."""
+    if is_leaf(prefix):
+        return None
+    prefix_children, prefix_def = _children(prefix)
+    if jtu.treedef_is_leaf(prefix_def):
+        return None  # a leaf that `is_leaf` did not claim: the caller checks leaves
+    full_children, full_def = _children(full)
+    if prefix_def != full_def:
+        mine, theirs = _describe(prefix), _describe(full)
+        if mine == theirs:  # same type, different pytree metadata (static fields)
+            mine, theirs = f"{mine} ({prefix_def})", f"{theirs} ({full_def})"
+        return path, mine, theirs
+    for (key, p_child), (_, f_child) in zip(prefix_children, full_children):
+        found = _first_mismatch(p_child, f_child, is_leaf, path + key)
+        if found is not None:
+            return found
+    return None
+
+
+def _mismatch_message(
+    prefix: Any, full: Any, is_leaf: Callable[[Any], bool], name: str, other: str
+) -> str:
+    found = _first_mismatch(prefix, full, is_leaf)
+    if found is None:  # not expected: flatten_up_to and the walk disagree
+        return f"`{name}` and `{other}` have different structures."
+    where, mine, theirs = found
+    return (
+        f"`{name}` does not match the structure of `{other}` at "
+        f"'{path_str(where)}': `{name}` has {mine} where `{other}` has {theirs}."
+    )
+
+
+def prefix_error(
+    prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str, caller: str
+) -> ValueError:
+    """The error for a `prefix` argument that is not a prefix of `tree`."""
+    return ValueError(
+        f"eqshard.{caller}: {_mismatch_message(prefix, tree, is_leaf, name, 'tree')} "
+        f"`{name}` must have the structure of `tree`, or of a prefix of it (one entry "
+        "standing for a whole subtree)."
+    )
+
+
+def flatten_up_to(
+    prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str, caller: str
+) -> tuple[list[KeyPath], list[Any], list[Any], jtu.PyTreeDef]:
+    """Flattens `tree` up to the leaves of its prefix `prefix`.
+
+    Returns the paths and leaves of `prefix`, the subtree of `tree` under each of
+    them, and the structure of `prefix`. Raises the error of `prefix_error`.
+    """
+    path_leaves, prefix_def = jtu.tree_flatten_with_path(prefix, is_leaf=is_leaf)
+    try:
+        subtrees = prefix_def.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        raise prefix_error(
+            prefix, tree, is_leaf=is_leaf, name=name, caller=caller
+        ) from None
+    paths = [path for path, _ in path_leaves]
+    leaves = [leaf for _, leaf in path_leaves]
+    return paths, leaves, subtrees, prefix_def
+
+
+def broadcast_prefix(
+    prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str, caller: str
+) -> list[tuple[KeyPath, Any]]:
+    """Broadcasts a prefix tree against `tree`: one `(path, prefix_leaf)` pair for
+    each leaf of `tree`, in the order of `jax.tree_util.tree_leaves(tree)`. The path
+    is that of the leaf of `tree`. Raises the error of `prefix_error`."""
+    paths, leaves, subtrees, _ = flatten_up_to(
+        prefix, tree, is_leaf=is_leaf, name=name, caller=caller
+    )
+    out = []
+    for path, leaf, subtree in zip(paths, leaves, subtrees):
+        for sub_path, _ in jtu.tree_flatten_with_path(subtree)[0]:
+            out.append((path + sub_path, leaf))
+    return out
+
+
+@typecheck
+def named_tree_map(
+    f: Callable[..., Any],
+    tree: PyTree,
+    *rest: PyTree,
+    is_leaf: IsLeaf = None,
+    sep: str | None = None,
+) -> PyTree:
+    """Maps `f(name, leaf, *rest_leaves)` over a pytree.
+
+    As `jax.tree.map`, but `f` also gets the name of each leaf, made by
+    [`eqshard.tree_path_to_string`][].
+
+    **Arguments:**
+
+    - `f`: called as `f(name, leaf, *rest_leaves)`.
+    - `tree`: the pytree to map over.
+    - `*rest`: pytrees that have `tree`'s structure (or `tree` as a prefix).
+    - `is_leaf`: as in `jax.tree.map`.
+    - `sep`: the separator for names; `None` gives tuples of key strings.
+
+    **Returns:**
+
+    A pytree of the structure of `tree` holding the results of `f`.
+
+    **Raises:**
+
+    A `ValueError` naming the first path where a tree of `rest` differs from `tree`.
+
+    !!! Example
+
+        ```python
+        eqshard.named_tree_map(lambda name, x: f"{name}={x}", {"a": [1, 2]}, sep="/")
+        # {"a": ["a/0=1", "a/1=2"]}
+        ```
+    """
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    rest_leaves = []
+    for i, other in enumerate(rest):
+        try:
+            rest_leaves.append(treedef.flatten_up_to(other))
+        except (ValueError, TypeError):
+            raise _rest_error(tree, other, is_leaf, i) from None
+    out = [
+        f(tree_path_to_string(path, sep), leaf, *others)
+        for (path, leaf), *others in zip(path_leaves, *rest_leaves)
+    ]
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _rest_error(tree: Any, other: Any, is_leaf: IsLeaf, i: int) -> ValueError:
+    def leaf(x):
+        return (is_leaf is not None and is_leaf(x)) or jtu.all_leaves([x])
+
+    message = _mismatch_message(tree, other, leaf, "tree", f"rest[{i}]")
+    return ValueError(f"eqshard.named_tree_map: {message}")
+
+
+def _is_fn_leaf(x: Any) -> bool:
+    return x is None or (callable(x) and jtu.all_leaves([x]))
+
+
+@typecheck
+def tree_apply(fns: PyTree, tree: PyTree) -> PyTree:
+    """Applies a tree of functions to a pytree.
+
+    `fns` has the structure of `tree`, or of a prefix of it: each function is called
+    on the subtree (often a single leaf) at its position, and `None` leaves that
+    subtree untouched. This is how the trees of [`eqshard.make_shard_and_gather_fns`][]
+    are used.
+
+    **Arguments:**
+
+    - `fns`: a pytree whose leaves are callables or `None`. Callables that are
+      themselves pytrees (Equinox modules, `jax.tree_util.Partial`) are walked into,
+      not called.
+    - `tree`: the pytree to apply them to.
+
+    **Returns:**
+
+    A pytree of the structure of `fns`, each subtree replaced by the result of its
+    function.
+
+    **Raises:**
+
+    - `ValueError` naming the first path where `fns` is not a prefix of `tree`.
+    - `TypeError` naming the path of a leaf of `fns` that is not callable.
+
+    !!! Example
+
+        ```python
+        fns = {"a": lambda x: x + 1, "b": None}
+        eqshard.tree_apply(fns, {"a": 1, "b": [2, 3]})  # {"a": 2, "b": [2, 3]}
+        ```
+    """
+    paths, leaves, subtrees, fns_def = flatten_up_to(
+        fns, tree, is_leaf=_is_fn_leaf, name="fns", caller="tree_apply"
+    )
+    for path, fn in zip(paths, leaves):
+        if not _is_fn_leaf(fn):
+            raise TypeError(
+                f"eqshard.tree_apply: `fns` has {fn!r} at '{path_str(path)}', which is "
+                "not callable. Every leaf of `fns` must be a function or `None`."
+            )
+    out = [sub if fn is None else fn(sub) for fn, sub in zip(leaves, subtrees)]
+    return jtu.tree_unflatten(fns_def, out)
+
+
+def _names_of_spec(spec: PartitionSpec) -> Iterable[str]:
+    for entry in spec:
+        if isinstance(entry, str):
+            yield entry
+        elif isinstance(entry, Sequence):
+            yield from (name for name in entry if isinstance(name, str))
+
+
+@typecheck
+def get_names_from_partition_spec(specs: PyTree) -> list[str]:
+    """The mesh axis names used anywhere in a pytree of partition specs.
+
+    **Arguments:**
+
+    - `specs`: a pytree whose leaves are `PartitionSpec`s, `NamedSharding`s, axis
+      name strings or `None`.
+
+    **Returns:**
+
+    The names, sorted and without repeats.
+
+    **Raises:**
+
+    A `TypeError` naming the path of any other kind of leaf.
+
+    !!! Example
+
+        ```python
+        specs = {"w": P("dp", ("fsdp", "tp")), "b": P(None), "s": None}
+        eqshard.get_names_from_partition_spec(specs)  # ["dp", "fsdp", "tp"]
+        ```
+    """
+    names: set[str] = set()
+    for path, leaf in jtu.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )[0]:
+        if isinstance(leaf, NamedSharding):
+            leaf = leaf.spec
+        if isinstance(leaf, PartitionSpec):
+            names.update(_names_of_spec(leaf))
+        elif isinstance(leaf, str):
+            names.add(leaf)
+        else:
+            raise TypeError(
+                f"eqshard.get_names_from_partition_spec: {leaf!r} at "
+                f"'{path_str(path)}' is not a PartitionSpec, NamedSharding, axis "
+                "name or None."
+            )
+    return sorted(names)
