@@ -142,7 +142,6 @@ def test_names_from_partition_spec():
         "dp",
         "ep",
         "fsdp",
-        "sp",
         "tp",
     ]
     with pytest.raises(TypeError, match=r"at 'b/0'"):
