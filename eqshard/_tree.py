@@ -237,9 +237,12 @@ def _mismatch_message(
     if found is None:  # not expected: flatten_up_to and the walk disagree
         return f"`{name}` and `{other}` have different structures."
     where, mine, theirs = found
+    hint = ""
+    if theirs.startswith("an array") and mine.startswith(("a tuple", "a list")):
+        hint = " (a tuple or list is a subtree; a spec for one array is a `P(...)`)"
     return (
         f"`{name}` does not match the structure of `{other}` at "
-        f"'{path_str(where)}': `{name}` has {mine} where `{other}` has {theirs}."
+        f"'{path_str(where)}': `{name}` has {mine} where `{other}` has {theirs}{hint}."
     )
 
 

@@ -1,0 +1,612 @@
+"""Moving pytrees onto meshes and back to the host.
+
+How data moves:
+
+1. **Match.** A spec tree (or a prefix of one) is broadcast against the tree, so
+   every leaf gets a spec. Arrays (`jax.Array`, NumPy) are placed; everything else
+   (static fields, callables, Python scalars, `None`) stays where it is.
+2. **Validate first.** Every array's spec is checked against its shape and the
+   mesh before any data moves, and all the leaves that do not fit are reported in
+   one error.
+3. **Shard.** In one process, all arrays move in one batched `jax.device_put`: no
+   per-leaf `jax.jit`, no compilation. In a multi-process run, each host-local
+   full copy becomes a global array through `jax.make_array_from_callback`, each
+   process supplying only the shards its own devices hold.
+4. **Gather.** Arrays whose shards this process can all see are copied straight to
+   host with one `jax.device_get`. An array spread over several processes is first
+   laid out again over the same devices, whole on each process and split across
+   that process's devices, then copied to host from those local shards, one leaf
+   at a time: no device ever holds a full replica.
+"""
+
+import functools as ft
+import warnings
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._mesh import _require_mesh, current_mesh
+from ._specs import (
+    check_spec,
+    entry_axes,
+    is_spec_leaf,
+    leaf_specs,
+    spec_error_message,
+)
+from ._tree import is_array, path_str, tree_path_to_string
+from ._typing import KeyPath, typecheck
+
+
+# ---------------------------------------------------------------------------------
+# 1-2. Match every leaf with its sharding, and validate before anything moves.
+# ---------------------------------------------------------------------------------
+
+
+def _concrete_mesh(mesh: Mesh | AbstractMesh | None, caller: str) -> Mesh:
+    mesh = _require_mesh(mesh, caller=caller)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"eqshard.{caller}: moves data, so it needs a concrete `Mesh` of devices, "
+            f"but the current mesh is abstract ({mesh}); you are probably inside "
+            "`jax.jit`. Call it outside `jit`, or use "
+            "`eqshard.with_sharding_constraint` inside."
+        )
+    return mesh
+
+
+def _abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
+    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+    return TypeError(
+        f"eqshard.{caller}: `tree` holds `jax.ShapeDtypeStruct` leaves at {where}, "
+        "which have no data to move. Create the arrays first, or plan with abstract "
+        "trees through `eqshard.analyze_sharding_strategy`."
+    )
+
+
+def _match(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    caller: str,
+    root: KeyPath = (),
+) -> list[tuple[KeyPath, Any, NamedSharding | None]]:
+    """Every leaf of `tree` with its path and the `NamedSharding` it must get, or
+    `None` for the leaves that stay where they are. All the leaves whose spec does
+    not fit are reported in one `ValueError`."""
+    leaves = jtu.tree_leaves(tree)
+    pairs = leaf_specs(specs, tree, caller=caller)
+    abstract = [
+        root + path
+        for (path, _), leaf in zip(pairs, leaves)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if abstract:
+        raise _abstract_leaf_error(caller, abstract)
+    matched = []
+    problems = []
+    for (path, spec), leaf in zip(pairs, leaves):
+        if spec is None or not is_array(leaf):
+            matched.append((root + path, leaf, None))
+            continue
+        if isinstance(spec, PartitionSpec):
+            mesh = sharding_mesh = _concrete_mesh(mesh, caller)
+        else:
+            spec, sharding_mesh = spec.spec, spec.mesh
+        shape = tuple(np.shape(leaf))
+        fixed, reasons = check_spec(shape, spec, dict(sharding_mesh.shape))
+        if reasons:
+            problems.append((root + path, shape, spec, fixed, reasons, sharding_mesh))
+        else:
+            matched.append((root + path, leaf, NamedSharding(sharding_mesh, spec)))
+    if problems:
+        raise ValueError(spec_error_message(caller, problems))
+    return matched
+
+
+# ---------------------------------------------------------------------------------
+# 3. Shard: one batched device_put, or per-process shards in a multi-process run.
+# ---------------------------------------------------------------------------------
+
+
+def _cast(leaf: Any, dtype: Any) -> Any:
+    """`leaf` cast to `dtype` if it is floating (on host for NumPy arrays)."""
+    if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return leaf
+    return leaf.astype(dtype)
+
+
+def _from_host_copies(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from a full copy of `leaf` that every process holds: each
+    process copies only the shards that its own devices hold."""
+    return jax.make_array_from_callback(
+        np.shape(leaf), sharding, lambda index: leaf[index]
+    )
+
+
+def _place(
+    matched: list[tuple[KeyPath, Any, NamedSharding | None]], dtype: Any
+) -> list[Any]:
+    """The leaves of `matched`, the arrays among them moved to their shardings."""
+    out = [
+        leaf if sharding is None else _cast(leaf, dtype)
+        for _, leaf, sharding in matched
+    ]
+    moving = [i for i, (_, _, sharding) in enumerate(matched) if sharding is not None]
+    if jax.process_count() == 1:
+        placed = jax.device_put(
+            [out[i] for i in moving], [matched[i][2] for i in moving]
+        )
+    else:
+        placed = [
+            jax.device_put(out[i], matched[i][2])
+            if isinstance(out[i], jax.Array) and not out[i].is_fully_addressable
+            else _from_host_copies(out[i], matched[i][2])
+            for i in moving
+        ]
+    for i, array in zip(moving, placed):
+        out[i] = array
+    return out
+
+
+@typecheck
+def shard(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | None = None,
+    *,
+    dtype: Any = None,
+) -> PyTree:
+    """Places the arrays of a pytree on a mesh.
+
+    Every array leaf (`jax.Array` or NumPy) gets `NamedSharding(mesh, spec)`;
+    everything else (static fields, callables, Python scalars, `None`) is returned
+    untouched, so an Equinox module comes back as a module of the same type. All
+    arrays move in one batched `jax.device_put`, with no compilation. In a
+    multi-process run, each process passes its full host-local copy and supplies
+    only the shards its own devices hold.
+
+    Every spec is checked before anything moves, and `shard` never corrects a spec:
+    all the leaves whose specs cannot apply are reported together.
+
+    **Arguments:**
+
+    - `tree`: any pytree, e.g. an Equinox module.
+    - `specs`: a spec tree for `tree`, as made by [`eqshard.match_partition_rules`][]:
+      `PartitionSpec`s or `NamedSharding`s where `tree` has arrays. A prefix works
+      too: one spec for a whole subtree. `None` leaves that subtree where it is.
+    - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
+      `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
+    - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
+      float32 checkpoint loaded as bfloat16).
+
+    **Returns:**
+
+    A pytree of the structure of `tree`, its arrays now on the mesh.
+
+    **Raises:**
+
+    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
+      differs), if no mesh is given or set, or if specs cannot apply: an unknown
+      mesh axis, a mesh axis used twice, a spec longer than the array's rank, or a
+      dimension not divisible by its mesh axes. The message names every such leaf,
+      its shape and spec, and the nearest spec that fits.
+    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), or if a
+      leaf of `specs` is not a spec.
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+        model = eqx.nn.Linear(512, 256, key=jax.random.key(0))
+        rules = [("weight", P("tp", None)), (".*", P())]
+        specs = eqshard.match_partition_rules(rules, model)
+        model = eqshard.shard(model, specs, mesh)
+        model.weight.sharding  # NamedSharding(mesh, P('tp', None))
+        ```
+    """
+    return _shard(tree, specs, mesh, dtype=dtype, caller="shard")
+
+
+def _shard(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | None,
+    *,
+    dtype: Any,
+    caller: str,
+    root: KeyPath = (),
+) -> PyTree:
+    matched = _match(tree, specs, mesh, caller=caller, root=root)
+    return jtu.tree_unflatten(jtu.tree_structure(tree), _place(matched, dtype))
+
+
+# ---------------------------------------------------------------------------------
+# 4. Gather: straight to host, never through a replica on every device.
+# ---------------------------------------------------------------------------------
+
+
+def _process_local_sharding(array: jax.Array) -> NamedSharding:
+    """A sharding over the devices of `array` that gives every process a whole copy,
+    split across that process's own devices along the first dimension they divide
+    (replicated on them if none does)."""
+    devices = sorted(array.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    processes = sorted({d.process_index for d in devices})
+    grid = np.array(devices, dtype=object).reshape(len(processes), -1)
+    mesh = Mesh(grid, ("processes", "local"), axis_types=(AxisType.Auto,) * 2)
+    spec: list[Any] = [None] * array.ndim
+    for dim, size in enumerate(array.shape):
+        if size % grid.shape[1] == 0 and size > 0:
+            spec[dim] = "local"
+            break
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """The full value of one array on this process's host."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    local = jax.device_put(array, _process_local_sharding(array))
+    out = np.empty(local.shape, local.dtype)
+    for piece in local.addressable_shards:
+        out[piece.index] = np.asarray(piece.data)
+    return out
+
+
+def _host_leaves(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise _abstract_leaf_error(caller, abstract)
+    return [x for _, x in path_leaves], treedef
+
+
+@typecheck
+def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
+    """Copies every `jax.Array` of a pytree to host, as `numpy.ndarray`s.
+
+    Values are bit-exact and keep their dtype (bfloat16 included) unless `dtype`
+    asks for a cast. Everything else (NumPy arrays, static fields, callables, Python
+    scalars, `None`) is returned as it is. Arrays whose shards this process can see
+    are copied with one `jax.device_get`; in a multi-process run, arrays spread over
+    several processes are gathered one at a time without ever putting a full copy
+    on every device, and every process gets the full value.
+
+    Use it before `eqx.tree_serialise_leaves`; [`eqshard.shard`][] puts the
+    deserialised tree back. For trees too large to hold on host twice, see
+    [`eqshard.iter_gather`][].
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `dtype`: if given, floating arrays are cast to it on host.
+
+    **Returns:**
+
+    A pytree of the structure of `tree` with NumPy arrays in place of JAX arrays.
+
+    **Raises:**
+
+    A `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+
+    !!! Example
+
+        ```python
+        host = eqshard.gather(model)
+        eqx.tree_serialise_leaves("model.eqx", host)
+        ```
+    """
+    leaves, treedef = _host_leaves(tree, "gather")
+    local = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and x.is_fully_addressable
+    ]
+    out = list(leaves)
+    for i, value in zip(local, jax.device_get([leaves[i] for i in local])):
+        out[i] = value
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            out[i] = _to_host(x)
+    return jtu.tree_unflatten(
+        treedef, [_cast(x, dtype) if is_array(x) else x for x in out]
+    )
+
+
+@typecheck
+def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(path, numpy_array)` for each array of a pytree, one at a time.
+
+    Like [`eqshard.gather`][], but only one array is on host at a time, so a
+    checkpoint writer can save a model larger than host memory allows twice.
+    Non-array leaves are skipped.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `sep`: the separator of the paths.
+
+    **Returns:**
+
+    An iterator of `(path, array)` pairs, in the order of
+    `jax.tree_util.tree_leaves`.
+
+    **Raises:**
+
+    A `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+
+    !!! Example
+
+        ```python
+        for path, value in eqshard.iter_gather(model):
+            np.save(f"ckpt/{path.replace('/', '.')}.npy", value)
+        ```
+    """
+    _host_leaves(tree, "iter_gather")
+    path_leaves = jtu.tree_flatten_with_path(tree)[0]
+    return _iter_host(path_leaves, sep)
+
+
+def _iter_host(path_leaves: list[tuple[KeyPath, Any]], sep: str) -> Iterator[Any]:
+    for path, leaf in path_leaves:
+        if is_array(leaf):
+            host = _to_host(leaf) if isinstance(leaf, jax.Array) else np.asarray(leaf)
+            yield tree_path_to_string(path, sep), host
+
+
+# ---------------------------------------------------------------------------------
+# Shardings and per-leaf functions, for code that places leaves itself.
+# ---------------------------------------------------------------------------------
+
+
+def _spec_paths(specs: PyTree) -> list[tuple[KeyPath, Any]]:
+    return jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]
+
+
+@typecheck
+def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
+    """Turns a spec tree into a tree of `NamedSharding`s on `mesh`.
+
+    `NamedSharding`s and `None`s are kept as they are. The result can be passed to
+    `jax.jit`'s `in_shardings`/`out_shardings` or to `jax.device_put`.
+
+    **Arguments:**
+
+    - `specs`: a pytree of `PartitionSpec`s, `NamedSharding`s and `None`s.
+    - `mesh`: defaults to the mesh set by `jax.set_mesh`.
+
+    **Returns:**
+
+    A pytree of the structure of `specs`.
+
+    **Raises:**
+
+    - `ValueError` if no mesh is given or set, or if a spec names a mesh axis that
+      `mesh` lacks (the message names the path).
+    - `TypeError` naming the path of a leaf that is not a spec.
+
+    !!! Example
+
+        ```python
+        shardings = eqshard.named_shardings({"w": P("tp"), "b": P()}, mesh)
+        jax.jit(f, in_shardings=(shardings,))
+        ```
+    """
+    path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    out = []
+    for path, spec in path_specs:
+        if not is_spec_leaf(spec):
+            raise TypeError(
+                f"eqshard.named_shardings: `specs` has {spec!r} at '{path_str(path)}'; "
+                "leaves must be `PartitionSpec`, `NamedSharding` or `None`."
+            )
+        if isinstance(spec, PartitionSpec):
+            mesh = _concrete_mesh(mesh, "named_shardings")
+            unknown = [a for e in spec for a in entry_axes(e) if a not in mesh.shape]
+            if unknown:
+                raise ValueError(
+                    f"eqshard.named_shardings: spec {spec} at '{path_str(path)}' names "
+                    f"{', '.join(map(repr, unknown))}, not an axis of mesh "
+                    f"{dict(mesh.shape)}. Use the mesh's axis names, or another mesh."
+                )
+            spec = NamedSharding(mesh, spec)
+        out.append(spec)
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _gather_fn(subtree: PyTree, *, dtype: Any) -> PyTree:
+    return gather(subtree, dtype=dtype)
+
+
+@typecheck
+def make_shard_and_gather_fns(
+    specs: PyTree, mesh: Mesh | None = None, *, dtype: Any = None
+) -> tuple[PyTree, PyTree]:
+    """Makes trees of functions that shard and gather one leaf (or subtree) each.
+
+    For code that moves a tree piece by piece, such as a checkpoint loader, with
+    [`eqshard.tree_apply`][]. Each function does what [`eqshard.shard`][] or
+    [`eqshard.gather`][] does for its part of the tree, with no compilation, and its
+    errors name the full path.
+
+    **Arguments:**
+
+    - `specs`: a spec tree (or prefix of one), as for [`eqshard.shard`][].
+    - `mesh`: defaults to the mesh set by `jax.set_mesh` when the functions are made.
+    - `dtype`: if given, the functions cast floating arrays to it.
+
+    **Returns:**
+
+    `(shard_fns, gather_fns)`, two pytrees of the structure of `specs`, with a
+    function where `specs` has a spec and `None` where it has `None`.
+
+    **Raises:**
+
+    As [`eqshard.shard`][], when a function is called.
+
+    !!! Example
+
+        ```python
+        shard_fns, gather_fns = eqshard.make_shard_and_gather_fns(specs, mesh)
+        model = eqshard.tree_apply(shard_fns, host_model)
+        host_model = eqshard.tree_apply(gather_fns, model)
+        ```
+    """
+    path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    if any(isinstance(spec, PartitionSpec) for _, spec in path_specs):
+        mesh = _concrete_mesh(mesh, "make_shard_and_gather_fns")
+    shard_fns, gather_fns = [], []
+    for path, spec in path_specs:
+        if spec is None:
+            shard_fns.append(None)
+            gather_fns.append(None)
+            continue
+        shard_fns.append(
+            ft.partial(
+                _shard, specs=spec, mesh=mesh, dtype=dtype, caller="shard", root=path
+            )
+        )
+        gather_fns.append(ft.partial(_gather_fn, dtype=dtype))
+    return jtu.tree_unflatten(treedef, shard_fns), jtu.tree_unflatten(
+        treedef, gather_fns
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Constraints inside (and outside) jit.
+# ---------------------------------------------------------------------------------
+
+
+def _constraint_kind(
+    spec: PartitionSpec, mesh: Mesh | AbstractMesh, path: KeyPath
+) -> str:
+    """Whether `spec` constrains Auto axes (`with_sharding_constraint`) or Explicit
+    ones (`reshard`) of `mesh`."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    used = {types[axis] for entry in spec for axis in entry_axes(entry)}
+    if not used:  # a replicated spec: follow the mesh
+        used = set(mesh.axis_types)
+    if used <= {AxisType.Auto}:
+        return "auto"
+    if used <= {AxisType.Explicit}:
+        return "explicit"
+    raise ValueError(
+        f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}' mixes "
+        f"mesh axes of types {sorted(map(str, used))} (mesh {mesh}). A spec can "
+        "constrain Auto axes (`with_sharding_constraint`) or reshard Explicit ones "
+        "(`reshard`), not both: build the mesh with one axis type, e.g. "
+        "`eqshard.create_mesh(..., axis_types=...)`."
+    )
+
+
+_ON_INVALID = ("warn", "raise", "ignore")
+
+
+@typecheck
+def with_sharding_constraint(
+    tree: PyTree,
+    specs: PyTree,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    on_invalid: Literal["warn", "raise", "ignore"] = "warn",
+) -> PyTree:
+    """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
+
+    Array leaves get their spec; everything else is returned untouched, so it works
+    on whole Equinox modules inside `eqx.filter_jit`. On mesh axes of type `Auto`
+    this is `jax.lax.with_sharding_constraint`; on `Explicit` axes (the default of
+    `jax.make_mesh`) it is `jax.sharding.reshard`. With no mesh given or set, specs
+    that are `PartitionSpec`s are ignored, so the same code runs on one device.
+
+    A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
+    divide, more entries than the array's rank, an axis used twice) is corrected to
+    the nearest one that can (see [`eqshard.corrected_spec`][]), or raises, as
+    `on_invalid` says.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `specs`: a spec tree for `tree`, or a prefix of one.
+    - `mesh`: defaults to the mesh set by `jax.set_mesh` (the abstract mesh inside
+      `jit`).
+    - `on_invalid`: `"warn"` corrects and warns, naming each leaf; `"raise"` raises
+      a `ValueError` naming them all; `"ignore"` corrects silently.
+
+    **Returns:**
+
+    A pytree of the structure of `tree`.
+
+    **Raises:**
+
+    - `ValueError` as `on_invalid="raise"` says, if `specs` is not a prefix of
+      `tree`, or if a spec mixes Auto and Explicit mesh axes.
+    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+
+    !!! Example
+
+        ```python
+        @eqx.filter_jit
+        def step(model, batch):
+            batch = eqshard.with_sharding_constraint(batch, P("dp"))
+            model = eqshard.with_sharding_constraint(model, specs)
+            ...
+        ```
+    """
+    if on_invalid not in _ON_INVALID:  # also when type checks are switched off
+        raise ValueError(
+            f"eqshard.with_sharding_constraint: `on_invalid` must be one of "
+            f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
+        )
+    if mesh is None:
+        mesh = current_mesh()
+    caller = "with_sharding_constraint"
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in path_leaves]
+    abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise _abstract_leaf_error(caller, abstract)
+    problems = []
+    batches: dict[str, tuple[list[int], list[Any]]] = {
+        "auto": ([], []),
+        "explicit": ([], []),
+    }
+    for i, ((path, spec), leaf) in enumerate(
+        zip(leaf_specs(specs, tree, caller=caller), leaves)
+    ):
+        if spec is None or not is_array(leaf):
+            continue
+        if isinstance(spec, NamedSharding):
+            spec, spec_mesh = spec.spec, spec.mesh
+        elif mesh is None:
+            continue
+        else:
+            spec_mesh = mesh
+        shape = tuple(np.shape(leaf))
+        fixed, reasons = check_spec(shape, spec, dict(spec_mesh.shape))
+        if reasons:
+            problems.append((path, shape, spec, fixed, reasons, spec_mesh))
+        indices, shardings = batches[_constraint_kind(fixed, spec_mesh, path)]
+        indices.append(i)
+        shardings.append(
+            NamedSharding(spec_mesh, fixed) if isinstance(spec_mesh, Mesh) else fixed
+        )
+    if problems and on_invalid == "raise":
+        raise ValueError(spec_error_message(caller, problems))
+    if problems and on_invalid == "warn":
+        warnings.warn(
+            spec_error_message(caller, problems, corrected=True), stacklevel=2
+        )
+    out = list(leaves)
+    apply = {"auto": jax.lax.with_sharding_constraint, "explicit": jax.sharding.reshard}
+    for kind, (indices, shardings) in batches.items():
+        if indices:
+            constrained = apply[kind]([out[i] for i in indices], shardings)
+            for i, leaf in zip(indices, constrained):
+                out[i] = leaf
+    return jtu.tree_unflatten(treedef, out)

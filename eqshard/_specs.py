@@ -1,0 +1,186 @@
+"""Checking a `PartitionSpec` against an array shape and a mesh.
+
+One function, `check_spec`, finds everything wrong with a spec for one leaf and
+the nearest spec that is right. `shard` raises with its findings,
+`with_sharding_constraint` corrects with them, and `corrected_spec` exposes the
+correction. The messages for many leaves are built in one place,
+`spec_error_message`, so every caller reports the same way.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._tree import broadcast_prefix, path_str
+from ._typing import KeyPath, typecheck
+
+
+def is_spec_leaf(x: Any) -> bool:
+    """Leaves of a spec tree: a `PartitionSpec`, a `NamedSharding`, or `None`."""
+    return x is None or isinstance(x, PartitionSpec | NamedSharding)
+
+
+def leaf_specs(
+    specs: PyTree, tree: PyTree, *, caller: str
+) -> list[tuple[KeyPath, PartitionSpec | NamedSharding | None]]:
+    """One `(path, spec)` pair per leaf of `tree`, broadcasting the prefix `specs`.
+
+    Raises a `ValueError` naming the first path where `specs` is not a prefix of
+    `tree`, or a `TypeError` naming a leaf of `specs` that is not a spec."""
+    pairs = broadcast_prefix(
+        specs, tree, is_leaf=is_spec_leaf, name="specs", caller=caller
+    )
+    for path, spec in pairs:
+        if not is_spec_leaf(spec):
+            raise TypeError(
+                f"eqshard.{caller}: `specs` has {spec!r} at '{path_str(path)}'. Spec "
+                "leaves must be `PartitionSpec`, `NamedSharding` or `None`; write "
+                f"P{tuple(spec) if isinstance(spec, tuple) else (spec,)!r} for a "
+                "PartitionSpec."
+            )
+    return pairs
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _axes_repr(axes: Sequence[str]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def check_spec(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh_shape: Mapping[str, int]
+) -> tuple[PartitionSpec, list[str]]:
+    """Checks `spec` for an array of `shape` on a mesh of axis sizes `mesh_shape`.
+
+    Returns the nearest valid spec (the same spec if it is valid) and the reasons it
+    is not valid (empty if it is): entries beyond the rank are dropped, unknown or
+    repeated mesh axes are dropped, and of a dimension's axes only those that keep
+    the dimension divisible are kept, in order."""
+    reasons = []
+    entries = list(spec)
+    if len(entries) > len(shape):
+        reasons.append(
+            f"the spec has {len(entries)} entries but the array has rank {len(shape)}"
+        )
+        entries = entries[: len(shape)]
+    used: set[str] = set()
+    fixed: list[Any] = []
+    for dim, entry in enumerate(entries):
+        if entry is PartitionSpec.UNCONSTRAINED:
+            fixed.append(entry)
+            continue
+        kept: list[str] = []
+        for axis in entry_axes(entry):
+            if axis not in mesh_shape:
+                reasons.append(f"{axis!r} is not a mesh axis")
+            elif axis in used:
+                reasons.append(f"mesh axis {axis!r} is used twice")
+            else:
+                kept.append(axis)
+                used.add(axis)
+        size = 1
+        for axis in kept:
+            size *= mesh_shape[axis]
+        if shape[dim] % size:
+            reasons.append(
+                f"dimension {dim} (size {shape[dim]}) is not divisible by "
+                f"{_axes_repr(kept)} (size {size})"
+            )
+            divisible: list[str] = []
+            size = 1
+            for axis in kept:
+                if shape[dim] % (size * mesh_shape[axis]) == 0:
+                    divisible.append(axis)
+                    size *= mesh_shape[axis]
+                else:
+                    used.discard(axis)
+            kept = divisible
+        fixed.append(_entry(kept))
+    while fixed and fixed[-1] is None:
+        fixed.pop()
+    if not reasons:
+        return spec, []
+    return PartitionSpec(*fixed), reasons
+
+
+Problem = tuple[
+    KeyPath,
+    tuple[int, ...],
+    PartitionSpec,
+    PartitionSpec,
+    list[str],
+    Mesh | AbstractMesh,
+]
+
+
+def spec_error_message(
+    caller: str, problems: Sequence[Problem], *, corrected: bool = False
+) -> str:
+    """The message for leaves whose specs do not fit: one line per leaf with its path,
+    shape, spec, what is wrong, and the nearest spec that fits (which is used
+    instead if `corrected`)."""
+    meshes = {str(dict(p[-1].shape)) for p in problems}
+    count = (
+        "1 leaf has a spec"
+        if len(problems) == 1
+        else f"{len(problems)} leaves have specs"
+    )
+    on = f" on mesh {meshes.pop()}" if len(meshes) == 1 else ""
+    lines = [f"eqshard.{caller}: {count} that cannot apply{on}:"]
+    for path, shape, spec, fixed, reasons, mesh in problems:
+        mesh_note = "" if on else f" on mesh {dict(mesh.shape)}"
+        lines.append(
+            f"  - '{path_str(path)}' (shape {shape}), spec {spec}{mesh_note}: "
+            f"{'; '.join(reasons)}. "
+            + (
+                f"Using {fixed} instead."
+                if corrected
+                else f"Use {fixed} for this leaf, or change the array or the mesh."
+            )
+        )
+    return "\n".join(lines)
+
+
+@typecheck
+def corrected_spec(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh
+) -> PartitionSpec:
+    """The nearest spec to `spec` that can shard an array of `shape` on `mesh`.
+
+    This is the correction [`eqshard.with_sharding_constraint`][] applies: entries
+    beyond the array's rank are dropped, mesh axes that `mesh` does not have or that
+    are used twice are dropped, and of each dimension's axes only those that keep
+    the dimension divisible are kept, in order. A valid spec is returned unchanged.
+
+    **Arguments:**
+
+    - `shape`: the array's shape.
+    - `spec`: the `PartitionSpec` to correct.
+    - `mesh`: a `Mesh` or `AbstractMesh`.
+
+    **Returns:**
+
+    A `PartitionSpec` that fits.
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+        eqshard.corrected_spec((3, 8, 5), P("dp", "tp", "sp"), mesh)  # P(None, 'tp')
+        ```
+    """
+    return check_spec(shape, spec, dict(mesh.shape))[0]
