@@ -4,6 +4,16 @@ import importlib.metadata
 
 
 __version__ = importlib.metadata.version("eqshard")
+from ._logical import (
+    AxisNames as AxisNames,
+    composite_rules as composite_rules,
+    get_logical_axis_rules as get_logical_axis_rules,
+    logical_axis_rules as logical_axis_rules,
+    logical_to_mesh_axes as logical_to_mesh_axes,
+    logical_to_mesh_specs as logical_to_mesh_specs,
+    set_logical_axis_rules as set_logical_axis_rules,
+    standard_logical_axis_rules as standard_logical_axis_rules,
+)
 from ._tree import (
     flatten_tree as flatten_tree,
     get_names_from_partition_spec as get_names_from_partition_spec,

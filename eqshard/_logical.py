@@ -1,0 +1,695 @@
+"""Logical axis names, and the rules that turn them into mesh axes.
+
+A model names the dimensions of its arrays by what they mean (`"batch"`,
+`"embed"`, `"mlp"`) with [`eqshard.AxisNames`][]; a sequence of *rules*, pairs
+`(logical_name, mesh_axes)`, says which mesh axes each meaning is sharded over.
+[`eqshard.logical_to_mesh_axes`][] resolves one `AxisNames` into a
+`PartitionSpec` with flax's semantics, [`eqshard.logical_to_mesh_specs`][] a
+whole tree of them. The rules can be passed explicitly (`rules=`) or set for a
+block of code with the thread-local [`eqshard.logical_axis_rules`][] context,
+the one piece of module state in eqshard.
+"""
+
+import threading
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._tree import path_str
+from ._typing import KeyPath, typecheck
+
+
+# What a rule maps a logical name to: one mesh axis, several (the dimension is
+# sharded over their product), or `None` (the dimension is never sharded).
+MeshAxes: TypeAlias = str | tuple[str, ...] | None
+LogicalRule: TypeAlias = tuple[str, MeshAxes]
+# Rules as eqshard stores and returns them: validated, tuples all the way down.
+LogicalRules: TypeAlias = tuple[LogicalRule, ...]
+
+
+class AxisNames(tuple):
+    """The logical names of the dimensions of one array.
+
+    A tuple of strings (or `None` for a dimension that is never sharded), one per
+    dimension. It is a tuple *subclass*, which JAX's pytree utilities treat as a
+    single leaf, so a tree of `AxisNames` has the structure of the tree of arrays
+    it describes: `jax.tree.map` and [`eqshard.logical_to_mesh_specs`][] see one
+    leaf per array. (A plain tuple would be walked into, one leaf per name.)
+
+    It compares and hashes as the tuple of its names.
+
+    **Arguments:**
+
+    - `*names`: one name per dimension: a logical axis name (`str`), or `None`
+      for a dimension that no rule should shard.
+
+    **Raises:**
+
+    `TypeError` naming the position of a name that is neither a `str` nor `None`.
+
+    !!! Example
+
+        ```python
+        names = eqshard.AxisNames("embed", "mlp")
+        assert names == ("embed", "mlp")
+        assert jax.tree.leaves({"w": names}) == [names]
+        ```
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *names: Any) -> "AxisNames":
+        for index, name in enumerate(names):
+            if not (name is None or isinstance(name, str)):
+                raise TypeError(_entry_message("AxisNames", names, index))
+        return super().__new__(cls, names)
+
+    def __getnewargs__(self) -> tuple[str | None, ...]:
+        # `tuple`'s default passes the contents as one argument, which `__new__`
+        # would take as a single (invalid) name; copy and pickle need this.
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return f"AxisNames({', '.join(map(repr, self))})"
+
+
+# --------------------------------------------------------------------------------
+# Error messages: one builder per kind.
+
+
+def _entry_message(
+    caller: str, axes: Sequence[Any], index: int, where: str = ""
+) -> str:
+    entry = axes[index]
+    hint = ""
+    if isinstance(entry, tuple | list) and caller == "AxisNames":
+        hint = (
+            " AxisNames takes the names as separate arguments: "
+            f"AxisNames({', '.join(map(repr, entry))})."
+        )
+    return (
+        f"eqshard.{caller}: the logical axis names {tuple(axes)!r}{where} have "
+        f"{entry!r} (a {type(entry).__name__}) at position {index}. Each entry must "
+        f"be a logical axis name (a str), or None for a dimension that is never "
+        f"sharded.{hint}"
+    )
+
+
+def _duplicate_message(caller: str, axes: Sequence[Any], name: str, where: str) -> str:
+    positions = [i for i, entry in enumerate(axes) if entry == name]
+    return (
+        f"eqshard.{caller}: the logical axis name {name!r} appears more than once in "
+        f"{tuple(axes)!r}{where} (positions {positions}). A mesh axis can shard only "
+        "one dimension of an array, so each dimension needs its own logical name; "
+        "use None for dimensions that should not be sharded."
+    )
+
+
+def _axes_type_message(caller: str, axes: Any, where: str) -> str:
+    if isinstance(axes, str):
+        fix = f"Use ({axes!r},) or eqshard.AxisNames({axes!r}) for a 1-D array."
+    else:
+        fix = "Use eqshard.AxisNames(...) or a tuple of names."
+    return (
+        f"eqshard.{caller}: expected a sequence of logical axis names{where}, got "
+        f"{axes!r} (a {type(axes).__name__}). {fix}"
+    )
+
+
+def _rule_message(
+    caller: str, argname: str, index: int, rule: Any, problem: str
+) -> str:
+    return (
+        f"eqshard.{caller}: `{argname}[{index}]` = {rule!r} {problem}. Each rule is a "
+        "pair (logical_name, mesh_axes): a str, then a mesh axis name, a non-empty "
+        "tuple of distinct mesh axis names, or None (never sharded); e.g. "
+        "('batch', 'data') or ('batch', ('replica', 'data'))."
+    )
+
+
+def _rules_type_message(caller: str, argname: str, rules: Any) -> str:
+    return (
+        f"eqshard.{caller}: `{argname}` must be a sequence of (logical_name, "
+        f"mesh_axes) pairs, got {rules!r} (a {type(rules).__name__})."
+    )
+
+
+def _leaf_message(path: KeyPath, leaf: Any) -> str:
+    hint = ""
+    if isinstance(leaf, str):
+        hint = (
+            " A plain tuple of names is a pytree node, so its names became separate "
+            "leaves: wrap them as eqshard.AxisNames(...) to keep them one leaf."
+        )
+    return (
+        f"eqshard.logical_to_mesh_specs: the tree has {leaf!r} (a "
+        f"{type(leaf).__name__}) at '{path_str(path)}'. Each leaf must be an "
+        "eqshard.AxisNames, a PartitionSpec or NamedSharding (kept as it is), or "
+        f"None (not an array).{hint}"
+    )
+
+
+def _conflict_message(name: str, first: tuple[MeshAxes, ...], second: Any) -> str:
+    def show(targets: tuple[MeshAxes, ...]) -> str:
+        return repr(targets[0]) if len(targets) == 1 else repr(list(targets))
+
+    return (
+        f"eqshard.composite_rules: inconsistent rules for the logical axis {name!r}: "
+        f"{show(first)} in `first` vs {show(second)} in `second`. Remove {name!r} "
+        "from one of them, or make both map it to the same mesh axes."
+    )
+
+
+def _dims_message(activation: int, parameter: int) -> str:
+    bad = [
+        f"{argname}={value!r}"
+        for argname, value in (
+            ("activation_partitioning_dims", activation),
+            ("parameter_partitioning_dims", parameter),
+        )
+        if value not in (1, 2)
+    ]
+    return (
+        f"eqshard.standard_logical_axis_rules: {' and '.join(bad)} is not supported. "
+        "Each of activation_partitioning_dims and parameter_partitioning_dims must be "
+        "1 (shard over one mesh axis) or 2 (also shard 'embed' over a second one)."
+    )
+
+
+# --------------------------------------------------------------------------------
+# Validation and resolution (pure; no module state).
+
+
+def _rule_problem(rule: Any) -> tuple[type[Exception], str] | None:
+    """What is wrong with one rule, as the error type and a phrase, or `None`."""
+    if not isinstance(rule, tuple | list) or len(rule) != 2:
+        return TypeError, "is not a (logical_name, mesh_axes) pair"
+    name, axes = rule
+    if not isinstance(name, str):
+        kind = type(name).__name__
+        return TypeError, f"has the logical name {name!r} (a {kind}, not a str)"
+    if axes is None or isinstance(axes, str):
+        return None
+    if not isinstance(axes, tuple | list):
+        return TypeError, f"maps to a {type(axes).__name__}"
+    if not axes:
+        return ValueError, "maps to no mesh axes (use None instead)"
+    for axis in axes:
+        if not isinstance(axis, str):
+            return TypeError, f"has the mesh axis {axis!r} (a {type(axis).__name__})"
+    if len(set(axes)) != len(axes):
+        return ValueError, "repeats a mesh axis"
+    return None
+
+
+def _normalize_rules(
+    rules: Any, *, caller: str, argname: str = "rules"
+) -> LogicalRules:
+    """Validates rules and returns them as a tuple of `(str, MeshAxes)` tuples,
+    with lists of mesh axes turned into tuples. Raises TypeError/ValueError naming
+    the first bad rule."""
+    if isinstance(rules, str) or not isinstance(rules, Sequence):
+        raise TypeError(_rules_type_message(caller, argname, rules))
+    out = []
+    for index, rule in enumerate(rules):
+        problem = _rule_problem(rule)
+        if problem is not None:
+            error, what = problem
+            raise error(_rule_message(caller, argname, index, rule, what))
+        name, axes = rule
+        if not (axes is None or isinstance(axes, str)):
+            axes = tuple(axes)
+        out.append((name, axes))
+    return tuple(out)
+
+
+_UNASSIGNED = object()
+
+
+def _resolve(
+    axes: Any, rules: LogicalRules, *, caller: str, where: str = ""
+) -> PartitionSpec:
+    """Resolves one sequence of logical names with already-validated rules."""
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise TypeError(_axes_type_message(caller, axes, where))
+    position: dict[str, int] = {}
+    for index, name in enumerate(axes):
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise TypeError(_entry_message(caller, axes, index, where))
+        if name in position:
+            raise ValueError(_duplicate_message(caller, axes, name, where))
+        position[name] = index
+    result: list[Any] = [_UNASSIGNED] * len(axes)
+    used: set[str] = set()
+    pending = len(position)
+    # Rules are tried in priority order; a rule applies to its dimension if no
+    # earlier rule did, and if none of its mesh axes shards another dimension yet.
+    for name, mesh_axes in rules:
+        if not pending:
+            break
+        index = position.get(name)
+        if index is None or result[index] is not _UNASSIGNED:
+            continue
+        if mesh_axes is None:
+            wanted: tuple[str, ...] = ()
+        elif isinstance(mesh_axes, str):
+            wanted = (mesh_axes,)
+        else:
+            wanted = mesh_axes
+        if used.isdisjoint(wanted):
+            result[index] = mesh_axes
+            used.update(wanted)
+            pending -= 1
+    return PartitionSpec(*(None if r is _UNASSIGNED else r for r in result))
+
+
+# --------------------------------------------------------------------------------
+# The rules context: thread-local, nestable.
+
+
+class _RulesState(threading.local):
+    # `threading.local` runs `__init__` once in every thread that touches it, so a
+    # new thread starts with no rules, whatever its parent had.
+    def __init__(self) -> None:
+        self.rules: LogicalRules = ()
+        self.saved: list[LogicalRules] = []
+
+
+_state = _RulesState()
+
+
+class _RulesContext:
+    """Sets already-validated rules for the current thread while active.
+
+    Saved rules live on a per-thread stack, so one instance may be entered again,
+    nested, or from several threads at once. Private: the Partitioner validates its
+    rules once with `_normalize_rules` and enters a `_RulesContext` per call.
+    """
+
+    __slots__ = ("_rules",)
+
+    def __init__(self, rules: LogicalRules) -> None:
+        self._rules = rules
+
+    def __enter__(self) -> LogicalRules:
+        _state.saved.append(_state.rules)
+        _state.rules = self._rules
+        return self._rules
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _state.rules = _state.saved.pop()
+
+    def __repr__(self) -> str:
+        return f"eqshard.logical_axis_rules({self._rules!r})"
+
+
+@typecheck
+def logical_axis_rules(rules: Sequence[Any]) -> _RulesContext:
+    """Sets the logical axis rules for the current thread inside a `with` block.
+
+    Inside the block, every eqshard function whose `rules=` is left as `None`
+    reads these rules. Blocks nest: the innermost wins, and on leaving a block
+    (also by an exception) the rules from before it are back. The rules belong to
+    the thread that entered the block: other threads, including ones started
+    inside it, do not see them. Entering costs well under a microsecond, and the
+    returned object may be entered again.
+
+    **Arguments:**
+
+    - `rules`: a sequence of `(logical_name, mesh_axes)` pairs in priority order;
+      `mesh_axes` is a mesh axis name, a tuple of them, or `None`.
+
+    **Returns:**
+
+    A context manager; `with ... as rules` gives the validated rules (a tuple of
+    tuples).
+
+    **Raises:**
+
+    `TypeError`/`ValueError` naming the first malformed rule, on the call (before
+    the block runs).
+
+    !!! Example
+
+        ```python
+        with eqshard.logical_axis_rules([("batch", "data"), ("mlp", "model")]):
+            spec = eqshard.logical_to_mesh_axes(("batch", "mlp"))
+        assert spec == P("data", "model")
+        ```
+    """
+    return _RulesContext(_normalize_rules(rules, caller="logical_axis_rules"))
+
+
+@typecheck
+def set_logical_axis_rules(rules: Sequence[Any]) -> None:
+    """Sets the logical axis rules of the current thread until set again.
+
+    Prefer [`eqshard.logical_axis_rules`][], which restores the previous rules on
+    leaving its block. Rules set here inside such a block last only until the block
+    ends.
+
+    **Arguments:**
+
+    - `rules`: a sequence of `(logical_name, mesh_axes)` pairs in priority order;
+      `()` clears the rules.
+
+    **Returns:**
+
+    `None`.
+
+    **Raises:**
+
+    `TypeError`/`ValueError` naming the first malformed rule.
+
+    !!! Example
+
+        ```python
+        eqshard.set_logical_axis_rules([("batch", "data")])
+        assert eqshard.get_logical_axis_rules() == (("batch", "data"),)
+        eqshard.set_logical_axis_rules(())
+        ```
+    """
+    _state.rules = _normalize_rules(rules, caller="set_logical_axis_rules")
+
+
+@typecheck
+def get_logical_axis_rules() -> LogicalRules:
+    """Returns the logical axis rules of the current thread.
+
+    These are the rules of the innermost active [`eqshard.logical_axis_rules`][]
+    block, or the last ones given to [`eqshard.set_logical_axis_rules`][], or `()`.
+
+    **Arguments:** none.
+
+    **Returns:**
+
+    The rules as a tuple of `(logical_name, mesh_axes)` tuples, with any lists of
+    mesh axes turned into tuples.
+
+    **Raises:** nothing.
+
+    !!! Example
+
+        ```python
+        with eqshard.logical_axis_rules([("mlp", ["model", "data"])]):
+            assert eqshard.get_logical_axis_rules() == (("mlp", ("model", "data")),)
+        assert eqshard.get_logical_axis_rules() == ()
+        ```
+    """
+    return _state.rules
+
+
+def _rules_or_context(rules: Any, caller: str) -> LogicalRules:
+    return _state.rules if rules is None else _normalize_rules(rules, caller=caller)
+
+
+# --------------------------------------------------------------------------------
+# Public conversions and rule builders.
+
+
+@typecheck
+def composite_rules(
+    first: Sequence[Any] | None, second: Sequence[Any] | None
+) -> LogicalRules:
+    """Combines two sets of logical axis rules, refusing contradictions.
+
+    The result has every rule of `first`, in order, then the rules of `second` for
+    logical names that `first` does not mention. A name may have several rules (a
+    fallback chain such as `("embed", "model"), ("embed", "data")`); a name in both
+    sets must have the same chain in each, or the rules are inconsistent. Since
+    earlier rules win when two names compete for a mesh axis, `first` has priority.
+
+    **Arguments:**
+
+    - `first`: a sequence of `(logical_name, mesh_axes)` pairs, or `None` (no
+      rules).
+    - `second`: another such sequence, or `None`.
+
+    **Returns:**
+
+    The combined, validated rules as a tuple of tuples.
+
+    **Raises:**
+
+    - `ValueError` naming a logical axis that the two sets map differently, with
+      both mappings.
+    - `TypeError`/`ValueError` naming a malformed rule.
+
+    !!! Example
+
+        ```python
+        rules = eqshard.composite_rules([("batch", "data")], [("mlp", "model")])
+        assert rules == (("batch", "data"), ("mlp", "model"))
+        eqshard.composite_rules([("mlp", "model")], [("mlp", "data")])  # ValueError
+        ```
+    """
+    a = (
+        ()
+        if first is None
+        else _normalize_rules(first, caller="composite_rules", argname="first")
+    )
+    b = (
+        ()
+        if second is None
+        else _normalize_rules(second, caller="composite_rules", argname="second")
+    )
+    chains: dict[str, tuple[MeshAxes, ...]] = {}
+    for name, axes in a:
+        chains[name] = chains.get(name, ()) + (axes,)
+    theirs: dict[str, tuple[MeshAxes, ...]] = {}
+    for name, axes in b:
+        theirs[name] = theirs.get(name, ()) + (axes,)
+    for name, chain in theirs.items():
+        if name in chains and chains[name] != chain:
+            raise ValueError(_conflict_message(name, chains[name], chain))
+    return a + tuple((name, axes) for name, axes in b if name not in chains)
+
+
+@typecheck
+def logical_to_mesh_axes(
+    axes: Sequence[Any], rules: Sequence[Any] | None = None
+) -> PartitionSpec:
+    """Turns the logical names of an array's dimensions into a `PartitionSpec`.
+
+    The rules are tried in order. A rule `(name, mesh_axes)` sets the entry of the
+    dimension called `name` if no earlier rule has set it and none of `mesh_axes`
+    shards another dimension yet; so a mesh axis is used at most once per spec,
+    and a later rule for the same name is a fallback for when its mesh axes are
+    taken. A rule mapping to `None` settles its dimension as unsharded. A
+    dimension that no rule sets is `None` (replicated): this includes names no
+    rule mentions (as in flax, this is not an error, so check the spelling of your
+    names if an array comes out unsharded), `None` entries of `axes`, and names
+    whose mesh axes were all taken. These are flax's `logical_to_mesh_axes`
+    semantics.
+
+    The result depends only on `axes` and `rules`; with `rules=None` it reads
+    [`eqshard.get_logical_axis_rules`][], and with no rules set every entry is
+    `None`.
+
+    **Arguments:**
+
+    - `axes`: one logical name (`str`) or `None` per dimension; an
+      [`eqshard.AxisNames`][] or any sequence.
+    - `rules`: a sequence of `(logical_name, mesh_axes)` pairs in priority order;
+      `None` reads the current [`eqshard.logical_axis_rules`][].
+
+    **Returns:**
+
+    A `PartitionSpec` with one entry per dimension: a mesh axis name, a tuple of
+    them, or `None`.
+
+    **Raises:**
+
+    - `ValueError` if a logical name appears twice in `axes`.
+    - `TypeError` if `axes` is a string or has an entry that is neither a `str` nor
+      `None`.
+    - `TypeError`/`ValueError` naming the first malformed rule.
+
+    !!! Example
+
+        ```python
+        rules = [("batch", "data"), ("mlp", "model"), ("embed", "model"),
+                 ("embed", "data")]
+        eqshard.logical_to_mesh_axes(("batch", "embed"), rules)  # P("data", "model")
+        eqshard.logical_to_mesh_axes(("embed", "mlp"), rules)  # P("data", "model")
+        eqshard.logical_to_mesh_axes(("length", None), rules)  # P(None, None)
+        ```
+    """
+    table = _rules_or_context(rules, "logical_to_mesh_axes")
+    return _resolve(axes, table, caller="logical_to_mesh_axes")
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec | NamedSharding)
+
+
+@typecheck
+def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> PyTree:
+    """Turns a tree of logical axis names into a spec tree of `PartitionSpec`s.
+
+    Every [`eqshard.AxisNames`][] leaf is resolved by
+    [`eqshard.logical_to_mesh_axes`][] with the same rules; `None` (for leaves that
+    are not arrays) stays `None`, and `PartitionSpec`/`NamedSharding` leaves, which
+    already name mesh axes, are kept as they are, so a spec tree may mix both. The
+    result has the structure of `tree` (same containers and module types), ready
+    for [`eqshard.shard`][]. This is t5x's `get_mesh_axes` for any pytree, without
+    a `TrainState`.
+
+    **Arguments:**
+
+    - `tree`: a pytree (an Equinox module, dicts, lists, ...) whose leaves are
+      `AxisNames`, `PartitionSpec`, `NamedSharding` or `None`.
+    - `rules`: a sequence of `(logical_name, mesh_axes)` pairs in priority order;
+      `None` reads the current [`eqshard.logical_axis_rules`][].
+
+    **Returns:**
+
+    A pytree of the structure of `tree` with a `PartitionSpec` for every
+    `AxisNames`.
+
+    **Raises:**
+
+    - `TypeError` naming the path of a leaf of another type; a plain tuple of
+      names is walked into by JAX, so its names show up as `str` leaves at paths
+      like `'w/0'` (wrap it in `AxisNames`).
+    - `ValueError` naming the path of an `AxisNames` that repeats a name.
+    - `TypeError`/`ValueError` naming the first malformed rule.
+
+    !!! Example
+
+        ```python
+        axes = {"w": eqshard.AxisNames("embed", "mlp"), "step": None}
+        specs = eqshard.logical_to_mesh_specs(axes, [("mlp", "model")])
+        assert specs == {"w": P(None, "model"), "step": None}
+        ```
+    """
+    table = _rules_or_context(rules, "logical_to_mesh_specs")
+
+    def convert(path: KeyPath, leaf: Any) -> Any:
+        if isinstance(leaf, AxisNames):
+            where = f" at '{path_str(path)}'"
+            return _resolve(leaf, table, caller="logical_to_mesh_specs", where=where)
+        if _is_spec(leaf):
+            return leaf
+        raise TypeError(_leaf_message(path, leaf))
+
+    return jtu.tree_map_with_path(convert, tree)
+
+
+# t5x's default tables, keyed by (activation_partitioning_dims,
+# parameter_partitioning_dims). 2-D activations also shard 'embed' over 'model';
+# 2-D parameters also shard 'embed' over 'data'; with both, 'model' is tried first.
+_STANDARD_RULES: dict[tuple[int, int], LogicalRules] = {
+    (1, 1): (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("embed", None),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("joined_kv", "model"),
+    ),
+    (2, 1): (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("joined_kv", "model"),
+        ("embed", "model"),
+    ),
+    (1, 2): (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("joined_kv", "model"),
+        ("embed", "data"),
+    ),
+    (2, 2): (
+        ("batch", "data"),
+        ("vocab", "model"),
+        ("mlp", "model"),
+        ("heads", "model"),
+        ("kv", None),
+        ("joined_kv", "model"),
+        ("embed", "model"),
+        ("embed", "data"),
+    ),
+}
+
+# Logical axes that every standard table keeps unsharded.
+_REPLICATED_AXES = (
+    "relpos_buckets",
+    "abspos_buckets",
+    "length",
+    "layers",
+    "stack",
+    "mlp_activations",
+)
+
+
+@typecheck
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: Sequence[Any] | None = None,
+) -> LogicalRules:
+    """The default logical axis rules of t5x, for a `('data', 'model')` mesh.
+
+    `'batch'` is sharded over `'data'`; `'vocab'`, `'mlp'`, `'heads'` and
+    `'joined_kv'` over `'model'`; `'kv'` never. `'embed'` depends on the
+    arguments: unsharded for 1-D activations and parameters, `'model'` for 2-D
+    activations, `'data'` for 2-D parameters, and `'model'` then `'data'` for
+    both. Then `'relpos_buckets'`, `'abspos_buckets'`, `'length'`, `'layers'`,
+    `'stack'` and `'mlp_activations'` are replicated, and `additional_rules`
+    follow. Rules are tried in order, so an additional rule for a name the table
+    already maps never applies: to override the table, put your rules first,
+    `tuple(mine) + standard_logical_axis_rules()` ([`eqshard.composite_rules`][]
+    would refuse the contradiction).
+
+    **Arguments:**
+
+    - `activation_partitioning_dims`: 1, or 2 to also shard activations' `'embed'`
+      dimension over `'model'`.
+    - `parameter_partitioning_dims`: 1, or 2 to also shard parameters' `'embed'`
+      dimension over `'data'`.
+    - `additional_rules`: `(logical_name, mesh_axes)` pairs appended at the end.
+
+    **Returns:**
+
+    The rules as a tuple of `(logical_name, mesh_axes)` tuples.
+
+    **Raises:**
+
+    - `ValueError` naming a partitioning-dims value other than 1 or 2.
+    - `TypeError`/`ValueError` naming a malformed additional rule.
+
+    !!! Example
+
+        ```python
+        rules = eqshard.standard_logical_axis_rules(parameter_partitioning_dims=2)
+        eqshard.logical_to_mesh_axes(("embed", "mlp"), rules)  # P("data", "model")
+        ```
+    """
+    table = _STANDARD_RULES.get(
+        (activation_partitioning_dims, parameter_partitioning_dims)
+    )
+    if table is None:
+        raise ValueError(
+            _dims_message(activation_partitioning_dims, parameter_partitioning_dims)
+        )
+    extra = ()
+    if additional_rules is not None:
+        extra = _normalize_rules(
+            additional_rules,
+            caller="standard_logical_axis_rules",
+            argname="additional_rules",
+        )
+    return table + tuple((name, None) for name in _REPLICATED_AXES) + extra
