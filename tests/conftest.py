@@ -6,7 +6,21 @@
 # (`--jaxtyping-packages=eqshard,...` in pyproject.toml) must see it first.
 
 import jax
+import pytest
+from jax.sharding import AxisType
 
 
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """A (2, 4) mesh with Auto axes ('dp', 'tp'), as t5x/fjformer-style code expects."""
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="session")
+def explicit_mesh():
+    """The same mesh with Explicit axes, `jax.make_mesh`'s default."""
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)

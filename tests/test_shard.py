@@ -1,0 +1,327 @@
+import warnings
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqshard
+
+
+class Block(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+    scale: np.ndarray
+    act: Callable
+    missing: None
+    name: str = eqx.field(static=True)
+
+
+def _block():
+    return Block(
+        weight=jnp.arange(64.0).reshape(8, 8),
+        bias=jnp.arange(8.0),
+        scale=np.ones(4, np.float32),
+        act=jax.nn.gelu,
+        missing=None,
+        name="block",
+    )
+
+
+def _block_specs():
+    return Block(P("dp", "tp"), P("tp"), P(), None, None, "block")
+
+
+def test_shard_module_keeps_everything_but_arrays(mesh):
+    block = _block()
+    out = eqshard.shard(block, _block_specs(), mesh)
+    assert type(out) is Block
+    assert out.act is jax.nn.gelu and out.name == "block" and out.missing is None
+    assert out.weight.sharding == NamedSharding(mesh, P("dp", "tp"))
+    assert out.bias.sharding == NamedSharding(mesh, P("tp"))
+    # NumPy arrays are arrays too: they move.
+    assert isinstance(out.scale, jax.Array)
+    assert out.scale.sharding == NamedSharding(mesh, P())
+    for a, b in zip(
+        jtu.tree_leaves(eqx.filter(out, eqx.is_array)),
+        [block.weight, block.bias, block.scale],
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shard_prefix_spec_and_none_subtree(mesh):
+    tree = {"a": {"x": jnp.ones((8, 4)), "n": 3}, "b": np.zeros((2, 2))}
+    out = eqshard.shard(tree, {"a": P("tp"), "b": None}, mesh)
+    assert out["a"]["x"].sharding == NamedSharding(mesh, P("tp"))
+    assert out["a"]["n"] == 3
+    assert out["b"] is tree["b"]  # `None` leaves the subtree where it is
+
+
+def test_shard_named_shardings_need_no_mesh(mesh):
+    out = eqshard.shard([jnp.ones(8)], [NamedSharding(mesh, P("dp"))])
+    assert out[0].sharding == NamedSharding(mesh, P("dp"))
+
+
+def test_shard_uses_current_mesh(mesh):
+    with jax.set_mesh(mesh):
+        out = eqshard.shard(jnp.ones((4, 8)), P(None, "tp"))
+    assert out.sharding == NamedSharding(mesh, P(None, "tp"))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([1.5, -2.25, 3.0, 4.0], dtype=jnp.bfloat16),
+        np.array([-128, 0, 5, 127], dtype=np.int8),
+        np.array([True, False, True, True]),
+        np.array(3.5, dtype=np.float32),
+        np.zeros((0, 4), dtype=np.float32),
+    ],
+    ids=["bf16", "int8", "bool", "0-d", "size-0"],
+)
+def test_shard_gather_round_trip_is_bit_exact(mesh, value):
+    spec = P() if value.ndim == 0 else P(*([None] * (value.ndim - 1)), "tp")
+    placed = eqshard.shard({"v": value}, {"v": spec}, mesh)["v"]
+    assert placed.sharding == NamedSharding(mesh, spec)
+    back = eqshard.gather({"v": placed, "s": "static"})
+    assert back["s"] == "static"
+    assert isinstance(back["v"], np.ndarray) and back["v"].dtype == value.dtype
+    assert back["v"].tobytes() == value.tobytes()
+
+
+def test_shard_and_gather_dtype_casts_only_floats(mesh):
+    tree = {
+        "f": np.linspace(0, 1, 8, dtype=np.float32),
+        "i": np.arange(8, dtype=np.int8),
+    }
+    out = eqshard.shard(tree, P("dp"), mesh, dtype=jnp.bfloat16)
+    assert out["f"].dtype == jnp.bfloat16 and out["i"].dtype == np.int8
+    np.testing.assert_array_equal(np.asarray(out["f"]), tree["f"].astype(jnp.bfloat16))
+    host = eqshard.gather(out, dtype=np.float32)
+    assert host["f"].dtype == np.float32 and host["i"].dtype == np.int8
+
+
+def test_shard_reports_every_bad_leaf(mesh):
+    tree = {
+        "layers": [{"w": jnp.ones((3, 8))}, {"w": jnp.ones((8, 8))}],
+        "b": jnp.ones(8),
+        "c": jnp.ones((8, 8)),
+        "ok": jnp.ones((2, 4)),
+    }
+    specs = {
+        "layers": [{"w": P("dp", "tp")}, {"w": P("dp", "sp")}],
+        "b": P("dp", None),
+        "c": P("tp", "tp"),
+        "ok": P("dp", "tp"),
+    }
+    with pytest.raises(ValueError) as info:
+        eqshard.shard(tree, specs, mesh)
+    message = str(info.value)
+    assert "4 leaves" in message and "{'dp': 2, 'tp': 4}" in message
+    assert "'layers/0/w' (shape (3, 8))" in message
+    assert "dimension 0 (size 3) is not divisible by 'dp' (size 2)" in message
+    assert "Use P(None, 'tp')" in message
+    assert "'layers/1/w'" in message and "'sp' is not a mesh axis" in message
+    assert "'b'" in message and "2 entries but the array has rank 1" in message
+    assert "'c'" in message and "'tp' is used twice" in message
+    assert "'ok'" not in message
+
+
+@pytest.mark.parametrize(
+    "tree, specs, error, match",
+    [
+        (
+            {"a": jnp.ones(3)},
+            {"b": P()},
+            ValueError,
+            r"at '<root>'.*keys 'b'.*keys 'a'",
+        ),
+        ({"a": [jnp.ones(3)]}, {"a": (P(),)}, ValueError, r"at 'a'.*tuple.*list"),
+        ({"a": jnp.ones(3)}, {"a": ("dp",)}, ValueError, r"at 'a'.*`P\(...\)`"),
+        ({"a": jnp.ones(3)}, {"a": "dp"}, TypeError, r"'dp' at 'a'"),
+        (
+            {"a": jax.ShapeDtypeStruct((8,), jnp.float32)},
+            P(),
+            TypeError,
+            r"ShapeDtypeStruct.*'a'",
+        ),
+    ],
+)
+def test_shard_structure_and_type_errors(mesh, tree, specs, error, match):
+    with pytest.raises(error, match=match):
+        eqshard.shard(tree, specs, mesh)
+
+
+def test_shard_without_mesh_raises():
+    with pytest.raises(ValueError, match="no mesh given and none set.*jax.set_mesh"):
+        eqshard.shard({"a": jnp.ones(4)}, P())
+
+
+def test_gather_leaves_non_arrays_and_numpy_alone(mesh):
+    block = eqshard.shard(_block(), _block_specs(), mesh)
+    host = eqshard.gather(block)
+    assert type(host) is Block and host.act is jax.nn.gelu and host.name == "block"
+    assert all(isinstance(x, np.ndarray) for x in (host.weight, host.bias, host.scale))
+    np.testing.assert_array_equal(host.weight, np.arange(64.0).reshape(8, 8))
+
+
+def test_iter_gather_yields_paths_one_leaf_at_a_time(mesh):
+    tree = {"m": eqshard.shard(_block(), _block_specs(), mesh), "n": 1}
+    items = eqshard.iter_gather(tree)
+    first = next(items)
+    assert first[0] == "m/weight" and isinstance(first[1], np.ndarray)
+    rest = dict(items)
+    assert list(rest) == ["m/bias", "m/scale"]
+    np.testing.assert_array_equal(rest["m/bias"], np.arange(8.0))
+    assert [p for p, _ in eqshard.iter_gather(tree, sep=".")][0] == "m.weight"
+
+
+def test_iter_gather_rejects_abstract_trees_eagerly():
+    with pytest.raises(TypeError, match="'w'"):
+        eqshard.iter_gather({"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+
+
+def test_named_shardings(mesh):
+    specs = {"a": P("dp"), "b": None, "c": NamedSharding(mesh, P())}
+    out = eqshard.named_shardings(specs, mesh)
+    assert out == {"a": NamedSharding(mesh, P("dp")), "b": None, "c": specs["c"]}
+    with pytest.raises(ValueError, match=r"'x' at 'a'|at 'a' names 'x'"):
+        eqshard.named_shardings({"a": P("x")}, mesh)
+    with pytest.raises(TypeError, match="at 'a'"):
+        eqshard.named_shardings({"a": 3}, mesh)
+
+
+def test_make_shard_and_gather_fns_match_shard(mesh):
+    block, specs = _block(), _block_specs()
+    shard_fns, gather_fns = eqshard.make_shard_and_gather_fns(specs, mesh)
+    placed = eqshard.tree_apply(shard_fns, block)
+    expected = eqshard.shard(block, specs, mesh)
+    for a, b in zip(jtu.tree_leaves(placed), jtu.tree_leaves(expected)):
+        if isinstance(b, jax.Array):
+            assert a.sharding == b.sharding
+    host = eqshard.tree_apply(gather_fns, placed)
+    assert isinstance(host.weight, np.ndarray) and host.act is jax.nn.gelu
+
+
+def test_make_shard_fns_errors_name_the_full_path(mesh):
+    shard_fns, _ = eqshard.make_shard_and_gather_fns({"enc": {"w": P("dp")}}, mesh)
+    with pytest.raises(ValueError, match=r"'enc/w' \(shape \(3,\)\)"):
+        eqshard.tree_apply(shard_fns, {"enc": {"w": jnp.ones(3)}})
+
+
+@pytest.mark.parametrize(
+    "shape, spec, expected",
+    [
+        ((8, 8), P("dp", "tp"), P("dp", "tp")),
+        ((3, 8, 5), P("dp", "tp", "sp"), P(None, "tp")),
+        ((8,), P("dp", "tp"), P("dp")),
+        ((8, 8), P("tp", "tp"), P("tp")),
+        ((4, 6), P(("dp", "tp"), None), P("dp")),  # 4 % 8 != 0, 4 % 2 == 0
+        ((8, 6), P(("tp", "dp")), P(("tp", "dp"))),
+        ((), P("dp"), P()),
+    ],
+)
+def test_corrected_spec(mesh, shape, spec, expected):
+    assert eqshard.corrected_spec(shape, spec, mesh) == expected
+
+
+def test_constraint_inside_jit_auto_axes(mesh):
+    block = eqshard.shard(_block(), P(), mesh)
+
+    @eqx.filter_jit
+    def f(b, x):
+        b = eqshard.with_sharding_constraint(b, _block_specs())
+        x = eqshard.with_sharding_constraint(x, P("dp"))
+        return b, x * 2
+
+    with jax.set_mesh(mesh):
+        out, x = f(block, jnp.ones((8, 2)))
+    assert out.weight.sharding.spec == P("dp", "tp") and out.act is jax.nn.gelu
+    assert x.sharding.spec == P("dp")
+
+
+def test_constraint_explicit_axes_reshards(explicit_mesh):
+    with jax.set_mesh(explicit_mesh):
+        x = jax.device_put(jnp.ones((4, 8)), NamedSharding(explicit_mesh, P()))
+        out = jax.jit(lambda t: eqshard.with_sharding_constraint(t, P("dp", "tp")))(x)
+    assert out.sharding == NamedSharding(explicit_mesh, P("dp", "tp"))
+
+
+def test_constraint_mixed_axis_types_raise():
+    types = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
+    mixed = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    with pytest.raises(ValueError, match=r"'w'.*mixes mesh axes"):
+        eqshard.with_sharding_constraint(
+            {"w": jnp.ones((4, 8))}, P("dp", "tp"), mesh=mixed
+        )
+
+
+def test_constraint_without_mesh_is_a_no_op():
+    x = jnp.ones(4)
+    assert eqshard.with_sharding_constraint({"x": x}, P("dp"))["x"] is x
+
+
+def test_constraint_on_invalid_modes(mesh):
+    tree = {"w": jnp.ones((3, 8)), "ok": jnp.ones(8)}
+    specs = {"w": P("dp", "tp"), "ok": P("dp")}
+    with pytest.warns(
+        UserWarning, match=r"'w' \(shape \(3, 8\)\).*Using P\(None, 'tp'\)"
+    ):
+        out = eqshard.with_sharding_constraint(tree, specs, mesh=mesh)
+    assert out["w"].sharding.spec == P(None, "tp") and out["ok"].sharding.spec == P(
+        "dp"
+    )
+    with pytest.raises(ValueError, match=r"'w' \(shape \(3, 8\)\)"):
+        eqshard.with_sharding_constraint(tree, specs, mesh=mesh, on_invalid="raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = eqshard.with_sharding_constraint(
+            tree, specs, mesh=mesh, on_invalid="ignore"
+        )
+    assert out["w"].sharding.spec == P(None, "tp")
+
+
+_dims = st.sampled_from([1, 2, 4, 8, 3])
+_arrays = st.builds(
+    lambda shape, dtype: (
+        (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape)
+    ),
+    st.lists(_dims, max_size=3).map(tuple),
+    st.sampled_from([np.float32, np.int8, jnp.bfloat16, np.bool_]),
+)
+_trees = st.recursive(
+    _arrays,
+    lambda c: st.one_of(
+        st.lists(c, max_size=3),
+        st.dictionaries(st.text("xyz", min_size=1, max_size=2), c, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(deadline=None, max_examples=25)
+@given(_trees)
+def test_round_trip_property(mesh, tree):
+    # Each array is sharded over 'tp' on its first dimension divisible by 4.
+    def spec(x):
+        for i, d in enumerate(x.shape):
+            if d % 4 == 0:
+                return P(*([None] * i), "tp")
+        return P()
+
+    specs = jtu.tree_map(spec, tree)
+    placed = eqshard.shard(tree, specs, mesh)
+    for x, s in zip(
+        jtu.tree_leaves(placed),
+        jtu.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P)),
+    ):
+        assert x.sharding == NamedSharding(mesh, s)
+    back = eqshard.gather(placed)
+    assert jtu.tree_structure(back) == jtu.tree_structure(tree)
+    for a, b in zip(jtu.tree_leaves(back), jtu.tree_leaves(tree)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
