@@ -80,8 +80,13 @@ class AxisNames(tuple):
 # Error messages: one builder per kind.
 
 
+def _where(path: KeyPath | None) -> str:
+    """The `" at 'layers/0/w'"` that places a message at a leaf; `""` if no path."""
+    return "" if path is None else f" at '{path_str(path)}'"
+
+
 def _entry_message(
-    caller: str, axes: Sequence[Any], index: int, where: str = ""
+    caller: str, axes: Sequence[Any], index: int, path: KeyPath | None = None
 ) -> str:
     entry = axes[index]
     hint = ""
@@ -91,31 +96,33 @@ def _entry_message(
             f"AxisNames({', '.join(map(repr, entry))})."
         )
     return (
-        f"eqshard.{caller}: the logical axis names {tuple(axes)!r}{where} have "
+        f"eqshard.{caller}: the logical axis names {tuple(axes)!r}{_where(path)} have "
         f"{entry!r} (a {type(entry).__name__}) at position {index}. Each entry must "
         f"be a logical axis name (a str), or None for a dimension that is never "
         f"sharded.{hint}"
     )
 
 
-def _duplicate_message(caller: str, axes: Sequence[Any], name: str, where: str) -> str:
+def _duplicate_message(
+    caller: str, axes: Sequence[Any], name: str, path: KeyPath | None
+) -> str:
     positions = [i for i, entry in enumerate(axes) if entry == name]
     return (
-        f"eqshard.{caller}: the logical axis name {name!r} appears more than once in "
-        f"{tuple(axes)!r}{where} (positions {positions}). A mesh axis can shard only "
-        "one dimension of an array, so each dimension needs its own logical name; "
-        "use None for dimensions that should not be sharded."
+        f"eqshard.{caller}: the logical axis name {name!r} appears more than once "
+        f"in {tuple(axes)!r}{_where(path)} (positions {positions}). A mesh axis can "
+        "shard only one dimension of an array, so each dimension needs its own "
+        "logical name; use None for dimensions that should not be sharded."
     )
 
 
-def _axes_type_message(caller: str, axes: Any, where: str) -> str:
+def _axes_type_message(caller: str, axes: Any, path: KeyPath | None) -> str:
     if isinstance(axes, str):
         fix = f"Use ({axes!r},) or eqshard.AxisNames({axes!r}) for a 1-D array."
     else:
         fix = "Use eqshard.AxisNames(...) or a tuple of names."
     return (
-        f"eqshard.{caller}: expected a sequence of logical axis names{where}, got "
-        f"{axes!r} (a {type(axes).__name__}). {fix}"
+        f"eqshard.{caller}: expected a sequence of logical axis names"
+        f"{_where(path)}, got {axes!r} (a {type(axes).__name__}). {fix}"
     )
 
 
@@ -230,19 +237,19 @@ _UNASSIGNED = object()
 
 
 def _resolve(
-    axes: Any, rules: LogicalRules, *, caller: str, where: str = ""
+    axes: Any, rules: LogicalRules, *, caller: str, path: KeyPath | None = None
 ) -> PartitionSpec:
     """Resolves one sequence of logical names with already-validated rules."""
     if isinstance(axes, str) or not isinstance(axes, Sequence):
-        raise TypeError(_axes_type_message(caller, axes, where))
+        raise TypeError(_axes_type_message(caller, axes, path))
     position: dict[str, int] = {}
     for index, name in enumerate(axes):
         if name is None:
             continue
         if not isinstance(name, str):
-            raise TypeError(_entry_message(caller, axes, index, where))
+            raise TypeError(_entry_message(caller, axes, index, path))
         if name in position:
-            raise ValueError(_duplicate_message(caller, axes, name, where))
+            raise ValueError(_duplicate_message(caller, axes, name, path))
         position[name] = index
     result: list[Any] = [_UNASSIGNED] * len(axes)
     used: set[str] = set()
@@ -318,6 +325,10 @@ def logical_axis_rules(rules: Sequence[Any]) -> _RulesContext:
     the thread that entered the block: other threads, including ones started
     inside it, do not see them. Entering costs well under a microsecond, and the
     returned object may be entered again.
+
+    Rules are read when code runs in Python, so under `jax.jit` when a function is
+    traced: a compiled function keeps the rules of its trace, and changing the
+    rules later does not retrace it. Pass `rules=` explicitly where that matters.
 
     **Arguments:**
 
@@ -570,10 +581,16 @@ def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> P
     """
     table = _rules_or_context(rules, "logical_to_mesh_specs")
 
+    # Models repeat a few layouts many times: resolve each distinct one once.
+    resolved: dict[AxisNames, PartitionSpec] = {}
+
     def convert(path: KeyPath, leaf: Any) -> Any:
         if isinstance(leaf, AxisNames):
-            where = f" at '{path_str(path)}'"
-            return _resolve(leaf, table, caller="logical_to_mesh_specs", where=where)
+            spec = resolved.get(leaf)
+            if spec is None:
+                spec = _resolve(leaf, table, caller="logical_to_mesh_specs", path=path)
+                resolved[leaf] = spec
+            return spec
         if _is_spec(leaf):
             return leaf
         raise TypeError(_leaf_message(path, leaf))

@@ -639,6 +639,13 @@ def test_specs_bad_leaf_error_names_the_path(leaf, match):
         eqshard.logical_to_mesh_specs({"layers": [{"w": leaf}]}, [])
 
 
+def test_specs_root_leaf():
+    assert eqshard.logical_to_mesh_specs(AxisNames("a"), [("a", "x")]) == P("x")
+    assert eqshard.logical_to_mesh_specs(None, [("a", "x")]) is None
+    with pytest.raises(TypeError, match="at '<root>'"):
+        eqshard.logical_to_mesh_specs(1.5, [])
+
+
 def test_specs_bad_rules():
     with pytest.raises(TypeError, match=r"logical_to_mesh_specs: `rules\[0\]`"):
         eqshard.logical_to_mesh_specs({"w": AxisNames("a")}, [("a",)])
