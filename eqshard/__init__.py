@@ -14,6 +14,14 @@ from ._logical import (
     set_logical_axis_rules as set_logical_axis_rules,
     standard_logical_axis_rules as standard_logical_axis_rules,
 )
+from ._rules import (
+    create_pattern_based_partition_spec as create_pattern_based_partition_spec,
+    explain_partition_rules as explain_partition_rules,
+    get_weight_decay_mask as get_weight_decay_mask,
+    match_partition_rules as match_partition_rules,
+    RulesReport as RulesReport,
+    RulesReportRow as RulesReportRow,
+)
 from ._tree import (
     flatten_tree as flatten_tree,
     get_names_from_partition_spec as get_names_from_partition_spec,

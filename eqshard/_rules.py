@@ -1,0 +1,596 @@
+"""Regex partition rules, pattern strings and weight-decay masks.
+
+A *rule* is a `(regex, PartitionSpec)` pair. Rules are tried in order against the
+path string of each array leaf (`re.search`), and the first match gives the leaf's
+spec. One private core, `_match_leaves`, does the matching for both
+`match_partition_rules` and `explain_partition_rules`: each regex is compiled once
+per call and each path is built and matched once.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeAlias
+
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
+from jaxtyping import PyTree
+
+from ._tree import _key_to_string, is_array
+from ._typing import KeyPath, typecheck
+
+
+Pattern: TypeAlias = str | re.Pattern[str]
+Rules: TypeAlias = Sequence[tuple[Pattern, PartitionSpec]]
+Compiled: TypeAlias = list[tuple[re.Pattern[str], PartitionSpec]]
+
+# What happened to an array leaf, when no rule index applies.
+_SCALAR, _SMALL, _UNMATCHED = -1, -2, -3
+_LIMIT = 30  # lines of leaves or rules shown in one error message
+
+
+def _name(path: KeyPath, sep: str) -> str:
+    # Not `tree_path_to_string`: its runtime type check costs ~5 us per leaf.
+    return sep.join(map(_key_to_string, path))
+
+
+def _show(name: str) -> str:
+    return repr(name) if name else "<root>"
+
+
+def _pattern_text(pattern: Pattern) -> str:
+    return pattern if isinstance(pattern, str) else pattern.pattern
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _bad_regex_message(caller: str, what: str, bad: list[tuple[int, str, str]]) -> str:
+    lines = [
+        f"eqshard.{caller}: {len(bad)} {what}(s) are not valid regular expressions:"
+    ]
+    lines += [f"  {what} {i} {pattern!r}: {error}" for i, pattern, error in bad]
+    lines.append("Fix the pattern syntax (see Python's `re` module), or escape it.")
+    return "\n".join(lines)
+
+
+def _compile(
+    patterns: Sequence[Pattern], caller: str, what: str
+) -> list[re.Pattern[str]]:
+    compiled, bad = [], []
+    for i, pattern in enumerate(patterns):
+        if not isinstance(pattern, str | re.Pattern):
+            raise TypeError(
+                f"eqshard.{caller}: {what} {i} is {pattern!r}, which is not a regex "
+                "string or compiled `re.Pattern`."
+            )
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as error:
+            bad.append((i, pattern, str(error)))
+    if bad:
+        raise ValueError(_bad_regex_message(caller, what, bad))
+    return compiled
+
+
+def _compile_rules(rules: Rules, caller: str) -> Compiled:
+    for i, rule in enumerate(rules):
+        if not (
+            isinstance(rule, tuple | list)
+            and len(rule) == 2
+            and isinstance(rule[1], PartitionSpec)
+        ):
+            raise TypeError(
+                f"eqshard.{caller}: rule {i} is {rule!r}; every rule must be a pair "
+                "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`."
+            )
+    regexes = _compile([pattern for pattern, _ in rules], caller, "rule")
+    return [(regex, spec) for regex, (_, spec) in zip(regexes, rules)]
+
+
+# ---------------------------------------------------------------- matching
+
+
+class _Leaf(NamedTuple):
+    index: int  # position among all the leaves of the tree
+    name: str
+    shape: tuple[int, ...]
+    rule: int  # index of the first matching rule, or _SCALAR / _SMALL / _UNMATCHED
+
+
+def _match_leaves(
+    compiled: Compiled, tree: PyTree, min_size: int, sep: str, caller: str
+) -> tuple[int, jtu.PyTreeDef, list[_Leaf]]:
+    """Matches every array leaf of `tree` against the rules, once."""
+    if min_size < 0:
+        raise ValueError(f"eqshard.{caller}: `min_size` must be >= 0, got {min_size}.")
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    regexes = [regex for regex, _ in compiled]
+    out = []
+    for index, (path, leaf) in enumerate(path_leaves):
+        if not is_array(leaf):
+            continue
+        shape = tuple(leaf.shape)
+        name = _name(path, sep)
+        if not shape:
+            rule = _SCALAR
+        elif min_size and math.prod(shape) < min_size:
+            rule = _SMALL
+        else:
+            rule = _UNMATCHED
+            for i, regex in enumerate(regexes):
+                if regex.search(name) is not None:
+                    rule = i
+                    break
+        out.append(_Leaf(index, name, shape, rule))
+    return len(path_leaves), treedef, out
+
+
+def _resolve(
+    leaf: _Leaf, compiled: Compiled
+) -> tuple[PartitionSpec | None, str | None]:
+    """The spec a leaf gets under `strict=True`, and what is wrong with it if any."""
+    if leaf.rule == _UNMATCHED:
+        return None, "no rule matches"
+    if leaf.rule < 0:
+        return PartitionSpec(), None
+    spec = compiled[leaf.rule][1]
+    if len(spec) > len(leaf.shape):
+        return spec, (
+            f"spec {spec!r} of rule {leaf.rule} has {len(spec)} entries but the "
+            f"array has rank {len(leaf.shape)}"
+        )
+    return spec, None
+
+
+def _relax(spec: PartitionSpec | None, rank: int) -> PartitionSpec:
+    """The `strict=False` fix: unmatched -> replicated, long specs trimmed to rank."""
+    if spec is None:
+        return PartitionSpec()
+    return spec.update(partitions=spec.partitions[:rank])
+
+
+def _rule_lines(rules: Sequence[tuple[Pattern, PartitionSpec]]) -> list[str]:
+    lines = [f"  {i}: {_pattern_text(p)!r} -> {s!r}" for i, (p, s) in enumerate(rules)]
+    if len(lines) > _LIMIT:
+        lines = lines[:_LIMIT] + [f"  ... and {len(lines) - _LIMIT} more rules"]
+    return lines or ["  (no rules)"]
+
+
+def _bad_leaves_message(
+    bad: list[tuple[_Leaf, str]], rules: Rules, sep: str, caller: str
+) -> str:
+    lines = [f"eqshard.{caller}: {len(bad)} array leaves have no valid spec:"]
+    for leaf, problem in bad[:_LIMIT]:
+        lines.append(f"  {_show(leaf.name)} shape {leaf.shape}: {problem}")
+    if len(bad) > _LIMIT:
+        lines.append(
+            f"  ... and {len(bad) - _LIMIT} more (eqshard.explain_partition_rules "
+            "lists every leaf)"
+        )
+    lines.append(
+        f"Rules tried, in order (the first `re.search` match on the {sep!r}-joined "
+        "path wins):"
+    )
+    lines += _rule_lines(rules)
+    lines.append(
+        "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
+        "replicates the rest), make each spec at most as long as the array's rank, "
+        "or pass `strict=False` to replicate unmatched leaves and trim long specs."
+    )
+    return "\n".join(lines)
+
+
+@typecheck
+def match_partition_rules(
+    rules: Rules,
+    tree: PyTree,
+    *,
+    min_size: int = 0,
+    strict: bool = True,
+    sep: str = "/",
+) -> PyTree:
+    """Builds a spec tree for `tree` from regex partition rules.
+
+    Each array leaf (`jax.Array`, `numpy.ndarray` or `jax.ShapeDtypeStruct`) is named
+    by its path (`layers/3/attn/q/weight`, see [`eqshard.tree_path_to_string`][]),
+    and gets the spec of the first rule whose regex `re.search`es that name.
+    Scalars, and arrays with fewer than `min_size` elements, are replicated
+    (`PartitionSpec()`) without consulting the rules. Everything that is not an
+    array gets `None`, so the result has the structure of
+    `eqx.filter(tree, is_array)`: Equinox modules, optax states and any other
+    pytree keep their types. Only shapes are read, so abstract trees from
+    `eqx.filter_eval_shape` work.
+
+    **Arguments:**
+
+    - `rules`: `(regex, PartitionSpec)` pairs, in priority order. Regexes are
+      strings or compiled patterns.
+    - `tree`: any pytree.
+    - `min_size`: arrays with fewer elements than this are replicated.
+    - `strict`: if `True`, a leaf that no rule matches, or whose spec is longer
+      than its rank, is an error. If `False`, such a leaf is replicated or has its
+      spec trimmed to its rank, silently (you asked for it).
+    - `sep`: the separator used to build the path strings.
+
+    **Returns:**
+
+    The spec tree: a `PartitionSpec` for each array, `None` elsewhere.
+
+    **Raises:**
+
+    - `ValueError` listing every bad leaf (path, shape, problem) and the rules
+      tried, when `strict=True`; or naming each rule whose regex is invalid.
+    - `TypeError` if a rule is not a `(regex, PartitionSpec)` pair.
+
+    !!! Example
+
+        ```python
+        rules = [("attn/.*/weight", P("dp", "tp")), (".*", P())]
+        params = {"attn": {"q": {"weight": jnp.ones((8, 8)), "bias": jnp.ones(8)}}}
+        eqshard.match_partition_rules(rules, params)
+        # {"attn": {"q": {"weight": P("dp", "tp"), "bias": P()}}}
+        ```
+    """
+    compiled = _compile_rules(rules, "match_partition_rules")
+    n_leaves, treedef, leaves = _match_leaves(
+        compiled, tree, min_size, sep, "match_partition_rules"
+    )
+    specs: list[PartitionSpec | None] = [None] * n_leaves
+    bad = []
+    for leaf in leaves:
+        spec, problem = _resolve(leaf, compiled)
+        if problem is not None:
+            if strict:
+                bad.append((leaf, problem))
+                continue
+            spec = _relax(spec, len(leaf.shape))
+        specs[leaf.index] = spec
+    if bad:
+        raise ValueError(_bad_leaves_message(bad, rules, sep, "match_partition_rules"))
+    return jtu.tree_unflatten(treedef, specs)
+
+
+# ---------------------------------------------------------------- explaining
+
+
+@dataclasses.dataclass(frozen=True)
+class RulesReportRow:
+    """One array leaf in a [`eqshard.RulesReport`][].
+
+    - `path`, `shape`: the leaf's path string and shape.
+    - `reason`: `"matched"`, `"scalar"`, `"below_min_size"` or `"unmatched"`.
+    - `rule`, `pattern`: index and regex of the matching rule, or `None`.
+    - `spec`: the matching rule's spec as written; `PartitionSpec()` for scalars
+      and small arrays; `None` if no rule matches.
+    - `problem`: why `match_partition_rules(..., strict=True)` rejects this leaf,
+      or `None` if it accepts it.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    reason: Literal["matched", "scalar", "below_min_size", "unmatched"]
+    rule: int | None
+    pattern: str | None
+    spec: PartitionSpec | None
+    problem: str | None
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in [header, *body]
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RulesReport:
+    """Which partition rule decided each array leaf, from
+    [`eqshard.explain_partition_rules`][].
+
+    - `rows`: one [`eqshard.RulesReportRow`][] per array leaf, in tree order.
+    - `rules`: the rules, as `(pattern string, PartitionSpec)` pairs.
+    - `dead_rules`: indices of the rules that matched no leaf (often a typo, or a
+      rule shadowed by an earlier one).
+    - `min_size`: as given.
+
+    `str(report)` and `report.table()` render it as an aligned text table.
+    """
+
+    rows: tuple[RulesReportRow, ...]
+    rules: tuple[tuple[str, PartitionSpec], ...]
+    dead_rules: tuple[int, ...]
+    min_size: int
+
+    @property
+    def problems(self) -> tuple[RulesReportRow, ...]:
+        """The rows that `match_partition_rules(..., strict=True)` rejects."""
+        return tuple(row for row in self.rows if row.problem is not None)
+
+    def table(self) -> str:
+        """The report as an aligned text table: leaves, then rules."""
+        notes = {"scalar": "scalar", "below_min_size": f"size < {self.min_size}"}
+        body = [
+            (
+                row.path or "<root>",
+                str(row.shape),
+                "-" if row.rule is None else f"{row.rule} {row.pattern!r}",
+                "-" if row.spec is None else repr(row.spec),
+                row.problem or notes.get(row.reason, ""),
+            )
+            for row in self.rows
+        ]
+        counts = [0] * len(self.rules)
+        for row in self.rows:
+            if row.rule is not None:
+                counts[row.rule] += 1
+        rule_body = [
+            (
+                str(i),
+                repr(pattern),
+                repr(spec),
+                str(count),
+                "dead: matched nothing" if count == 0 else "",
+            )
+            for i, ((pattern, spec), count) in enumerate(zip(self.rules, counts))
+        ]
+        return "\n".join(
+            [
+                f"{len(self.rows)} array leaves, {len(self.rules)} rules: "
+                f"{len(self.problems)} problems, {len(self.dead_rules)} dead rules",
+                "",
+                *_table(("path", "shape", "rule", "spec", "note"), body),
+                "",
+                *_table(("rule", "pattern", "spec", "leaves", "note"), rule_body),
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_REASONS = {_SCALAR: "scalar", _SMALL: "below_min_size", _UNMATCHED: "unmatched"}
+
+
+@typecheck
+def explain_partition_rules(
+    rules: Rules, tree: PyTree, *, min_size: int = 0, sep: str = "/"
+) -> RulesReport:
+    """Reports which rule decides the spec of each array leaf, and which rules
+    match nothing.
+
+    Matches exactly as [`eqshard.match_partition_rules`][] does, but never raises
+    for a bad leaf: each row says what `match_partition_rules` would do with the
+    leaf, and why it would reject it. Rules that match no leaf are listed as dead:
+    a dead rule is usually a typo in its regex, or shadowed by an earlier rule.
+    Scalars and arrays below `min_size` are not matched against the rules.
+
+    **Arguments:**
+
+    As for [`eqshard.match_partition_rules`][].
+
+    **Returns:**
+
+    A [`eqshard.RulesReport`][]; `print(report)` shows it as a table.
+
+    **Raises:**
+
+    `ValueError` naming each rule whose regex is invalid; `TypeError` if a rule is
+    not a `(regex, PartitionSpec)` pair.
+
+    !!! Example
+
+        ```python
+        rules = [("attn/.*/weight", P("dp", "tp")), ("embeding", P("tp"))]
+        report = eqshard.explain_partition_rules(rules, params)
+        report.dead_rules  # (1,): the typo never matched
+        print(report)
+        ```
+    """
+    compiled = _compile_rules(rules, "explain_partition_rules")
+    _, _, leaves = _match_leaves(
+        compiled, tree, min_size, sep, "explain_partition_rules"
+    )
+    rows = []
+    used = set()
+    for leaf in leaves:
+        spec, problem = _resolve(leaf, compiled)
+        matched = leaf.rule >= 0
+        if matched:
+            used.add(leaf.rule)
+        rows.append(
+            RulesReportRow(
+                path=leaf.name,
+                shape=leaf.shape,
+                reason="matched" if matched else _REASONS[leaf.rule],
+                rule=leaf.rule if matched else None,
+                pattern=compiled[leaf.rule][0].pattern if matched else None,
+                spec=spec,
+                problem=problem,
+            )
+        )
+    return RulesReport(
+        rows=tuple(rows),
+        rules=tuple((regex.pattern, spec) for regex, spec in compiled),
+        dead_rules=tuple(i for i in range(len(compiled)) if i not in used),
+        min_size=min_size,
+    )
+
+
+# ---------------------------------------------------------------- pattern strings
+
+
+def _pattern_error(pattern: str, index: int, token: str, why: str) -> ValueError:
+    return ValueError(
+        f"eqshard.create_pattern_based_partition_spec: bad rule {index} {token!r} in "
+        f"{pattern!r}: {why}. Rules are `REGEX->SPEC`, separated by ','; a SPEC is "
+        "dimensions separated by '.', each an axis name, `None`, or axis names "
+        "joined by '+'; `()` is the replicated spec. Example: "
+        "'attention|mlp->dp.tp,embed->None.tp,norm->()'."
+    )
+
+
+def _parse_spec(text: str, pattern: str, index: int, token: str) -> PartitionSpec:
+    if text == "()":
+        return PartitionSpec()
+    if not text:
+        raise _pattern_error(
+            pattern, index, token, "the spec is empty (write `()` for P())"
+        )
+    dims: list[str | tuple[str, ...] | None] = []
+    for dim in (d.strip() for d in text.split(".")):
+        if dim == "None":
+            dims.append(None)
+            continue
+        names = [name.strip() for name in dim.split("+")]
+        for name in names:
+            if not name.isidentifier():
+                raise _pattern_error(
+                    pattern,
+                    index,
+                    token,
+                    f"{name!r} in spec {text!r} is not an axis name",
+                )
+        dims.append(names[0] if len(names) == 1 else tuple(names))
+    return PartitionSpec(*dims)
+
+
+def _parse_pattern(pattern: str) -> list[tuple[re.Pattern[str], PartitionSpec]]:
+    rules = []
+    for index, token in enumerate(pattern.split(",")):
+        parts = token.split("->")
+        if not token.strip():
+            raise _pattern_error(pattern, index, token, "the rule is empty")
+        if len(parts) != 2:
+            raise _pattern_error(
+                pattern,
+                index,
+                token,
+                "expected exactly one '->' between regex and spec",
+            )
+        regex, spec = (part.strip() for part in parts)
+        if not regex:
+            raise _pattern_error(pattern, index, token, "the regex is empty")
+        try:
+            compiled = re.compile(regex)
+        except re.error as error:
+            raise _pattern_error(
+                pattern, index, token, f"invalid regex ({error})"
+            ) from None
+        rules.append((compiled, _parse_spec(spec, pattern, index, token)))
+    return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class _PatternPartitionSpec:
+    rules: tuple[tuple[str, PartitionSpec], ...]
+    default: PartitionSpec
+    regexes: tuple[re.Pattern[str], ...] = dataclasses.field(repr=False, compare=False)
+
+    def __call__(self, path: str, leaf: Any = None) -> PartitionSpec:
+        for regex, (_, spec) in zip(self.regexes, self.rules):
+            if regex.search(path) is not None:
+                return spec
+        return self.default
+
+
+@typecheck
+def create_pattern_based_partition_spec(
+    pattern: str, *, default: PartitionSpec = PartitionSpec()
+) -> Callable[[str, Any], PartitionSpec]:
+    """Parses a compact rule string into a function `fn(path, leaf) -> PartitionSpec`.
+
+    The string is rules `REGEX->SPEC` separated by `,`, first match wins
+    (`re.search` on the path). `REGEX` is one regular expression, so `|` is
+    alternation and groups work; it cannot contain `,` or `->`. `SPEC` is
+    dimensions separated by `.`, each one of:
+
+    - an axis name: `dp`;
+    - `None`: that dimension is not sharded;
+    - axis names joined by `+`: `dp+fsdp` shards one dimension over both axes;
+
+    and `()` alone is the replicated spec. So `"attention|mlp->dp.tp,embed->None.tp"`
+    gives `P("dp", "tp")` for attention and MLP weights, and `P(None, "tp")` for
+    embeddings. The string is parsed once, strictly; whitespace around tokens is
+    ignored.
+
+    **Arguments:**
+
+    - `pattern`: the rule string.
+    - `default`: the spec of paths that no rule matches.
+
+    **Returns:**
+
+    A function `fn(path, leaf=None)` returning the spec for the path string `path`
+    (`leaf` is accepted for use with [`eqshard.named_tree_map`][] and ignored).
+    Its `rules` attribute holds the parsed `(regex, PartitionSpec)` pairs, which
+    [`eqshard.match_partition_rules`][] accepts too.
+
+    **Raises:**
+
+    `ValueError` naming the bad rule: no `->` or more than one, an empty regex or
+    spec, an invalid regex, or a dimension that is not an axis name.
+
+    !!! Example
+
+        ```python
+        fn = eqshard.create_pattern_based_partition_spec("attn|mlp->dp.tp,embed->tp")
+        fn("layers/0/mlp/weight", None)  # P("dp", "tp")
+        fn("norm/scale", None)  # P()
+        ```
+    """
+    parsed = _parse_pattern(pattern)
+    rules = tuple((regex.pattern, spec) for regex, spec in parsed)
+    regexes = tuple(regex for regex, _ in parsed)
+    return _PatternPartitionSpec(rules, default, regexes)
+
+
+# ---------------------------------------------------------------- weight decay
+
+
+@typecheck
+def get_weight_decay_mask(
+    exclusions: Pattern | Sequence[Pattern], *, sep: str = "/"
+) -> Callable[[PyTree], PyTree]:
+    """Makes a weight-decay mask function from regexes of parameters to exclude.
+
+    The function maps a parameter tree to a tree of the same structure with a bool
+    per leaf: `False` where the leaf's path matches (`re.search`) any exclusion,
+    `True` (apply weight decay) elsewhere. It is meant for optax's `mask=`
+    argument. The regexes are compiled once, here.
+
+    **Arguments:**
+
+    - `exclusions`: a regex, or a sequence of regexes (strings or compiled).
+    - `sep`: the separator used to build the path strings.
+
+    **Returns:**
+
+    A function `params -> tree of bools`.
+
+    **Raises:**
+
+    `ValueError` naming each exclusion whose regex is invalid.
+
+    !!! Example
+
+        ```python
+        mask = eqshard.get_weight_decay_mask(["bias", "norm/scale"])
+        optimizer = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
+        ```
+    """
+    if isinstance(exclusions, str | re.Pattern):
+        exclusions = [exclusions]
+    regexes = _compile(exclusions, "get_weight_decay_mask", "exclusion")
+
+    def weight_decay_mask(params: PyTree) -> PyTree:
+        path_leaves, treedef = jtu.tree_flatten_with_path(params)
+        decay = []
+        for path, _ in path_leaves:
+            name = _name(path, sep)
+            decay.append(not any(regex.search(name) for regex in regexes))
+        return jtu.tree_unflatten(treedef, decay)
+
+    return weight_decay_mask
