@@ -92,26 +92,31 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
 # ---------------------------------------------------------------- matching
 
 
-class _Leaf(NamedTuple):
-    index: int  # position among all the leaves of the tree
-    name: str
-    shape: tuple[int, ...]
-    rule: int  # index of the first matching rule, or _SCALAR / _SMALL / _UNMATCHED
+class _Matches(NamedTuple):
+    treedef: jtu.PyTreeDef
+    leaves: list[Any]  # every leaf of the tree, in order
+    names: list[str | None]  # the path string of each array; None for non-arrays
+    rules: list[int | None]  # the first matching rule, or _SCALAR / _SMALL /
+    # _UNMATCHED, for each array; None for non-arrays
 
 
 def _match_leaves(
     compiled: Compiled, tree: PyTree, min_size: int, sep: str, caller: str
-) -> tuple[int, jtu.PyTreeDef, list[_Leaf]]:
-    """Matches every array leaf of `tree` against the rules, once."""
+) -> _Matches:
+    """Matches every array leaf of `tree` against the rules, once. (Parallel lists
+    rather than an object per leaf: fewer allocations, fewer GC pauses.)"""
     if min_size < 0:
         raise ValueError(f"eqshard.{caller}: `min_size` must be >= 0, got {min_size}.")
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)
-    regexes = [regex for regex, _ in compiled]
-    out = []
-    for index, (path, leaf) in enumerate(path_leaves):
+    searches = [regex.search for regex, _ in compiled]
+    leaves, names, rules = [], [], []
+    for path, leaf in path_leaves:
+        leaves.append(leaf)
         if not is_array(leaf):
+            names.append(None)
+            rules.append(None)
             continue
-        shape = tuple(leaf.shape)
+        shape = leaf.shape
         name = _name(path, sep)
         if not shape:
             rule = _SCALAR
@@ -119,27 +124,29 @@ def _match_leaves(
             rule = _SMALL
         else:
             rule = _UNMATCHED
-            for i, regex in enumerate(regexes):
-                if regex.search(name) is not None:
+            for i, search in enumerate(searches):
+                if search(name) is not None:
                     rule = i
                     break
-        out.append(_Leaf(index, name, shape, rule))
-    return len(path_leaves), treedef, out
+        names.append(name)
+        rules.append(rule)
+    return _Matches(treedef, leaves, names, rules)
 
 
 def _resolve(
-    leaf: _Leaf, compiled: Compiled
+    rule: int, rank: int, compiled: Compiled
 ) -> tuple[PartitionSpec | None, str | None]:
-    """The spec a leaf gets under `strict=True`, and what is wrong with it if any."""
-    if leaf.rule == _UNMATCHED:
+    """The spec an array gets under `strict=True`, and what is wrong with it if
+    anything."""
+    if rule == _UNMATCHED:
         return None, "no rule matches"
-    if leaf.rule < 0:
+    if rule < 0:
         return PartitionSpec(), None
-    spec = compiled[leaf.rule][1]
-    if len(spec) > len(leaf.shape):
+    spec = compiled[rule][1]
+    if len(spec) > rank:
         return spec, (
-            f"spec {spec!r} of rule {leaf.rule} has {len(spec)} entries but the "
-            f"array has rank {len(leaf.shape)}"
+            f"spec {spec!r} of rule {rule} has {len(spec)} entries but the "
+            f"array has rank {rank}"
         )
     return spec, None
 
@@ -159,11 +166,11 @@ def _rule_lines(rules: Sequence[tuple[Pattern, PartitionSpec]]) -> list[str]:
 
 
 def _bad_leaves_message(
-    bad: list[tuple[_Leaf, str]], rules: Rules, sep: str, caller: str
+    bad: list[tuple[str, tuple[int, ...], str]], rules: Rules, sep: str, caller: str
 ) -> str:
     lines = [f"eqshard.{caller}: {len(bad)} array leaves have no valid spec:"]
-    for leaf, problem in bad[:_LIMIT]:
-        lines.append(f"  {_show(leaf.name)} shape {leaf.shape}: {problem}")
+    for name, shape, problem in bad[:_LIMIT]:
+        lines.append(f"  {_show(name)} shape {shape}: {problem}")
     if len(bad) > _LIMIT:
         lines.append(
             f"  ... and {len(bad) - _LIMIT} more (eqshard.explain_partition_rules "
@@ -234,22 +241,23 @@ def match_partition_rules(
         ```
     """
     compiled = _compile_rules(rules, "match_partition_rules")
-    n_leaves, treedef, leaves = _match_leaves(
-        compiled, tree, min_size, sep, "match_partition_rules"
-    )
-    specs: list[PartitionSpec | None] = [None] * n_leaves
+    matches = _match_leaves(compiled, tree, min_size, sep, "match_partition_rules")
+    specs: list[PartitionSpec | None] = []
     bad = []
-    for leaf in leaves:
-        spec, problem = _resolve(leaf, compiled)
+    for leaf, name, rule in zip(matches.leaves, matches.names, matches.rules):
+        if rule is None:
+            specs.append(None)
+            continue
+        rank = len(leaf.shape)
+        spec, problem = _resolve(rule, rank, compiled)
         if problem is not None:
             if strict:
-                bad.append((leaf, problem))
-                continue
-            spec = _relax(spec, len(leaf.shape))
-        specs[leaf.index] = spec
+                bad.append((name, tuple(leaf.shape), problem))
+            spec = _relax(spec, rank)
+        specs.append(spec)
     if bad:
         raise ValueError(_bad_leaves_message(bad, rules, sep, "match_partition_rules"))
-    return jtu.tree_unflatten(treedef, specs)
+    return jtu.tree_unflatten(matches.treedef, specs)
 
 
 # ---------------------------------------------------------------- explaining
@@ -390,23 +398,23 @@ def explain_partition_rules(
         ```
     """
     compiled = _compile_rules(rules, "explain_partition_rules")
-    _, _, leaves = _match_leaves(
-        compiled, tree, min_size, sep, "explain_partition_rules"
-    )
+    matches = _match_leaves(compiled, tree, min_size, sep, "explain_partition_rules")
     rows = []
     used = set()
-    for leaf in leaves:
-        spec, problem = _resolve(leaf, compiled)
-        matched = leaf.rule >= 0
+    for leaf, name, rule in zip(matches.leaves, matches.names, matches.rules):
+        if rule is None:
+            continue
+        spec, problem = _resolve(rule, len(leaf.shape), compiled)
+        matched = rule >= 0
         if matched:
-            used.add(leaf.rule)
+            used.add(rule)
         rows.append(
             RulesReportRow(
-                path=leaf.name,
-                shape=leaf.shape,
-                reason="matched" if matched else _REASONS[leaf.rule],
-                rule=leaf.rule if matched else None,
-                pattern=compiled[leaf.rule][0].pattern if matched else None,
+                path=name,
+                shape=tuple(leaf.shape),
+                reason="matched" if matched else _REASONS[rule],
+                rule=rule if matched else None,
+                pattern=compiled[rule][0].pattern if matched else None,
                 spec=spec,
                 problem=problem,
             )

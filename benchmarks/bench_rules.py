@@ -1,0 +1,202 @@
+"""Times `eqshard.match_partition_rules` against the naive per-leaf, per-rule loop.
+
+The tree has 10,000 `jax.ShapeDtypeStruct` leaves (no memory) and there are 30
+rules. The naive loop is fjformer's: for each leaf, build its path string, then
+`re.search(pattern_string, path)` for each rule until one matches. Python's `re`
+keeps a cache of compiled patterns (512 entries), so after the first call the
+naive loop does not recompile: what it pays per search is the cache lookup. The
+"cold cache" row empties that cache before every repetition, to show what the
+compiles themselves cost.
+
+Also times the `@typecheck` wrapper on a trivial public function.
+
+Run: `python benchmarks/bench_rules.py`.
+"""
+
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import timeit
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec as P
+
+import eqshard
+
+
+REPEATS = 5
+N_LAYERS = 625  # x 16 leaves per layer = 10,000 leaves
+
+
+def make_tree():
+    def leaf(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def layer():
+        attn = {n: {"kernel": leaf(512, 512), "bias": leaf(512)} for n in "qkvo"}
+        mlp = {
+            n: {"kernel": leaf(512, 2048), "bias": leaf(2048)}
+            for n in ("up", "gate", "down")
+        }
+        return {"attn": attn, "mlp": mlp, "norm1": leaf(512), "norm2": leaf(512)}
+
+    return {"layers": [layer() for _ in range(N_LAYERS)]}
+
+
+def make_rules():
+    real = [(f"attn/{n}/kernel", P("dp", "tp")) for n in "qkvo"] + [
+        (f"mlp/{n}/kernel", P("dp", "tp")) for n in ("up", "gate", "down")
+    ]
+    decoys = [(f"vision/block_{i}/(kernel|bias)", P("tp")) for i in range(8)] + [
+        (f"lora_{c}/kernel", P(None, "tp")) for c in "abcdefghi"
+    ]
+    tail = [
+        ("attn/.*/bias", P("tp")),
+        ("mlp/.*/bias", P("tp")),
+        ("norm[12]$", P()),
+        ("embed/table", P("tp", None)),
+        ("lm_head", P(None, "tp")),
+        (".*", P()),
+    ]
+    # Decoys in the middle: most leaves try some rules that never match.
+    rules = real[:4] + decoys[:7] + real[4:] + decoys[7:] + tail
+    assert len(rules) == 30, len(rules)
+    return rules
+
+
+def _path_string(path, sep="/"):
+    # fjformer's approach: stringify each key of the key path, join.
+    parts = []
+    for key in path:
+        if isinstance(key, jtu.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jtu.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jtu.GetAttrKey):
+            parts.append(key.name)
+        else:
+            parts.append(str(key))
+    return sep.join(parts)
+
+
+def naive_match(rules, names):
+    """The matching loop alone, on precomputed path strings."""
+    out = []
+    for name in names:
+        for pattern, spec in rules:
+            if re.search(pattern, name) is not None:
+                out.append(spec)
+                break
+        else:
+            raise ValueError(name)
+    return out
+
+
+def naive_full(rules, tree):
+    """Flatten with paths, build each path string, match, unflatten."""
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    names = [_path_string(path) for path, _ in path_leaves]
+    return jtu.tree_unflatten(treedef, naive_match(rules, names))
+
+
+def naive_full_cold(rules, tree):
+    re.purge()
+    return naive_full(rules, tree)
+
+
+def time_interleaved(variants):
+    """Median and min (ms) of REPEATS runs of each variant. Runs go round-robin,
+    so that load from other processes hits every variant alike, and each starts
+    after a `gc.collect()`, so that no run pays for another's garbage (the GC
+    stays on during the run)."""
+    for _, fn, args in variants:
+        fn(*args)  # warm up
+    times = {name: [] for name, _, _ in variants}
+    for _ in range(REPEATS):
+        for name, fn, args in variants:
+            gc.collect()
+            start = time.perf_counter()
+            fn(*args)
+            times[name].append(time.perf_counter() - start)
+    return [
+        (name, statistics.median(ts) * 1e3, min(ts) * 1e3) for name, ts in times.items()
+    ]
+
+
+def typecheck_overhead():
+    path = (jtu.DictKey("layers"), jtu.SequenceKey(3))
+    decorated = eqshard.tree_path_to_string
+    raw = getattr(decorated, "__wrapped__", None)
+    n = 20_000
+    rows = [
+        ("@typecheck (default)", timeit.timeit(lambda: decorated(path, "/"), number=n))
+    ]
+    if raw is not None:
+        rows.append(
+            (
+                "undecorated (__wrapped__)",
+                timeit.timeit(lambda: raw(path, "/"), number=n),
+            )
+        )
+    code = (
+        "import timeit, jax.tree_util as jtu, eqshard;"
+        "p = (jtu.DictKey('layers'), jtu.SequenceKey(3));"
+        f"print(timeit.timeit(lambda: eqshard.tree_path_to_string(p, '/'), number={n}))"
+    )
+    env = dict(os.environ, JAXTYPING_DISABLE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows.append(("JAXTYPING_DISABLE=1", float(result.stdout.strip())))
+    return [(name, seconds / n * 1e6) for name, seconds in rows]
+
+
+def main():
+    tree = make_tree()
+    rules = make_rules()
+    n_leaves = len(jax.tree.leaves(tree))
+    names = [_path_string(path) for path, _ in jtu.tree_flatten_with_path(tree)[0]]
+
+    # Same answer from every variant, or the timings mean nothing.
+    specs = eqshard.match_partition_rules(rules, tree)
+    assert jax.tree.leaves(specs) == jax.tree.leaves(naive_full(rules, tree))
+
+    rows = time_interleaved(
+        [
+            (
+                "eqshard.match_partition_rules",
+                eqshard.match_partition_rules,
+                (rules, tree),
+            ),
+            ("naive re.search loop (paths given)", naive_match, (rules, names)),
+            ("naive + flatten_with_path + paths", naive_full, (rules, tree)),
+            ("naive + flatten, cold re cache", naive_full_cold, (rules, tree)),
+        ]
+    )
+    base = rows[0][1]
+    print(f"{n_leaves} leaves, {len(rules)} rules, {REPEATS} interleaved runs each")
+    width = max(len(name) for name, _, _ in rows)
+    print(f"{'variant':<{width}}  {'median ms':>9}  {'min ms':>7}  {'/ eqshard':>9}")
+    for name, median, best in rows:
+        print(f"{name:<{width}}  {median:9.2f}  {best:7.2f}  {median / base:9.2f}")
+
+    print()
+    print("@typecheck overhead: eqshard.tree_path_to_string(2-key path, '/')")
+    overhead = typecheck_overhead()
+    width = max(len(name) for name, _ in overhead)
+    for name, us in overhead:
+        print(f"{name:<{width}}  {us:8.2f} us/call")
+
+
+if __name__ == "__main__":
+    main()
