@@ -47,9 +47,7 @@ def _pattern_text(pattern: Pattern) -> str:
 
 
 def _bad_regex_message(caller: str, what: str, bad: list[tuple[int, str, str]]) -> str:
-    lines = [
-        f"eqshard.{caller}: {len(bad)} {what}(s) are not valid regular expressions:"
-    ]
+    lines = [f"eqshard.{caller}: invalid regular expressions ({len(bad)}):"]
     lines += [f"  {what} {i} {pattern!r}: {error}" for i, pattern, error in bad]
     lines.append("Fix the pattern syntax (see Python's `re` module), or escape it.")
     return "\n".join(lines)
@@ -228,7 +226,8 @@ def match_partition_rules(
     **Raises:**
 
     - `ValueError` listing every bad leaf (path, shape, problem) and the rules
-      tried, when `strict=True`; or naming each rule whose regex is invalid.
+      tried, when `strict=True` (with `strict=False` no leaf is an error); or
+      naming each rule whose regex is invalid.
     - `TypeError` if a rule is not a `(regex, PartitionSpec)` pair.
 
     !!! Example
@@ -391,9 +390,11 @@ def explain_partition_rules(
     !!! Example
 
         ```python
-        rules = [("attn/.*/weight", P("dp", "tp")), ("embeding", P("tp"))]
+        params = {"attn": {"weight": jnp.ones((8, 8))}, "embed": jnp.ones((16, 8))}
+        rules = [("attn/weight", P("dp", "tp")), ("embeding", P("tp"))]
         report = eqshard.explain_partition_rules(rules, params)
         report.dead_rules  # (1,): the typo never matched
+        report.problems[0].path  # "embed": no rule matches it
         print(report)
         ```
     """

@@ -187,7 +187,7 @@ def test_invalid_regexes_are_named_together():
     with pytest.raises(ValueError) as info:
         eqshard.match_partition_rules(rules, {"ok": np.ones(2)})
     message = str(info.value)
-    assert "2 rule(s)" in message
+    assert "invalid regular expressions (2)" in message
     assert "rule 1 '(attn'" in message and "rule 2 'mlp['" in message
 
 
