@@ -17,8 +17,8 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from ._tree import _key_to_string, is_array
-from ._typing import KeyPath, typecheck
+from ._tree import is_array, path_name
+from ._typing import typecheck
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
@@ -28,11 +28,6 @@ Compiled: TypeAlias = list[tuple[re.Pattern[str], PartitionSpec]]
 # What happened to an array leaf, when no rule index applies.
 _SCALAR, _SMALL, _UNMATCHED = -1, -2, -3
 _LIMIT = 30  # lines of leaves or rules shown in one error message
-
-
-def _name(path: KeyPath, sep: str) -> str:
-    # Not `tree_path_to_string`: its runtime type check costs ~5 us per leaf.
-    return sep.join(map(_key_to_string, path))
 
 
 def _show(name: str) -> str:
@@ -115,7 +110,7 @@ def _match_leaves(
             rules.append(None)
             continue
         shape = leaf.shape
-        name = _name(path, sep)
+        name = path_name(path, sep)
         if not shape:
             rule = _SCALAR
         elif min_size and math.prod(shape) < min_size:
@@ -598,7 +593,7 @@ def get_weight_decay_mask(
         path_leaves, treedef = jtu.tree_flatten_with_path(params)
         decay = []
         for path, _ in path_leaves:
-            name = _name(path, sep)
+            name = path_name(path, sep)
             decay.append(not any(regex.search(name) for regex in regexes))
         return jtu.tree_unflatten(treedef, decay)
 

@@ -39,7 +39,7 @@ from ._specs import (
     leaf_specs,
     spec_error_message,
 )
-from ._tree import is_array, path_str, tree_path_to_string
+from ._tree import is_array, path_name, path_str
 from ._typing import KeyPath, typecheck
 
 
@@ -357,7 +357,7 @@ def _iter_host(path_leaves: list[tuple[KeyPath, Any]], sep: str) -> Iterator[Any
     for path, leaf in path_leaves:
         if is_array(leaf):
             host = _to_host(leaf) if isinstance(leaf, jax.Array) else np.asarray(leaf)
-            yield tree_path_to_string(path, sep), host
+            yield path_name(path, sep), host
 
 
 # ---------------------------------------------------------------------------------

@@ -20,10 +20,20 @@ from jaxtyping import PyTree
 from ._typing import IsLeaf, KeyPath, typecheck
 
 
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_is_array_type: dict[type, bool] = {}
+
+
 def is_array(x: Any) -> bool:
     """Whether `x` is an array to eqshard: a `jax.Array`, a NumPy array or scalar, or a
     `jax.ShapeDtypeStruct`. Python scalars are not arrays (Equinox's convention)."""
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+    # `isinstance(x, jax.Array)` is slow (an ABC check); the answer depends only on
+    # the type, so it is looked up once per type.
+    kind = type(x)
+    found = _is_array_type.get(kind)
+    if found is None:
+        found = _is_array_type[kind] = isinstance(x, _ARRAY_TYPES)
+    return found
 
 
 def _key_to_string(key: Any) -> str:
@@ -65,13 +75,19 @@ def tree_path_to_string(path: KeyPath, sep: str | None = None) -> str | tuple[st
         eqshard.tree_path_to_string(path)  # ("a", "1")
         ```
     """
-    parts = tuple(_key_to_string(key) for key in path)
+    return path_name(path, sep)
+
+
+def path_name(path: KeyPath, sep: str | None) -> str | tuple[str, ...]:
+    """[`eqshard.tree_path_to_string`][] without the runtime type check, which would
+    cost ~5 us a leaf in eqshard's own loops."""
+    parts = tuple(map(_key_to_string, path))
     return parts if sep is None else sep.join(parts)
 
 
 def path_str(path: KeyPath) -> str:
     """The `/`-joined name of `path` for eqshard messages; `<root>` if empty."""
-    return "/".join(_key_to_string(key) for key in path) or "<root>"
+    return "/".join(map(_key_to_string, path)) or "<root>"
 
 
 def _collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
@@ -90,7 +106,7 @@ def _flatten_with_names(
     owner: dict[Any, KeyPath] = {}
     paths = []
     for path, leaf in path_leaves:
-        name = tree_path_to_string(path, sep)
+        name = path_name(path, sep)
         if name in owner:
             raise ValueError(_collision_message(name, owner[name], path))
         owner[name] = path
@@ -337,7 +353,7 @@ def named_tree_map(
         except (ValueError, TypeError):
             raise _rest_error(tree, other, is_leaf, i) from None
     out = [
-        f(tree_path_to_string(path, sep), leaf, *others)
+        f(path_name(path, sep), leaf, *others)
         for (path, leaf), *others in zip(path_leaves, *rest_leaves)
     ]
     return jtu.tree_unflatten(treedef, out)
