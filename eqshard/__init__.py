@@ -22,6 +22,15 @@ from ._rules import (
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
+from ._shard import (
+    gather as gather,
+    iter_gather as iter_gather,
+    make_shard_and_gather_fns as make_shard_and_gather_fns,
+    named_shardings as named_shardings,
+    shard as shard,
+    with_sharding_constraint as with_sharding_constraint,
+)
+from ._specs import corrected_spec as corrected_spec
 from ._tree import (
     flatten_tree as flatten_tree,
     get_names_from_partition_spec as get_names_from_partition_spec,
