@@ -14,6 +14,17 @@ from ._logical import (
     set_logical_axis_rules as set_logical_axis_rules,
     standard_logical_axis_rules as standard_logical_axis_rules,
 )
+from ._mesh import (
+    axis_index as axis_index,
+    axis_size as axis_size,
+    create_hybrid_mesh as create_hybrid_mesh,
+    create_mesh as create_mesh,
+    current_mesh as current_mesh,
+    get_jax_mesh as get_jax_mesh,
+    get_mesh_axis_names as get_mesh_axis_names,
+    mesh_axis_size as mesh_axis_size,
+    names_in_current_mesh as names_in_current_mesh,
+)
 from ._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     explain_partition_rules as explain_partition_rules,

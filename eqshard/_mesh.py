@@ -1,9 +1,392 @@
 """Device meshes: construction, mesh strings, current-mesh and axis queries."""
 
+import collections
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
 import jax
-from jax.sharding import AbstractMesh, Mesh
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from ._typing import typecheck
+
+
+# One builder per kind of message.
+
+
+def _shape_error(caller: str, dims: Any, names: Any, problem: str) -> ValueError:
+    """A mesh shape (`dims` over `names`) that cannot be built, and why."""
+    return ValueError(
+        f"eqshard.{caller}: cannot build a mesh with sizes {tuple(dims)} and axis "
+        f"names {tuple(names)}: {problem}"
+    )
+
+
+def _mesh_string_error(axis_dims: str, token: str, problem: str) -> ValueError:
+    """A malformed mesh string for `get_jax_mesh`, naming the offending token."""
+    return ValueError(
+        f"eqshard.get_jax_mesh: cannot parse mesh string {axis_dims!r} at "
+        f"{token!r}: {problem}. Write either sizes in the order of `names` "
+        "('2,-1') or name:size pairs ('dp:2,fsdp:-1')."
+    )
+
+
+def _unknown_axes_error(
+    caller: str, missing: Sequence[str], mesh: Mesh | AbstractMesh
+) -> ValueError:
+    """Axis names that the mesh does not have."""
+    return ValueError(
+        f"eqshard.{caller}: mesh axis {', '.join(map(repr, missing))} not in the "
+        f"mesh {dict(mesh.shape)}. Use one of {tuple(mesh.axis_names)}."
+    )
+
+
+# Building meshes.
+
+
+def _shape_problem(
+    dims: Sequence[int], names: Sequence[str], num_devices: int | None
+) -> str | None:
+    """What is wrong with sizes `dims` for axes `names` over `num_devices` devices.
+
+    `num_devices=None` skips the device-count checks and allows no `-1`.
+    """
+    minus = list(dims).count(-1)
+    known = math.prod(d for d in dims if d != -1)
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if len(dims) != len(names):
+        return f"{len(dims)} size(s) for {len(names)} name(s); give one per name."
+    if repeated:
+        return f"axis name {', '.join(map(repr, repeated))} repeats; name each once."
+    if any(d == 0 or d < -1 or (d == -1 and num_devices is None) for d in dims):
+        return "sizes must be positive" + ("." if num_devices is None else ", or -1.")
+    if minus > 1:
+        return f"{minus} sizes are -1 but only one can be inferred; fix the others."
+    if num_devices is not None and minus and num_devices % known:
+        return (
+            f"the fixed sizes multiply to {known}, which does not divide the "
+            f"{num_devices} devices; make their product a divisor of {num_devices}."
+        )
+    if num_devices is not None and not minus and known > num_devices:
+        return (
+            f"the sizes multiply to {known}, more than the {num_devices} devices; "
+            "use -1 for one axis to take all devices, or smaller sizes."
+        )
+    return None
+
+
+def _names_tuple(caller: str, names: Sequence[str]) -> tuple[str, ...]:
+    """`names` as a tuple; a bare string is a TypeError."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"eqshard.{caller}: axis names must be a sequence of strings, not the "
+            f"string {names!r}; write ({names!r},) for a single axis."
+        )
+    return tuple(names)
+
+
+def _check_shape(
+    caller: str, dims: Sequence[int], names: Sequence[str], num_devices: int | None
+) -> tuple[str, ...]:
+    """Raise for a bad shape (see `_shape_problem`); return the names as a tuple."""
+    names = _names_tuple(caller, names)
+    problem = _shape_problem(dims, names, num_devices)
+    if problem is not None:
+        raise _shape_error(caller, dims, names, problem)
+    return names
+
+
+def _axis_types(
+    caller: str, names: tuple[str, ...], axis_types: Sequence[AxisType] | None
+) -> tuple[AxisType, ...]:
+    """`axis_types`, or `Auto` for every axis, checked against the axis names."""
+    if axis_types is None:
+        return (AxisType.Auto,) * len(names)
+    if len(axis_types) != len(names):
+        raise ValueError(
+            f"eqshard.{caller}: {len(axis_types)} axis_types for the "
+            f"{len(names)} axes {names}; give one AxisType per axis."
+        )
+    return tuple(axis_types)
+
+
+def _resolve_devices(
+    caller: str, devices: Sequence[Any] | None, backend: str | None
+) -> list[Any]:
+    """The devices to build a mesh from: `devices`, or `jax.devices(backend)`."""
+    if devices is not None and backend is not None:
+        raise ValueError(
+            f"eqshard.{caller}: pass either devices= or backend={backend!r}, not both."
+        )
+    if devices is not None and len(devices) == 0:
+        raise ValueError(f"eqshard.{caller}: devices= is empty; give at least one.")
+    return list(jax.devices(backend) if devices is None else devices)
+
+
+def _build_mesh(
+    caller: str,
+    dims: Sequence[int],
+    names: Sequence[str],
+    devices: Sequence[Any] | None,
+    backend: str | None,
+    axis_types: Sequence[AxisType] | None,
+    *,
+    keep_device_order: bool = False,
+) -> Mesh:
+    """The mesh behind `create_mesh` and `get_jax_mesh`."""
+    devs = _resolve_devices(caller, devices, backend)
+    names = _check_shape(caller, dims, names, len(devs))
+    types = _axis_types(caller, names, axis_types)
+    known = math.prod(d for d in dims if d != -1)
+    shape = tuple(len(devs) // known if d == -1 else d for d in dims)
+    devs = devs[: math.prod(shape)]
+    if keep_device_order:
+        array = np.empty(len(devs), dtype=object)
+        array[:] = devs
+        return Mesh(array.reshape(shape), names, axis_types=types)
+    return jax.make_mesh(shape, names, axis_types=types, devices=devs)
+
+
+@typecheck
+def create_mesh(
+    axis_dims: Sequence[int] = (1, -1, 1, 1),
+    axis_names: Sequence[str] = ("dp", "fsdp", "tp", "sp"),
+    *,
+    devices: Sequence[Any] | None = None,
+    backend: str | None = None,
+    axis_types: Sequence[AxisType] | None = None,
+) -> Mesh:
+    """Build a named device mesh; one size of `-1` takes the remaining devices.
+
+    The devices are arranged by `jax.make_mesh`, which follows the physical
+    topology (TPU rings and tori), and every axis is `AxisType.Auto` unless
+    `axis_types` says otherwise. Without a `-1` the sizes may multiply to fewer
+    than the available devices; the mesh then uses the first ones.
+
+    **Arguments:**
+
+    - `axis_dims`: the size of each axis; at most one is `-1`.
+    - `axis_names`: one distinct name per axis.
+    - `devices`: the devices to use (default `jax.devices(backend)`).
+    - `backend`: the JAX backend to take devices from when `devices` is not given.
+    - `axis_types`: one `jax.sharding.AxisType` per axis (default all `Auto`).
+
+    **Returns:**
+
+    A `jax.sharding.Mesh`.
+
+    **Raises:**
+
+    `ValueError` if sizes and names differ in length, a name repeats, more than
+    one size is `-1`, a size is `0` or below `-1`, or the sizes do not fit the
+    device count (the message gives the numbers). `TypeError` for a bare string
+    as `axis_names`.
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, -1), ("dp", "tp"))  # 8 devices
+        assert dict(mesh.shape) == {"dp": 2, "tp": 4}
+        ```
+    """
+    return _build_mesh(
+        "create_mesh", axis_dims, axis_names, devices, backend, axis_types
+    )
+
+
+def _parse_mesh_string(
+    axis_dims: str, names: tuple[str, ...]
+) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
+    """Split a mesh string into (keep_device_order, sizes, axis names)."""
+    text = axis_dims.strip()
+    keep_order = text.startswith("!")
+    tokens = [t.strip() for t in text.removeprefix("!").split(",")]
+    named = ":" in tokens[0]
+    dims, dim_names = [], []
+    for token in tokens:
+        name, _, size = token.rpartition(":")
+        name, size = name.strip(), size.strip()
+        if not token:
+            problem = "empty entry"
+        elif (":" in token) != named:
+            problem = "named and positional entries are mixed"
+        elif not re.fullmatch(r"-?[0-9]+", size):
+            problem = f"{size!r} is not an integer size"
+        elif named and name not in names:
+            problem = f"{name!r} is not one of the names {names}"
+        elif named and name in dim_names:
+            problem = f"{name!r} repeats"
+        else:
+            dims.append(int(size))
+            dim_names.append(name)
+            continue
+        raise _mesh_string_error(axis_dims, token, problem)
+    if not named and len(dims) != len(names):
+        problem = f"{len(dims)} size(s) for the {len(names)} names {names}"
+        raise _mesh_string_error(axis_dims, text, problem)
+    missing = [n for n in names if named and n not in dim_names]
+    if missing:
+        problem = f"no size for {', '.join(map(repr, missing))}"
+        raise _mesh_string_error(axis_dims, text, problem)
+    return keep_order, tuple(dims), tuple(dim_names) if named else names
+
+
+@typecheck
+def get_jax_mesh(
+    axis_dims: str,
+    names: Sequence[str],
+    *,
+    devices: Sequence[Any] | None = None,
+    backend: str | None = None,
+    axis_types: Sequence[AxisType] | None = None,
+) -> Mesh:
+    """Build a mesh from a string such as `"dp:2,fsdp:-1,tp:1"` or `"2,-1,1"`.
+
+    A positional string gives one size per entry of `names`, in that order. A
+    named string gives `name:size` pairs for every name in `names`, and the mesh
+    axes follow the string's order, not `names`'. One size may be `-1`, as in
+    [`eqshard.create_mesh`][]. A leading `!` keeps the devices in the order
+    given instead of arranging them by topology (allowing a physical axis to be
+    split across mesh axes).
+
+    **Arguments:**
+
+    - `axis_dims`: the mesh string.
+    - `names`: the axis names.
+    - `devices`, `backend`, `axis_types`: as for [`eqshard.create_mesh`][].
+
+    **Returns:**
+
+    A `jax.sharding.Mesh` with `AxisType.Auto` axes unless `axis_types` is given.
+
+    **Raises:**
+
+    `ValueError` naming the offending entry for an empty entry, a non-integer
+    size, an unknown or repeated name, a mix of named and positional entries, or
+    the wrong number of sizes; otherwise as [`eqshard.create_mesh`][].
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.get_jax_mesh("tp:2,dp:-1", ("dp", "tp"))  # 8 devices
+        assert mesh.axis_names == ("tp", "dp")
+        assert dict(mesh.shape) == {"tp": 2, "dp": 4}
+        ```
+    """
+    names = _names_tuple("get_jax_mesh", names)
+    keep_order, dims, dim_names = _parse_mesh_string(axis_dims, names)
+    return _build_mesh(
+        "get_jax_mesh",
+        dims,
+        dim_names,
+        devices,
+        backend,
+        axis_types,
+        keep_device_order=keep_order,
+    )
+
+
+def _unit_attribute(devices: Sequence[Any], num_units: int) -> str | None:
+    """The device attribute whose values are the DCN units, or `None`.
+
+    Slices when the devices have `slice_index` and there are `num_units` of
+    them; else processes when there are `num_units` of those.
+    """
+    if all(hasattr(d, "slice_index") for d in devices):
+        if len({d.slice_index for d in devices}) == num_units:
+            return "slice_index"
+    if len({d.process_index for d in devices}) == num_units:
+        return "process_index"
+    return None
+
+
+@typecheck
+def create_hybrid_mesh(
+    ici_mesh_shape: Sequence[int],
+    dcn_mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    *,
+    devices: Sequence[Any] | None = None,
+    axis_types: Sequence[AxisType] | None = None,
+) -> Mesh:
+    """Build a mesh over several slices or hosts: fast (ICI) axes inside each one,
+    slow (DCN) axes across them.
+
+    Axis `i` of the mesh has size `ici_mesh_shape[i] * dcn_mesh_shape[i]`: the
+    devices of each unit fill an `ici_mesh_shape` block (arranged by
+    `jax.experimental.mesh_utils`), and the units are tiled in a
+    `dcn_mesh_shape` grid in order of their index. The units are TPU slices
+    (`device.slice_index`) when their number equals the product of
+    `dcn_mesh_shape`, otherwise processes (`device.process_index`), which is
+    what GPUs and multi-process CPUs have.
+
+    **Arguments:**
+
+    - `ici_mesh_shape`: the mesh shape inside one slice or process.
+    - `dcn_mesh_shape`: how the slices or processes tile, one entry per axis.
+    - `axis_names`: one distinct name per axis.
+    - `devices`: the devices (default `jax.devices()`).
+    - `axis_types`: as for [`eqshard.create_mesh`][] (default all `Auto`).
+
+    **Returns:**
+
+    A `jax.sharding.Mesh`.
+
+    **Raises:**
+
+    `ValueError` if the three sequences differ in length, a name repeats, a size
+    is not positive, the product of `dcn_mesh_shape` is neither the number of
+    slices nor of processes, or a unit does not hold exactly
+    `prod(ici_mesh_shape)` devices.
+
+    !!! Example
+
+        ```python
+        # One process of 8 devices: one DCN unit.
+        mesh = eqshard.create_hybrid_mesh((2, 4), (1, 1), ("data", "model"))
+        assert dict(mesh.shape) == {"data": 2, "model": 4}
+        ```
+    """
+    caller = "create_hybrid_mesh"
+    _check_shape(caller, ici_mesh_shape, axis_names, None)
+    names = _check_shape(caller, dcn_mesh_shape, axis_names, None)
+    types = _axis_types(caller, names, axis_types)
+    devs = _resolve_devices(caller, devices, None)
+    num_units = math.prod(dcn_mesh_shape)
+    attr = _unit_attribute(devs, num_units)
+    if attr is None:
+        slices = len({getattr(d, "slice_index", 0) for d in devs})
+        processes = len({d.process_index for d in devs})
+        raise ValueError(
+            f"eqshard.{caller}: dcn_mesh_shape={tuple(dcn_mesh_shape)} asks for "
+            f"{num_units} slices or processes, but the {len(devs)} devices "
+            f"span {slices} slice(s) and {processes} process(es). Make the "
+            "product of dcn_mesh_shape one of those counts."
+        )
+    counts = collections.Counter(getattr(d, attr) for d in devs)
+    if set(counts.values()) != {math.prod(ici_mesh_shape)}:
+        unit = attr.removesuffix("_index")
+        raise ValueError(
+            f"eqshard.{caller}: ici_mesh_shape={tuple(ici_mesh_shape)} needs "
+            f"{math.prod(ici_mesh_shape)} devices per {unit}, but the devices "
+            f"per {unit} are {dict(sorted(counts.items()))}; give a shape whose "
+            f"sizes multiply to the devices in one {unit}."
+        )
+    array = mesh_utils.create_hybrid_device_mesh(
+        tuple(ici_mesh_shape),
+        tuple(dcn_mesh_shape),
+        devs,
+        process_is_granule=attr == "process_index",
+    )
+    return Mesh(array, names, axis_types=types)
+
+
+# ---------------------------------------------------------------------------
+# The current mesh and axis queries.
+# ---------------------------------------------------------------------------
 
 
 @typecheck
@@ -12,7 +395,8 @@ def current_mesh() -> Mesh | AbstractMesh | None:
 
     Outside `jax.jit` this is the concrete `jax.sharding.Mesh` (with devices);
     inside a trace, where JAX only knows the abstract mesh, it is the
-    `jax.sharding.AbstractMesh` from `jax.sharding.get_abstract_mesh()`.
+    `jax.sharding.AbstractMesh` from `jax.sharding.get_abstract_mesh()` (inside
+    `shard_map` its axes are `Manual`).
 
     !!! warning "Migrating from `with mesh:`"
 
@@ -71,3 +455,194 @@ def _require_mesh(
             "that `jax.set_mesh` sets."
         )
     return found
+
+
+def _as_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """One axis name or a sequence of them, as a tuple."""
+    if isinstance(names, str):
+        return (names,)
+    return tuple(names)
+
+
+@typecheck
+def names_in_current_mesh(*names: str) -> bool:
+    """Whether the current mesh (from `jax.set_mesh`) has all of these axes.
+
+    Useful to apply a constraint only when the mesh supports it. With no mesh
+    set the answer is `False` (unless no names are given).
+
+    **Arguments:**
+
+    - `*names`: mesh axis names.
+
+    **Returns:**
+
+    `True` if every name is an axis of [`eqshard.current_mesh`][].
+
+    **Raises:** nothing.
+
+    !!! Example
+
+        ```python
+        with jax.set_mesh(eqshard.create_mesh((2, 4), ("dp", "tp"))):
+            assert eqshard.names_in_current_mesh("dp", "tp")
+            assert not eqshard.names_in_current_mesh("sp")
+        ```
+    """
+    mesh = current_mesh()
+    axes = () if mesh is None else mesh.axis_names
+    return set(names) <= set(axes)
+
+
+@typecheck
+def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> tuple[str, ...]:
+    """The axis names of `mesh`, or of the current mesh.
+
+    **Arguments:**
+
+    - `mesh`: a mesh (default: the one set by `jax.set_mesh`).
+
+    **Returns:**
+
+    A tuple of names in mesh order.
+
+    **Raises:**
+
+    `ValueError` if `mesh` is not given and none is set.
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+        assert eqshard.get_mesh_axis_names(mesh) == ("dp", "tp")
+        ```
+    """
+    return tuple(_require_mesh(mesh, caller="get_mesh_axis_names").axis_names)
+
+
+@typecheck
+def mesh_axis_size(
+    names: str | Sequence[str], mesh: Mesh | AbstractMesh | None = None
+) -> int:
+    """The number of devices along one mesh axis, or the product over several.
+
+    Works outside `shard_map`, on concrete and abstract meshes. An empty
+    sequence gives 1.
+
+    **Arguments:**
+
+    - `names`: an axis name or a sequence of them.
+    - `mesh`: a mesh (default: the one set by `jax.set_mesh`).
+
+    **Returns:**
+
+    The size as a Python `int`.
+
+    **Raises:**
+
+    `ValueError` if no mesh is given or set, or a name is not a mesh axis (the
+    message lists the mesh axes and sizes).
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+        assert eqshard.mesh_axis_size(("dp", "tp"), mesh) == 8
+        ```
+    """
+    mesh = _require_mesh(mesh, caller="mesh_axis_size")
+    wanted = _as_names(names)
+    missing = [n for n in wanted if n not in mesh.axis_names]
+    if missing:
+        raise _unknown_axes_error("mesh_axis_size", missing, mesh)
+    shape = dict(mesh.shape)
+    return math.prod(shape[n] for n in wanted)
+
+
+def _bound_axis_error(
+    caller: str, names: tuple[str, ...], error: NameError
+) -> ValueError:
+    """An axis name that is not bound where `axis_size`/`axis_index` ran."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = [
+        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual
+    ]
+    return ValueError(
+        f"eqshard.{caller}: axis {names} is not bound here ({error}). Call it "
+        "inside `jax.shard_map` (or `vmap`/`pmap` with `axis_name=`) over those "
+        f"axes; the bound mesh axes here are {tuple(manual)}. Outside shard_map "
+        "use `eqshard.mesh_axis_size`."
+    )
+
+
+@typecheck
+def axis_size(names: str | Sequence[str]) -> int:
+    """Inside `shard_map`: the number of devices along one axis, or the product
+    over several.
+
+    **Arguments:**
+
+    - `names`: an axis name or a sequence of them (empty gives 1).
+
+    **Returns:**
+
+    The size as a Python `int`.
+
+    **Raises:**
+
+    `ValueError` if a name is not bound (for example, outside `shard_map`).
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+
+        @jax.shard_map(mesh=mesh, in_specs=P(), out_specs=P())
+        def f(x):
+            return x * eqshard.axis_size(("dp", "tp"))  # 8
+        ```
+    """
+    wanted = _as_names(names)
+    try:
+        return int(jax.lax.axis_size(wanted))
+    except NameError as e:
+        raise _bound_axis_error("axis_size", wanted, e) from None
+
+
+@typecheck
+def axis_index(names: str | Sequence[str]) -> jax.Array:
+    """Inside `shard_map`: this device's index along one axis, or its row-major
+    linear index over several (the first name is the most significant).
+
+    For `("dp", "tp")` on a `{"dp": 2, "tp": 4}` mesh the index is
+    `4 * dp_index + tp_index`; an empty sequence gives `0`.
+
+    **Arguments:**
+
+    - `names`: an axis name or a sequence of them, major to minor.
+
+    **Returns:**
+
+    A scalar `int32` array.
+
+    **Raises:**
+
+    `ValueError` if a name is not bound (for example, outside `shard_map`).
+
+    !!! Example
+
+        ```python
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+
+        @jax.shard_map(mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
+        def f(x):
+            return x + eqshard.axis_index(("dp", "tp"))
+
+        f(jnp.zeros(8, jnp.int32))  # [0, 1, ..., 7]
+        ```
+    """
+    wanted = _as_names(names)
+    try:
+        return jax.lax.axis_index(wanted)
+    except NameError as e:
+        raise _bound_axis_error("axis_index", wanted, e) from None
