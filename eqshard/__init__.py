@@ -25,6 +25,13 @@ from ._mesh import (
     mesh_axis_size as mesh_axis_size,
     names_in_current_mesh as names_in_current_mesh,
 )
+from ._misc import (
+    get_metrics as get_metrics,
+    pad_to_multiple as pad_to_multiple,
+    RngFunction as RngFunction,
+    round_up_to_multiple as round_up_to_multiple,
+    wrap_function_with_rng as wrap_function_with_rng,
+)
 from ._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     explain_partition_rules as explain_partition_rules,
