@@ -4,6 +4,15 @@ import importlib.metadata
 
 
 __version__ = importlib.metadata.version("eqshard")
+from ._inspect import (
+    analyze_sharding_strategy as analyze_sharding_strategy,
+    extract_sharding_structure as extract_sharding_structure,
+    extract_shardings as extract_shardings,
+    get_partition_spec as get_partition_spec,
+    ShardingProblem as ShardingProblem,
+    ShardingReport as ShardingReport,
+    ShardingRow as ShardingRow,
+)
 from ._logical import (
     AxisNames as AxisNames,
     composite_rules as composite_rules,

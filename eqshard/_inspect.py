@@ -1,0 +1,684 @@
+"""Reading the shardings of a pytree, and planning memory before anything moves.
+
+The readers (`get_partition_spec`, `extract_sharding_structure`,
+`extract_shardings`) turn the arrays of a tree into its spec tree or sharding
+tree. `analyze_sharding_strategy` works out, from shapes and specs alone, how many
+bytes each device of a mesh would hold: it reads only `.shape` and `.dtype`, so it
+plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
+"""
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._mesh import _require_mesh, current_mesh
+from ._specs import check_spec, entry_axes, leaf_specs, spec_error_message
+from ._tree import is_array, path_str
+from ._typing import KeyPath, typecheck
+
+
+# ---------------------------------------------------------------------------------
+# Reading shardings.
+# ---------------------------------------------------------------------------------
+
+
+def _traced_error(caller: str, path: KeyPath) -> TypeError:
+    return TypeError(
+        f"eqshard.{caller}: the leaf at '{path_str(path)}' is traced inside `jax.jit`, "
+        "where shardings are decided by the compiler and arrays have none to read. "
+        "Call it outside `jit` (e.g. on the result of `eqx.filter_eval_shape`), or "
+        "use `jax.typeof(x).sharding` for the type-level sharding."
+    )
+
+
+def _array_shardings(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:
+    """For each leaf of `tree`: `None` if it is not an array, else its sharding
+    (`None` for NumPy arrays and for structs without one)."""
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    out: list[Any] = []
+    for path, leaf in path_leaves:
+        if isinstance(leaf, jax.core.Tracer):
+            raise _traced_error(caller, path)
+        if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+            out.append((leaf.sharding, path))
+        elif is_array(leaf):
+            out.append((None, path))
+        else:
+            out.append(None)
+    return out, treedef
+
+
+@typecheck
+def get_partition_spec(tree: PyTree) -> PyTree:
+    """The spec tree of a pytree: the `PartitionSpec` each array is sharded with.
+
+    The result is a spec tree for `tree` (see [`eqshard.shard`][]): an array with a
+    `NamedSharding` (a `jax.Array`, or a `jax.ShapeDtypeStruct` that carries one)
+    gives its spec; an array that is not partitioned gives `P()`: a NumPy array, an
+    array on a single device, a fully replicated array, a struct without a sharding.
+    Leaves that are not arrays give `None`, Python scalars included (they are not
+    arrays, as in Equinox; eformer gives them `P()`). So
+    `eqshard.shard(other, eqshard.get_partition_spec(tree), mesh)` lays `other` out
+    as `tree` is.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+
+    **Returns:**
+
+    A pytree of the structure of `tree` holding `PartitionSpec`s and `None`s.
+
+    **Raises:**
+
+    A `TypeError` naming the path of an array that is partitioned by a sharding
+    other than a `NamedSharding` (such as a `PmapSharding`), or that is traced
+    inside `jax.jit`.
+
+    !!! Example
+
+        ```python
+        x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("dp")))
+        eqshard.get_partition_spec({"x": x, "y": np.ones(3), "n": 3})
+        # {"x": P('dp',), "y": P(), "n": None}
+        ```
+    """
+    found, treedef = _array_shardings(tree, "get_partition_spec")
+    out = []
+    for entry in found:
+        if entry is None:
+            out.append(None)
+            continue
+        sharding, path = entry
+        if isinstance(sharding, NamedSharding):
+            out.append(sharding.spec)
+        elif sharding is None or sharding.is_fully_replicated:
+            out.append(PartitionSpec())
+        else:
+            raise TypeError(
+                f"eqshard.get_partition_spec: the array at '{path_str(path)}' is "
+                f"partitioned by a {type(sharding).__name__}, which no PartitionSpec "
+                "describes. Lay it out with a `NamedSharding` first, e.g. "
+                "`eqshard.shard(tree, specs, mesh)`."
+            )
+    return jtu.tree_unflatten(treedef, out)
+
+
+@typecheck
+def extract_sharding_structure(tree: PyTree) -> PyTree:
+    """The tree of `NamedSharding`s the arrays of a pytree have.
+
+    Each array with a `NamedSharding` (a `jax.Array`, or a `jax.ShapeDtypeStruct`
+    that carries one, possibly on an `AbstractMesh`) gives it; every other leaf
+    gives `None`: arrays on a single device or with another kind of sharding, NumPy
+    arrays, structs without a sharding, and leaves that are not arrays. Nothing is
+    built and no mesh is needed; see [`eqshard.extract_shardings`][] for shardings
+    bound to a concrete mesh, and [`eqshard.get_partition_spec`][] for specs.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+
+    **Returns:**
+
+    A pytree of the structure of `tree` holding `NamedSharding`s and `None`s.
+
+    **Raises:**
+
+    A `TypeError` naming the path of an array traced inside `jax.jit`.
+
+    !!! Example
+
+        ```python
+        x = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("dp")))
+        eqshard.extract_sharding_structure({"x": x, "y": jnp.zeros(3)})
+        # {"x": NamedSharding(mesh, P('dp',)), "y": None}
+        ```
+    """
+    found, treedef = _array_shardings(tree, "extract_sharding_structure")
+    out = [
+        entry[0] if entry is not None and isinstance(entry[0], NamedSharding) else None
+        for entry in found
+    ]
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _same_axes(a: Mesh | AbstractMesh, b: Mesh | AbstractMesh) -> bool:
+    return tuple(a.axis_names) == tuple(b.axis_names) and tuple(a.axis_sizes) == tuple(
+        b.axis_sizes
+    )
+
+
+@typecheck
+def extract_shardings(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
+    """The tree of concrete `NamedSharding`s of a pytree, ready for `jax.jit` or
+    `jax.device_put`.
+
+    As [`eqshard.extract_sharding_structure`][], except that a sharding on an
+    `AbstractMesh` (as `jax.eval_shape` gives under a mesh of `Explicit` axes) is
+    bound to the devices of `mesh`: it becomes `NamedSharding(mesh, spec)`. Leaves
+    without a `NamedSharding` give `None`, which `jax.jit` reads as "unspecified".
+
+    **Arguments:**
+
+    - `tree`: any pytree, e.g. the result of `eqx.filter_eval_shape`.
+    - `mesh`: the mesh to bind abstract shardings to; defaults to the mesh set by
+      `jax.set_mesh`. Only needed if `tree` has abstract shardings.
+
+    **Returns:**
+
+    A pytree of the structure of `tree` holding `NamedSharding`s on concrete meshes
+    and `None`s.
+
+    **Raises:**
+
+    - `ValueError` naming the path of an abstract sharding when no concrete mesh is
+      given or set, or when its mesh axes (names and sizes) differ from `mesh`'s.
+    - `TypeError` naming the path of an array traced inside `jax.jit`.
+
+    !!! Example
+
+        ```python
+        with jax.set_mesh(mesh):  # a mesh of Explicit axes
+            shapes = eqx.filter_eval_shape(init_state, key)
+            shardings = eqshard.extract_shardings(shapes)
+        state = jax.jit(init_state, out_shardings=shardings)(key)
+        ```
+    """
+    found, treedef = _array_shardings(tree, "extract_shardings")
+    out = []
+    for entry in found:
+        sharding = None if entry is None else entry[0]
+        if not isinstance(sharding, NamedSharding):
+            out.append(None)
+            continue
+        if isinstance(sharding.mesh, AbstractMesh):
+            sharding = _bind(sharding, mesh, entry[1])
+        out.append(sharding)
+    return jtu.tree_unflatten(treedef, out)
+
+
+def _bind(sharding: NamedSharding, mesh: Mesh | None, path: KeyPath) -> NamedSharding:
+    where = f"the sharding at '{path_str(path)}' is on an abstract mesh {sharding.mesh}"
+    if mesh is None:
+        found = current_mesh()
+        if not isinstance(found, Mesh):
+            raise ValueError(
+                f"eqshard.extract_shardings: {where}, and binding it to devices needs "
+                "a concrete mesh, but none is given or set. Pass `mesh=...`, or call "
+                "it under `with jax.set_mesh(mesh):` outside `jax.jit`."
+            )
+        mesh = found
+    if not _same_axes(sharding.mesh, mesh):
+        raise ValueError(
+            f"eqshard.extract_shardings: {where}, whose axes differ from those of the "
+            f"mesh {dict(mesh.shape)}. Pass the mesh the tree was planned for."
+        )
+    return NamedSharding(mesh, sharding.spec)
+
+
+# ---------------------------------------------------------------------------------
+# The report.
+# ---------------------------------------------------------------------------------
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes in binary units: `"64 B"`, `"1.5 KiB"`, `"3.2 GiB"`."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "PiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRow:
+    """One array of a pytree in a [`eqshard.ShardingReport`][].
+
+    **Fields:**
+
+    - `path`: the leaf's path, such as `"layers/3/attn/q/weight"`.
+    - `shape`, `dtype`: the array's shape and dtype name.
+    - `spec`: the spec asked for (a `NamedSharding`'s spec), or `None` if the
+      array is not placed on the mesh.
+    - `nbytes`: the bytes of the whole array.
+    - `bytes_per_device`: the bytes of the piece each device holding the array has
+      (0 if it is not placed).
+    - `num_shards`: into how many distinct pieces the array is split.
+    - `num_devices`: how many devices hold a piece.
+    - `valid`: whether `spec` can apply; if not, the row describes the nearest spec
+      that can (see `ShardingReport.problems`).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: PartitionSpec | None
+    nbytes: int
+    bytes_per_device: int
+    num_shards: int
+    num_devices: int
+    valid: bool = True
+
+    @property
+    def size(self) -> int:
+        """The number of elements (parameters) of the array."""
+        return math.prod(self.shape)
+
+    @property
+    def placed(self) -> bool:
+        """Whether the array has a spec, and so is placed on the mesh."""
+        return self.spec is not None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the array is split into more than one piece."""
+        return self.num_shards > 1
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the array is placed whole on every device of its mesh."""
+        return self.placed and self.num_shards == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingProblem:
+    """A leaf whose spec cannot apply, in a [`eqshard.ShardingReport`][].
+
+    **Fields:**
+
+    - `path`, `shape`, `spec`: the leaf and the spec asked for.
+    - `suggestion`: the nearest spec that applies (see [`eqshard.corrected_spec`][]),
+      which the report uses for this leaf.
+    - `reasons`: what is wrong with `spec`.
+    - `mesh`: the mesh the spec was checked against.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    spec: PartitionSpec
+    suggestion: PartitionSpec
+    reasons: tuple[str, ...]
+    mesh: Mesh | AbstractMesh
+
+
+def _problem_tuples(problems: tuple[ShardingProblem, ...]) -> list[Any]:
+    """`problems` in the form `spec_error_message` reads (paths as one-key paths)."""
+    return [
+        ((p.path,), p.shape, p.spec, p.suggestion, list(p.reasons), p.mesh)
+        for p in problems
+    ]
+
+
+def _flag(row: ShardingRow) -> str:
+    if not row.valid:
+        return "invalid"
+    if not row.placed:
+        return "unplaced"
+    return "replicated" if row.replicated else ""
+
+
+_HEADERS = ("path", "shape", "dtype", "spec", "size", "per device", "")
+
+
+def _row_cells(row: ShardingRow) -> tuple[str, ...]:
+    shape = "(" + ", ".join(map(str, row.shape)) + ("," if len(row.shape) == 1 else "")
+    return (
+        row.path,
+        shape + ")",
+        row.dtype,
+        "-" if row.spec is None else str(row.spec),
+        format_bytes(row.nbytes),
+        format_bytes(row.bytes_per_device),
+        _flag(row),
+    )
+
+
+_RIGHT = (False, False, False, False, True, True, False)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ShardingReport:
+    """What a sharding plan puts on each device: made by
+    [`eqshard.analyze_sharding_strategy`][].
+
+    `str(report)` (or `report.table()`) is a text table with one line per array and
+    a totals line; `report.rich_table()` is the same as a `rich` table.
+
+    **Fields:**
+
+    - `mesh`: the mesh analysed.
+    - `rows`: one [`eqshard.ShardingRow`][] per array, in the order of
+      `jax.tree_util.tree_leaves`.
+    - `problems`: one [`eqshard.ShardingProblem`][] per array whose spec cannot
+      apply (which [`eqshard.shard`][] would reject).
+    - `bytes_per_device`: the bytes each device holds, one entry per device in
+      `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
+    - `total_parameters`: the elements of all arrays, each counted once.
+    - `sharded_parameters`: the elements of the arrays split into several pieces.
+    - `total_bytes`: the bytes of all arrays, each counted once.
+    - `replicated_bytes`: the bytes of the placed arrays that are not split, which
+      every device of their mesh holds in full.
+    - `unplaced_bytes`: the bytes of the arrays whose spec is `None`, counted on no
+      device.
+    """
+
+    mesh: Mesh | AbstractMesh
+    rows: tuple[ShardingRow, ...]
+    problems: tuple[ShardingProblem, ...]
+    bytes_per_device: tuple[int, ...]
+    total_parameters: int
+    sharded_parameters: int
+    total_bytes: int
+    replicated_bytes: int
+    unplaced_bytes: int
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's axis names and sizes."""
+        return dict(self.mesh.shape)
+
+    @property
+    def max_bytes_per_device(self) -> int:
+        """The most bytes any device holds."""
+        return max(self.bytes_per_device)
+
+    @property
+    def min_bytes_per_device(self) -> int:
+        """The fewest bytes any device holds."""
+        return min(self.bytes_per_device)
+
+    @property
+    def balance_score(self) -> float:
+        """`min_bytes_per_device / max_bytes_per_device`: 1.0 when every device holds
+        as much (or nothing is placed)."""
+        top = self.max_bytes_per_device
+        return 1.0 if top == 0 else self.min_bytes_per_device / top
+
+    def largest_replicated(self, n: int = 5) -> tuple[ShardingRow, ...]:
+        """The `n` largest arrays placed whole on every device, largest first: the
+        first places to look when a plan does not fit."""
+        if n < 0:
+            raise ValueError(
+                f"ShardingReport.largest_replicated: `n` must be at least 0; got {n}."
+            )
+        replicated = [row for row in self.rows if row.replicated]
+        return tuple(sorted(replicated, key=lambda row: -row.nbytes)[:n])
+
+    def insufficiently_sharded(self, min_bytes: int = 2**20) -> tuple[ShardingRow, ...]:
+        """The arrays of at least `min_bytes` bytes that are not split (replicated, or
+        not placed), in tree order."""
+        return tuple(
+            row for row in self.rows if row.nbytes >= min_bytes and not row.sharded
+        )
+
+    def is_sufficiently_sharded(self, min_bytes: int = 2**20) -> bool:
+        """Whether every array of at least `min_bytes` bytes (1 MiB by default) is
+        split over some mesh axis, as MaxText checks before training."""
+        return not self.insufficiently_sharded(min_bytes)
+
+    def _totals(self) -> str:
+        return (
+            f"total: {len(self.rows)} arrays, {self.total_parameters:,} parameters "
+            f"({self.sharded_parameters:,} sharded), {format_bytes(self.total_bytes)}; "
+            f"per device: max {format_bytes(self.max_bytes_per_device)}, min "
+            f"{format_bytes(self.min_bytes_per_device)} (balance "
+            f"{self.balance_score:.2f}) over {len(self.bytes_per_device)} devices "
+            f"{self.mesh_shape}; replicated {format_bytes(self.replicated_bytes)}"
+            + (
+                f", unplaced {format_bytes(self.unplaced_bytes)}"
+                if self.unplaced_bytes
+                else ""
+            )
+        )
+
+    def table(self) -> str:
+        """The report as an aligned text table, with a totals line and the problems
+        below it."""
+        cells = [_HEADERS] + [_row_cells(row) for row in self.rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(_HEADERS))]
+        lines = []
+        for line in cells:
+            padded = [
+                cell.rjust(width) if right else cell.ljust(width)
+                for cell, width, right in zip(line, widths, _RIGHT)
+            ]
+            lines.append("  ".join(padded).rstrip())
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(self._totals())
+        if self.problems:
+            lines.append(
+                spec_error_message(
+                    "analyze_sharding_strategy",
+                    _problem_tuples(self.problems),
+                    corrected=True,
+                )
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardingReport(arrays={len(self.rows)}, "
+            f"total_parameters={self.total_parameters}, "
+            f"max_bytes_per_device={self.max_bytes_per_device}, "
+            f"balance_score={self.balance_score:.3f}, problems={len(self.problems)}, "
+            f"mesh={self.mesh_shape})"
+        )
+
+    def rich_table(self) -> Any:
+        """The report as a `rich.table.Table`, coloured: invalid arrays red,
+        replicated ones yellow. Needs `rich` (`pip install eqshard[rich]`)."""
+        try:
+            from rich.table import Table
+        except ImportError:
+            raise ImportError(
+                "ShardingReport.rich_table needs the optional dependency `rich`: "
+                "`pip install eqshard[rich]` (or `pip install rich`). "
+                "`report.table()` needs nothing."
+            ) from None
+        table = Table(title="eqshard sharding plan", caption=self._totals())
+        for header, right in zip(_HEADERS, _RIGHT):
+            table.add_column(header, justify="right" if right else "left")
+        styles = {"invalid": "red", "replicated": "yellow", "unplaced": "dim"}
+        for row in self.rows:
+            table.add_row(*_row_cells(row), style=styles.get(_flag(row)))
+        return table
+
+
+# ---------------------------------------------------------------------------------
+# Analysis.
+# ---------------------------------------------------------------------------------
+
+
+def _other_mesh_error(
+    path: KeyPath, leaf_mesh: Mesh | AbstractMesh, mesh: Mesh | AbstractMesh
+) -> ValueError:
+    return ValueError(
+        f"eqshard.analyze_sharding_strategy: the NamedSharding at '{path_str(path)}' "
+        f"is on mesh {dict(leaf_mesh.shape)}, which is neither the analysed mesh "
+        f"{dict(mesh.shape)} nor made of its devices. A report counts the bytes of "
+        "one mesh's devices: use `PartitionSpec`s, or shardings on (a part of) that "
+        "mesh."
+    )
+
+
+def _device_rows(
+    leaf_mesh: Mesh | AbstractMesh,
+    mesh: Mesh | AbstractMesh,
+    index: dict[int, int] | None,
+    path: KeyPath,
+) -> slice | list[int]:
+    """The positions, in `mesh.devices.flat` order, of the devices of `leaf_mesh`."""
+    if leaf_mesh is mesh or leaf_mesh == mesh:
+        return slice(None)
+    if isinstance(leaf_mesh, Mesh) and index is not None:
+        try:
+            return [index[device.id] for device in leaf_mesh.devices.flat]
+        except KeyError:
+            raise _other_mesh_error(path, leaf_mesh, mesh) from None
+    if _same_axes(leaf_mesh, mesh):  # abstract: devices are their mesh coordinates
+        return slice(None)
+    raise _other_mesh_error(path, leaf_mesh, mesh)
+
+
+def _analysis_mesh(
+    mesh: Mesh | AbstractMesh | None, pairs: list[tuple[KeyPath, Any]]
+) -> Mesh | AbstractMesh:
+    if mesh is not None:
+        return mesh
+    found = current_mesh()
+    if found is not None:
+        return found
+    for _, spec in pairs:
+        if isinstance(spec, NamedSharding):
+            return spec.mesh
+    return _require_mesh(None, caller="analyze_sharding_strategy")
+
+
+_ON_INVALID = ("report", "raise")
+
+
+@typecheck
+def analyze_sharding_strategy(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    on_invalid: Literal["report", "raise"] = "report",
+) -> ShardingReport:
+    """Works out what a sharding plan puts on each device, without moving anything.
+
+    For each array of `tree` (`jax.Array`, NumPy, or `jax.ShapeDtypeStruct`: only
+    `.shape` and `.dtype` are read, so `eqx.filter_eval_shape` trees of any size
+    work), every device holding it holds the piece its mesh coordinates select:
+    each dimension divided by the sizes of its spec entry's mesh axes, replicated
+    over the mesh axes the spec does not name. A replicated array counts in full on
+    every device. Python scalars and other non-array leaves hold no device memory
+    and are left out; arrays whose spec is `None` are listed but placed nowhere
+    (as [`eqshard.shard`][] leaves them where they are).
+
+    A spec that cannot apply (an unknown mesh axis, an axis used twice, more
+    entries than the array's rank, a dimension its axes do not divide) is a
+    planning finding, not a crash: by default it is listed in `report.problems`
+    and the array is counted with the nearest spec that applies (the one
+    [`eqshard.with_sharding_constraint`][] would use). `on_invalid="raise"`
+    raises as [`eqshard.shard`][] would instead.
+
+    **Arguments:**
+
+    - `tree`: any pytree; concrete or abstract.
+    - `specs`: a spec tree for `tree` or a prefix of one, as for [`eqshard.shard`][].
+      `NamedSharding`s may be on the analysed mesh or on a part of its devices
+      (e.g. one pipeline stage).
+    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
+      (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
+      by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
+    - `on_invalid`: `"report"` or `"raise"`.
+
+    **Returns:**
+
+    An immutable [`eqshard.ShardingReport`][].
+
+    **Raises:**
+
+    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
+      differs), if there is no mesh, if a `NamedSharding` holds devices outside the
+      mesh (naming its path), or, with `on_invalid="raise"`, naming every array
+      whose spec cannot apply.
+    - `TypeError` naming the path of a leaf of `specs` that is not a spec.
+
+    !!! Example
+
+        ```python
+        shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
+        specs = eqshard.match_partition_rules(rules, shapes)
+        report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
+        print(report)  # one line per array, then the totals
+        report.max_bytes_per_device, report.largest_replicated(3)
+        ```
+    """
+    caller = "analyze_sharding_strategy"
+    if on_invalid not in _ON_INVALID:  # also when type checks are switched off
+        raise ValueError(
+            f"eqshard.{caller}: `on_invalid` must be one of "
+            f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
+        )
+    pairs = leaf_specs(specs, tree, caller=caller)
+    mesh = _analysis_mesh(mesh, pairs)
+    index = (
+        {device.id: i for i, device in enumerate(mesh.devices.flat)}
+        if isinstance(mesh, Mesh)
+        else None
+    )
+    per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
+    rows: list[ShardingRow] = []
+    problems: list[ShardingProblem] = []
+    raw_problems: list[Any] = []
+    for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree)):
+        if not is_array(leaf):
+            continue
+        shape = tuple(int(n) for n in leaf.shape)
+        itemsize = int(leaf.dtype.itemsize)
+        nbytes = math.prod(shape) * itemsize
+        name = path_str(path)
+        if spec is None:
+            rows.append(
+                ShardingRow(name, shape, str(leaf.dtype), None, nbytes, 0, 1, 0)
+            )
+            continue
+        if isinstance(spec, NamedSharding):
+            spec, leaf_mesh = spec.spec, spec.mesh
+            devices = _device_rows(leaf_mesh, mesh, index, path)
+        else:
+            leaf_mesh, devices = mesh, slice(None)
+        sizes = dict(leaf_mesh.shape)
+        fixed, reasons = check_spec(shape, spec, sizes)
+        if reasons:
+            problems.append(
+                ShardingProblem(name, shape, spec, fixed, tuple(reasons), leaf_mesh)
+            )
+            raw_problems.append((path, shape, spec, fixed, reasons, leaf_mesh))
+        # `fixed` divides every dimension evenly, so every device holds as much.
+        splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
+        piece = math.prod(
+            n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
+        )
+        per_device[devices] += piece * itemsize
+        rows.append(
+            ShardingRow(
+                name,
+                shape,
+                str(leaf.dtype),
+                spec,
+                nbytes,
+                piece * itemsize,
+                math.prod(splits),
+                math.prod(leaf_mesh.axis_sizes),
+                not reasons,
+            )
+        )
+    if raw_problems and on_invalid == "raise":
+        raise ValueError(spec_error_message(caller, raw_problems))
+    return ShardingReport(
+        mesh=mesh,
+        rows=tuple(rows),
+        problems=tuple(problems),
+        bytes_per_device=tuple(per_device.tolist()),
+        total_parameters=sum(row.size for row in rows),
+        sharded_parameters=sum(row.size for row in rows if row.sharded),
+        total_bytes=sum(row.nbytes for row in rows),
+        replicated_bytes=sum(row.nbytes for row in rows if row.replicated),
+        unplaced_bytes=sum(row.nbytes for row in rows if not row.placed),
+    )
