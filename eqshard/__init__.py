@@ -58,6 +58,15 @@ from ._shard import (
     with_sharding_constraint as with_sharding_constraint,
 )
 from ._specs import corrected_spec as corrected_spec
+from ._topology import (
+    bounds_from_last_device as bounds_from_last_device,
+    default_mesh as default_mesh,
+    get_coords as get_coords,
+    get_cpu_mesh as get_cpu_mesh,
+    get_gpu_mesh as get_gpu_mesh,
+    get_mesh as get_mesh,
+    HardwareMesh as HardwareMesh,
+)
 from ._tree import (
     flatten_tree as flatten_tree,
     get_names_from_partition_spec as get_names_from_partition_spec,
