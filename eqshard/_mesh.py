@@ -315,13 +315,12 @@ def create_hybrid_mesh(
     """Build a mesh over several slices or hosts: fast (ICI) axes inside each one,
     slow (DCN) axes across them.
 
-    Axis `i` of the mesh has size `ici_mesh_shape[i] * dcn_mesh_shape[i]`: the
-    devices of each unit fill an `ici_mesh_shape` block (arranged by
-    `jax.experimental.mesh_utils`), and the units are tiled in a
-    `dcn_mesh_shape` grid in order of their index. The units are TPU slices
-    (`device.slice_index`) when their number equals the product of
-    `dcn_mesh_shape`, otherwise processes (`device.process_index`), which is
-    what GPUs and multi-process CPUs have.
+    Axis `i` has size `ici_mesh_shape[i] * dcn_mesh_shape[i]`: each unit's
+    devices fill an `ici_mesh_shape` block (arranged by
+    `jax.experimental.mesh_utils.create_hybrid_device_mesh`), and the units tile
+    a `dcn_mesh_shape` grid in index order. The units are TPU slices
+    (`slice_index`) if there are `prod(dcn_mesh_shape)` of them, else processes
+    (GPUs and multi-process CPUs have a single slice, or none).
 
     **Arguments:**
 
@@ -384,9 +383,7 @@ def create_hybrid_mesh(
     return Mesh(array, names, axis_types=types)
 
 
-# ---------------------------------------------------------------------------
 # The current mesh and axis queries.
-# ---------------------------------------------------------------------------
 
 
 @typecheck

@@ -25,8 +25,6 @@ HardwareMesh: TypeAlias = tuple[int, ...]
 """A position or extent in the hardware mesh: `(x, y, z, core)` on TPU,
 `(process, local device)` elsewhere."""
 
-_AXES = ("data", "model")
-
 # t5x's model-parallel submesh for each partition count on TPU v2/v3 (two cores
 # per chip, 2-D slices).
 _V2_V3_SUBMESH = {
@@ -41,20 +39,16 @@ _V2_V3_SUBMESH = {
 def _v4_submesh(num_partitions: int, bounds: HardwareMesh) -> HardwareMesh | None:
     """t5x's submesh on TPU v4 with megacore (one device per chip), if any."""
     x, _, z, _ = bounds
-    table = {
-        1: (1, 1, 1, 1),
-        2: (1, 2, 1, 1),
-        4: (4, 1, 1, 1) if x >= 4 else (2, 2, 1, 1),
-        8: (1, 1, 8, 1) if z >= 8 else (4, 2, 1, 1),
-        16: (1, 1, 16, 1)
-        if z >= 16
-        else (8, 2, 1, 1)
-        if x >= 8
-        else (4, 4, 1, 1)
-        if x >= 4
-        else (2, 2, 4, 1),
-    }
-    return table.get(num_partitions)
+    if num_partitions == 16:
+        options = [
+            (z >= 16, (1, 1, 16, 1)),
+            (x >= 8, (8, 2, 1, 1)),
+            (x >= 4, (4, 4, 1, 1)),
+        ]
+        return next((s for ok, s in options if ok), (2, 2, 4, 1))
+    four = (4, 1, 1, 1) if x >= 4 else (2, 2, 1, 1)
+    eight = (1, 1, 8, 1) if z >= 8 else (4, 2, 1, 1)
+    return {1: (1, 1, 1, 1), 2: (1, 2, 1, 1), 4: four, 8: eight}.get(num_partitions)
 
 
 def _table_submesh(
@@ -119,11 +113,9 @@ def get_coords(device: Any, *, devices: Sequence[Any] | None = None) -> Hardware
     `(process_index, local index)`, where the local index is the device's rank
     by `id` among the devices of its process.
 
-    **Differences from t5x:** t5x uses `id % jax.local_device_count()` as the
-    local index, which is the same when each process's ids are a contiguous
-    block starting at a multiple of the local count (GPUs), but not for
-    multi-process CPUs, whose ids are `2048 * process + i`, with 3 devices per
-    process.
+    **Differences from t5x:** t5x's local index is `id % jax.local_device_count()`:
+    the same on GPUs, but not for multi-process CPUs (ids `2048 * process + i`)
+    with, say, 3 devices per process.
 
     **Arguments:**
 
@@ -218,8 +210,8 @@ def _place(
     return array
 
 
-def _mesh(array: np.ndarray, names: Sequence[str] = _AXES) -> Mesh:
-    return Mesh(array, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+def _mesh(array: np.ndarray) -> Mesh:
+    return Mesh(array, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
 # Host tiling and the Z-major reordering of t5x's `get_mesh`.
@@ -248,9 +240,10 @@ def _z_major(
     if mc != gc:
         fixed = tuple(submesh[:3]) + (gc,)
         raise ValueError(
-            f"eqshard.get_mesh: the model-parallel submesh {submesh} spans a whole "
-            f"plane of the pod ({describe}), which needs every core of a chip: "
-            f"its core entry must be {gc}, not {mc}. Use {fixed}."
+            f"eqshard.get_mesh: the model-parallel submesh {submesh} spans all of "
+            f"X or Y ({describe}), so its devices are laid out Z-major, which "
+            f"needs every core of a chip: the core entry must be {gc}, not {mc}. "
+            f"Use {fixed}."
         )
     array = array.transpose(order)
     return array, tuple(bounds[i] for i in order), tuple(submesh[i] for i in order)

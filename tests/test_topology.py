@@ -505,3 +505,47 @@ def test_get_coords_and_bounds():
     stranger = Host(99, 0, "cpu", "cpu")
     with pytest.raises(ValueError, match=r"not among the 8 devices given"):
         eqshard.get_coords(stranger, devices=jax.devices())
+
+
+# Real devices of two processes (3 CPU devices each).
+
+
+def _child_meshes_of_two_processes():
+    def rows(mesh):
+        return [[d.id for d in row] for row in mesh.devices.reshape(-1, 3)]
+
+    devices = jax.devices()
+    return {
+        "owners": {d.id: d.process_index for d in devices},
+        "cpu": rows(eqshard.get_cpu_mesh()),
+        "default": rows(eqshard.default_mesh(2)),
+        "submesh_2x1": [
+            [d.id for d in row] for row in eqshard.get_mesh((2, 1)).devices
+        ],
+        "hybrid": rows(eqshard.create_hybrid_mesh((1, 3), (2, 1), ("a", "b"))),
+        "multi_slice": rows(
+            eqshard.default_mesh(1, ici_mesh_shape=(1, 1, 3), dcn_mesh_shape=(2, 1, 1))
+        ),
+        "coords": {d.id: eqshard.get_coords(d) for d in devices},
+        "bounds": eqshard.bounds_from_last_device(devices[-1]),
+    }
+
+
+def test_meshes_on_two_real_processes():
+    from multihost import run_processes
+
+    results = run_processes(
+        _child_meshes_of_two_processes, num_processes=2, devices_per_process=3
+    )
+    assert results[0] == results[1]
+    r = results[0]
+    # Each process's devices in id order, process 0 first.
+    by_process = [sorted(i for i, p in r["owners"].items() if p == q) for q in (0, 1)]
+    for key in ("cpu", "default", "hybrid", "multi_slice"):
+        assert r[key] == by_process, key
+    # Submesh (2, 1): 'model' pairs the two processes' k-th devices.
+    assert r["submesh_2x1"] == [list(pair) for pair in zip(*by_process)]
+    for q in (0, 1):
+        for k, i in enumerate(by_process[q]):
+            assert r["coords"][i] == (q, k)
+    assert r["bounds"] == (2, 3)
