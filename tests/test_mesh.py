@@ -232,6 +232,13 @@ def test_current_mesh_outside_and_inside_jit(mesh24):
     assert seen[1] is None
 
 
+def test_deprecated_with_mesh_is_not_seen(mesh24):
+    # Documented in current_mesh: `with mesh:` does not set jax.set_mesh's mesh.
+    with pytest.warns(DeprecationWarning, match="jax.set_mesh"):
+        with mesh24:
+            assert eqshard.current_mesh() is None
+
+
 def test_require_mesh(mesh24):
     assert _require_mesh(mesh24, caller="shard") is mesh24
     with pytest.raises(ValueError, match=r"eqshard.shard: no mesh given and none"):
@@ -265,6 +272,8 @@ def test_mesh_axis_size_and_names(mesh24):
 
 def test_axis_size_and_index_inside_shard_map(mesh24):
     def body(x):
+        inside = eqshard.current_mesh()
+        assert inside.axis_types == (AxisType.Manual, AxisType.Manual)
         sizes = (eqshard.axis_size("dp"), eqshard.axis_size(("tp", "dp")))
         assert sizes == (2, 8)
         assert eqshard.axis_size(()) == 1

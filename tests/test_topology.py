@@ -217,7 +217,11 @@ TABLE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, num_partitions, shape, position", TABLE_CASES)
+@pytest.mark.parametrize(
+    "name, num_partitions, shape, position",
+    TABLE_CASES,
+    ids=[f"{name}-{n}" for name, n, *_ in TABLE_CASES],
+)
 def test_default_mesh_tables(name, num_partitions, shape, position):
     devices = PODS[name]
     mesh = eqshard.default_mesh(num_partitions, devices=devices)
@@ -263,7 +267,11 @@ SUBMESH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, submesh, tile, shape, position", SUBMESH_CASES)
+@pytest.mark.parametrize(
+    "name, submesh, tile, shape, position",
+    SUBMESH_CASES,
+    ids=[f"{name}-{m}-tile={t}" for name, m, t, *_ in SUBMESH_CASES],
+)
 def test_get_mesh_explicit_submesh(name, submesh, tile, shape, position):
     devices = PODS[name]
     mesh = eqshard.get_mesh(submesh, devices=devices, tile_by_host_if_needed=tile)
