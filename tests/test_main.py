@@ -1,0 +1,155 @@
+# `python -m eqshard`, run as users run it: in a subprocess. The default run is the
+# slow one (it compiles a training step), so it runs once for several tests.
+# Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
+# MLP width 256, float32) and the mesh.
+
+import re
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eqshard", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _row(stdout: str, path: str) -> str:
+    """The plan table's line for the array at `path`."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith(path + " ")]
+    return line
+
+
+def _total_parameters(stdout: str) -> int:
+    match = re.search(r"^total: \d+ arrays, ([\d,]+) parameters", stdout, re.M)
+    assert match is not None, stdout
+    return int(match[1].replace(",", ""))
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("python -m eqshard: error: ")
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def default_run() -> subprocess.CompletedProcess:
+    return _run()
+
+
+def test_default_run_prints_the_plan(default_run):
+    out = default_run.stdout
+    assert default_run.returncode == 0, default_run.stderr
+    assert "on 8 virtual CPU devices, mesh {'dp': 2, 'tp': 4}" in out
+    assert re.search(r"^path +shape +dtype +spec +size +per device$", out, re.M)
+    # q projection (64, 64) float32: 16 KiB, split 4 ways over tp.
+    q = _row(out, "blocks/0/attn/q/weight")
+    assert str(P("tp")) in q and re.search(r"16\.0 KiB +4\.0 KiB$", q)
+    # LayerNorm weights are replicated: 64 float32 on every device.
+    assert re.search(r"P\(\) +256 B +256 B +replicated$", _row(out, "norm/weight"))
+    # embed + head 2 * 256 * 64, per block 12 * 64^2 + 13 * 64, final norm 2 * 64.
+    assert _total_parameters(out) == 2 * 256 * 64 + 2 * (12 * 64**2 + 13 * 64) + 128
+
+
+def test_default_run_trains_round_trips_and_summarises(default_run):
+    out, err = default_run.stdout, default_run.stderr
+    assert default_run.returncode == 0, err
+    assert "Traceback" not in err
+    # The progress bar: one line per step when stderr is not a terminal.
+    steps = re.findall(r"^train \[[#.]{24}\] (\d)/5  loss ([\d.]+)", err, re.M)
+    assert [int(step) for step, _ in steps] == [1, 2, 3, 4, 5]
+    losses = [float(loss) for _, loss in steps]
+    assert losses[-1] < losses[0]
+    assert re.search(r"^verified: all 36 arrays bit-exact", out, re.M)
+    summary = out[out.index("\nsummary\n") :]
+    for phase in ("shard", "train (5 steps)", "gather", "serialise", "reshard"):
+        assert re.search(rf"^  {re.escape(phase)} +\d+\.\d{{3}} s", summary, re.M)
+    assert re.search(r"^  total +\d+\.\d{3} s", summary, re.M)
+
+
+@pytest.mark.parametrize(
+    "mesh, shape, q_per_device",
+    [
+        ("dp:2,tp:4", "{'dp': 2, 'tp': 4}", r"4\.0 KiB"),
+        ("tp:2,dp:4", "{'tp': 2, 'dp': 4}", r"8\.0 KiB"),
+    ],
+)
+def test_plan_only_with_mesh(mesh, shape, q_per_device):
+    result = _run("--plan-only", "--mesh", mesh)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"mesh {shape}" in out and "eqx.filter_eval_shape" in out
+    q = _row(out, "blocks/0/attn/q/weight")
+    assert re.search(rf"16\.0 KiB +{q_per_device}$", q)  # 16 KiB over tp
+    # Nothing moved: no training, no round trip.
+    assert "train [" not in result.stderr and "verified" not in out
+
+
+def test_size_plans_an_abstract_model():
+    result = _run("--size", "1B", "--plan-only")
+    assert result.returncode == 0, result.stderr
+    assert abs(_total_parameters(result.stdout) - 10**9) <= 0.1 * 10**9
+    assert "abstract" in result.stdout and "train [" not in result.stderr
+
+
+def test_rules_file(tmp_path):
+    rules = tmp_path / "rules.txt"
+    rules.write_text(
+        "# attention is split over tp, the MLP over both axes\n"
+        "\n"
+        "attn/(q|k|v)/weight   None,tp\n"
+        "mlp/.*/weight         tp+fsdp\n"
+        ".*                    ()\n"
+    )
+    result = _run(
+        "--rules", str(rules), "--plan-only", "--devices", "4", "--mesh", "fsdp:2,tp:2"
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "over the 4 devices of mesh {'fsdp': 2, 'tp': 2}" in out
+    assert str(P(None, "tp")) in _row(out, "blocks/1/attn/v/weight")
+    # (256, 64) float32 = 64 KiB, split over tp and fsdp: 16 KiB per device.
+    up = _row(out, "blocks/0/mlp/up/weight")
+    assert str(P(("tp", "fsdp"))) in up and re.search(r"64\.0 KiB +16\.0 KiB$", up)
+    assert re.search(
+        r"P\(\) +64\.0 KiB +64\.0 KiB +replicated$", _row(out, "embed/weight")
+    )
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("# comment\nattn/q/weight   tp\nmlp/up  dp;tp\n", "line 3"),
+        ("embed/weight\n.* ()\n", "line 1"),
+        ("\n.* ()\nembed/(weight  tp\n", "line 3"),
+    ],
+)
+def test_malformed_rules_file(tmp_path, text, line):
+    rules = tmp_path / "rules.txt"
+    rules.write_text(text)
+    error = _one_line_error(_run("--rules", str(rules)))
+    assert f"--rules {rules}, {line}:" in error
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("--mesh", "dp:3,tp:4"), r"--mesh 'dp:3,tp:4'.*12, more than the 8 devices"),
+        (("--mesh", "dp:2,tp:x"), r"--mesh 'dp:2,tp:x'.*'x' is not an integer"),
+        (("--size", "1X"), r"--size '1X' is not a parameter count"),
+        (("--size", "10K"), r"--size '10K' is below"),
+        (("--steps", "-1"), r"--steps -1"),
+    ],
+)
+def test_bad_options(args, match):
+    result = _run(*args)
+    assert re.search(match, _one_line_error(result))
+    assert "Traceback" not in result.stderr
