@@ -41,6 +41,13 @@ from ._misc import (
     round_up_to_multiple as round_up_to_multiple,
     wrap_function_with_rng as wrap_function_with_rng,
 )
+from ._partitioner import (
+    DataLayout as DataLayout,
+    LocalChunker as LocalChunker,
+    LocalChunkInfo as LocalChunkInfo,
+    PartitionedFn as PartitionedFn,
+    Partitioner as Partitioner,
+)
 from ._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     explain_partition_rules as explain_partition_rules,
