@@ -598,3 +598,72 @@ def test_real_mesh_default_process(mesh42):
     assert chunker.get_local_chunk_info((8, 4), P("data", "model")) == (
         eqshard.LocalChunkInfo((slice(0, 8), slice(0, 4)), 0)
     )
+
+
+# ---------------------------------------------------------------------------------
+# Two real processes of 4 devices each.
+
+
+def _child_two_processes():
+    from jax.experimental import multihost_utils
+
+    # On CPU the default mesh is processes x local devices: ('data', 'model').
+    partitioner = eqshard.Partitioner(num_partitions=1)
+    mesh = partitioner.mesh
+    spec = P("data", "model")
+    full = np.arange(64.0).reshape(8, 8)
+    x = jax.make_array_from_callback(
+        full.shape, NamedSharding(mesh, spec), lambda index: full[index]
+    )
+    held = [s.index for s in x.addressable_shards]
+    bounds = tuple(
+        (min(i[d].indices(8)[0] for i in held), max(i[d].indices(8)[1] for i in held))
+        for d in range(2)
+    )
+    info = partitioner.local_chunk_info((8, 8), spec)
+    mlp = partitioner.move_to_devices(
+        _mlp(jax.random.key(0)),
+        eqshard.logical_to_mesh_specs(MLP_AXES, partitioner.logical_axis_rules),
+    )
+    step = partitioner.partition(
+        lambda model, x: (model.activation(x @ model.w1).sum(), x.sum()),
+        (MLP_AXES, spec),
+        (P(), P()),
+    )
+    loss, total = step(mlp, x)
+    return {
+        "mesh": dict(mesh.shape),
+        "process": jax.process_index(),
+        "layout": partitioner.data_layout(8),
+        "shard_id": partitioner.data_shard_id,
+        "data_shards": partitioner.data_shards,
+        "chunk": _bounds(info, (8, 8)),
+        "jax_chunk": bounds,
+        "replica_id": info.replica_id,
+        "loss": float(loss.addressable_data(0)),
+        "total": float(total.addressable_data(0)),
+        "all_ids": multihost_utils.process_allgather(
+            np.array(partitioner.data_shard_id)
+        ),
+    }
+
+
+def test_two_processes():
+    from multihost import run_processes
+
+    results = run_processes(
+        _child_two_processes, num_processes=2, devices_per_process=4
+    )
+    model = _mlp(jax.random.key(0))
+    x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    expected_loss = float(jax.nn.gelu(x @ np.asarray(model.w1)).sum())
+    for p, result in enumerate(results):
+        assert result["mesh"] == {"data": 2, "model": 4}
+        assert result["process"] == p
+        assert result["layout"] == eqshard.DataLayout(8, p, 2, True)
+        assert (result["shard_id"], result["data_shards"]) == (p, 2)
+        assert result["chunk"] == result["jax_chunk"] == ((4 * p, 4 * p + 4), (0, 8))
+        assert result["replica_id"] == 0
+        np.testing.assert_allclose(result["loss"], expected_loss, rtol=1e-4)
+        assert result["total"] == float(x.sum())
+        np.testing.assert_array_equal(result["all_ids"], [0, 1])
