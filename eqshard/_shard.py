@@ -248,10 +248,22 @@ def _process_local_sharding(array: jax.Array) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def _uncached(array: jax.Array) -> jax.Array:
+    """A new `jax.Array` over the same device buffers as `array`, copying nothing.
+
+    `jax.device_get(array)` caches its host copy on `array`, where it lives as long
+    as `array` does: a gathered model would keep a hidden second host copy, and
+    `iter_gather` would hold every leaf at once. Copying through this wrapper puts
+    the cache on the wrapper, which dies with it."""
+    return jax.make_array_from_single_device_arrays(
+        array.shape, array.sharding, [piece.data for piece in array.addressable_shards]
+    )
+
+
 def _to_host(array: jax.Array) -> np.ndarray:
     """The full value of one array on this process's host."""
     if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
+        return np.asarray(jax.device_get(_uncached(array)))
     local = jax.device_put(array, _process_local_sharding(array))
     out = np.empty(local.shape, local.dtype)
     for piece in local.addressable_shards:
@@ -309,7 +321,7 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
         if isinstance(x, jax.Array) and x.is_fully_addressable
     ]
     out = list(leaves)
-    for i, value in zip(local, jax.device_get([leaves[i] for i in local])):
+    for i, value in zip(local, jax.device_get([_uncached(leaves[i]) for i in local])):
         out[i] = value
     for i, x in enumerate(leaves):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

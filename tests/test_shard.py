@@ -1,4 +1,6 @@
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 
 import equinox as eqx
@@ -179,6 +181,18 @@ def test_iter_gather_yields_paths_one_leaf_at_a_time(mesh):
     assert list(rest) == ["m/bias", "m/scale"]
     np.testing.assert_array_equal(rest["m/bias"], np.arange(8.0))
     assert [p for p, _ in eqshard.iter_gather(tree, sep=".")][0] == "m.weight"
+
+
+def test_gathered_copies_are_not_kept_alive_by_the_device_arrays(mesh):
+    # `jax.device_get` caches its host copy on the array it copies; gather must
+    # not leave a hidden host copy of the model behind.
+    placed = eqshard.shard({"w": np.ones((8, 8), np.float32)}, P("dp", "tp"), mesh)
+    host = weakref.ref(eqshard.gather(placed)["w"])
+    _, leaf = next(eqshard.iter_gather(placed))
+    one = weakref.ref(leaf)
+    del leaf
+    gc.collect()
+    assert host() is None and one() is None
 
 
 def test_iter_gather_rejects_abstract_trees_eagerly():
