@@ -9,9 +9,11 @@ How data moves:
    mesh before any data moves, and all the leaves that do not fit are reported in
    one error.
 3. **Shard.** In one process, all arrays move in one batched `jax.device_put`: no
-   per-leaf `jax.jit`, no compilation. In a multi-process run, each host-local
-   full copy becomes a global array through `jax.make_array_from_callback`, each
-   process supplying only the shards its own devices hold.
+   per-leaf `jax.jit`, no compilation. In a multi-process run, each process first
+   checks with the others that they all passed the same tree (one 16-byte
+   all-gather), then supplies only the shards its own devices hold, from a full
+   copy of each array or (for `Partitioner.move_to_devices(host_local=True)`)
+   from its own block of it; see `_multiprocess.py`.
 4. **Gather.** Arrays whose shards this process can all see are copied straight to
    host with one `jax.device_get`. An array spread over several processes is first
    laid out again over the same devices, whole on each process and split across
@@ -32,6 +34,17 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._mesh import _require_mesh, current_mesh
+from ._multiprocess import (
+    check_agreement,
+    fingerprint,
+    from_host_copies,
+    from_host_local,
+    host_local_shape,
+    host_value,
+    is_whole_block,
+    leaders,
+    spanning_axes,
+)
 from ._specs import (
     check_spec,
     entry_axes,
@@ -69,6 +82,20 @@ def _abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
     )
 
 
+def _check_block(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+) -> tuple[PartitionSpec, list[str]]:
+    """`check_spec` for one process's block of a global array: each process's
+    devices must hold one slice of the array, and the array must fit `spec`."""
+    full, block_reasons, block_fixed = host_local_shape(shape, spec, mesh)
+    fixed, reasons = check_spec(full, spec, dict(mesh.shape))
+    if reasons and full != shape:
+        reasons.insert(0, f"the blocks of all processes make an array of shape {full}")
+    if block_reasons:
+        return block_fixed, block_reasons + reasons
+    return fixed, reasons
+
+
 def _match(
     tree: PyTree,
     specs: PyTree,
@@ -76,10 +103,12 @@ def _match(
     *,
     caller: str,
     root: KeyPath = (),
+    host_local: bool = False,
 ) -> list[tuple[KeyPath, Any, NamedSharding | None]]:
     """Every leaf of `tree` with its path and the `NamedSharding` it must get, or
     `None` for the leaves that stay where they are. All the leaves whose spec does
-    not fit are reported in one `ValueError`."""
+    not fit are reported in one `ValueError`. With `host_local`, host arrays are
+    each process's block of the global array, whose shape is checked instead."""
     leaves = jtu.tree_leaves(tree)
     pairs = leaf_specs(specs, tree, caller=caller)
     abstract = [
@@ -100,7 +129,10 @@ def _match(
         else:
             spec, sharding_mesh = spec.spec, spec.mesh
         shape = tuple(np.shape(leaf))
-        fixed, reasons = check_spec(shape, spec, dict(sharding_mesh.shape))
+        if host_local and not _is_global(leaf):
+            fixed, reasons = _check_block(shape, spec, sharding_mesh)
+        else:
+            fixed, reasons = check_spec(shape, spec, dict(sharding_mesh.shape))
         if reasons:
             problems.append((root + path, shape, spec, fixed, reasons, sharding_mesh))
         else:
@@ -122,16 +154,11 @@ def _cast(leaf: Any, dtype: Any) -> Any:
     return leaf.astype(dtype)
 
 
-def _from_host_copies(leaf: Any, sharding: NamedSharding) -> jax.Array:
-    """A global array from a full copy of `leaf` that every process holds: each
-    process copies only the shards that its own devices hold."""
-    return jax.make_array_from_callback(
-        np.shape(leaf), sharding, lambda index: leaf[index]
-    )
-
-
 def _place(
-    matched: list[tuple[KeyPath, Any, NamedSharding | None]], dtype: Any
+    matched: list[tuple[KeyPath, Any, NamedSharding | None]],
+    dtype: Any,
+    *,
+    host_local: bool = False,
 ) -> list[Any]:
     """The leaves of `matched`, the arrays among them moved to their shardings."""
     out = [
@@ -144,15 +171,22 @@ def _place(
             [out[i] for i in moving], [matched[i][2] for i in moving]
         )
     else:
-        placed = [
-            jax.device_put(out[i], matched[i][2])
-            if isinstance(out[i], jax.Array) and not out[i].is_fully_addressable
-            else _from_host_copies(out[i], matched[i][2])
-            for i in moving
-        ]
+        placed = [_to_global(out[i], matched[i][2], host_local) for i in moving]
     for i, array in zip(moving, placed):
         out[i] = array
     return out
+
+
+def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Array:
+    """One array of a multi-process run on its sharding: a global array is laid
+    out again; host data is this process's full copy or, with `host_local`, its
+    block of the array."""
+    if _is_global(leaf):
+        return jax.device_put(leaf, sharding)
+    leaf = np.asarray(leaf)  # JAX arrays on this process's devices included
+    if host_local:
+        return from_host_local(leaf, sharding)
+    return from_host_copies(leaf, sharding)
 
 
 @typecheck
@@ -222,30 +256,108 @@ def _shard(
     dtype: Any,
     caller: str,
     root: KeyPath = (),
+    host_local: bool = False,
 ) -> PyTree:
-    matched = _match(tree, specs, mesh, caller=caller, root=root)
-    return jtu.tree_unflatten(jtu.tree_structure(tree), _place(matched, dtype))
+    if jax.process_count() == 1:
+        matched = _match(tree, specs, mesh, caller=caller, root=root)
+        return jtu.tree_unflatten(jtu.tree_structure(tree), _place(matched, dtype))
+    # All processes compare their trees first: a process whose tree differs could
+    # otherwise fail validation alone and leave the others waiting in a collective.
+    _check_processes_agree(caller, tree, specs, mesh, root=root, host_local=host_local)
+    matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
+    placed = _place(matched, dtype, host_local=host_local)
+    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
+
+
+def _is_global(x: Any) -> bool:
+    """Whether `x` is an array spread over several processes (anything else is
+    host data, JAX arrays on this process's devices included)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
+    """The concrete meshes a `shard` call may place arrays on."""
+    found = {}
+    if mesh is None:
+        mesh = current_mesh()
+    if isinstance(mesh, Mesh):
+        found[mesh] = None
+    for leaf in jtu.tree_leaves(specs, is_leaf=is_spec_leaf):
+        if isinstance(leaf, NamedSharding) and isinstance(leaf.mesh, Mesh):
+            found[leaf.mesh] = None
+    return list(found)
+
+
+@ft.lru_cache(maxsize=64)
+def _describe_mesh(mesh: Mesh) -> str:
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    return f"{dict(mesh.shape)} over devices {ids.tolist()}"
+
+
+def _check_processes_agree(
+    caller: str,
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    root: KeyPath,
+    host_local: bool,
+) -> None:
+    """Raises the same `ValueError` on every process of the call's meshes unless
+    they all passed the same paths, shapes, dtypes and specs, and equal values
+    where the values must be equal (every full copy; with `host_local`, every
+    block that is the whole array). Nothing here depends on whether the leaves'
+    specs fit, which each process checks afterwards."""
+    meshes = _meshes(specs, mesh)
+    devices = leaders(meshes)
+    if not devices:
+        return
+    path_leaves = jtu.tree_flatten_with_path(tree)[0]
+    try:
+        spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
+    except (TypeError, ValueError):  # raised again, on every process, afterwards
+        spec_of = [None] * len(path_leaves)
+    if mesh is None:
+        mesh = current_mesh()
+    records = [
+        _record(root + path, leaf, spec, mesh, host_local)
+        for (path, leaf), spec in zip(path_leaves, spec_of)
+        if is_array(leaf)
+    ]
+    spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
+    header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
+    check_agreement(
+        caller, header, records, devices, host_local=host_local, spanning=spanning
+    )
+
+
+def _record(
+    path: KeyPath,
+    leaf: Any,
+    spec: Any,
+    mesh: Mesh | AbstractMesh | None,
+    host_local: bool,
+) -> tuple[str, tuple[int, ...], str, str, str]:
+    """What all processes must agree on for one array: its path, shape, dtype and
+    spec, and a fingerprint of its values if they must be equal everywhere."""
+    if isinstance(spec, NamedSharding):
+        spec, mesh = spec.spec, spec.mesh
+    shape = tuple(np.shape(leaf))
+    same = isinstance(spec, PartitionSpec) and not _is_global(leaf)
+    if same and host_local:
+        same = isinstance(mesh, Mesh) and is_whole_block(shape, spec, mesh)
+    return (
+        path_str(path),
+        shape,
+        str(leaf.dtype),
+        "" if spec is None else str(spec),
+        fingerprint(leaf) if same else "",
+    )
 
 
 # ---------------------------------------------------------------------------------
 # 4. Gather: straight to host, never through a replica on every device.
 # ---------------------------------------------------------------------------------
-
-
-def _process_local_sharding(array: jax.Array) -> NamedSharding:
-    """A sharding over the devices of `array` that gives every process a whole copy,
-    split across that process's own devices along the first dimension they divide
-    (replicated on them if none does)."""
-    devices = sorted(array.sharding.device_set, key=lambda d: (d.process_index, d.id))
-    processes = sorted({d.process_index for d in devices})
-    grid = np.array(devices, dtype=object).reshape(len(processes), -1)
-    mesh = Mesh(grid, ("processes", "local"), axis_types=(AxisType.Auto,) * 2)
-    spec: list[Any] = [None] * array.ndim
-    for dim, size in enumerate(array.shape):
-        if size % grid.shape[1] == 0 and size > 0:
-            spec[dim] = "local"
-            break
-    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def _uncached(array: jax.Array) -> jax.Array:
@@ -264,11 +376,7 @@ def _to_host(array: jax.Array) -> np.ndarray:
     """The full value of one array on this process's host."""
     if array.is_fully_addressable:
         return np.asarray(jax.device_get(_uncached(array)))
-    local = jax.device_put(array, _process_local_sharding(array))
-    out = np.empty(local.shape, local.dtype)
-    for piece in local.addressable_shards:
-        out[piece.index] = np.asarray(piece.data)
-    return out
+    return host_value(array)
 
 
 def _host_leaves(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:

@@ -1,0 +1,414 @@
+"""What `shard` and `gather` do when a mesh spans several processes.
+
+In a multi-process JAX run every process runs the same program, and an array whose
+devices belong to several processes is *global*: each process holds only the
+shards on its own devices. This module moves data between host memory and global
+arrays, for [`eqshard.shard`][], [`eqshard.gather`][] and
+[`eqshard.Partitioner.move_to_devices`][]:
+
+- **Full copies to global arrays.** Every process holds the whole array (say a
+  checkpoint every host loaded), and copies only the shards its own devices hold.
+- **Host-local blocks to global arrays.** Every process holds only the block its
+  own devices hold (its part of the batch: t5x's "host-local" arrays). The global
+  shape follows from the block's shape and the mesh, and the block must be one
+  contiguous slice of the global array.
+- **Global arrays to a full host copy on every process.** One `jax.device_put`
+  lays the array out again over the same devices, whole on each process and
+  split across that process's devices, then each process copies its shards to
+  host. A device holds 1/(devices of its process) of the array on the way, where
+  `multihost_utils.process_allgather` replicates the whole array onto every
+  device first. Arrays that every process already holds whole need no
+  communication at all.
+- **Agreement.** All processes must pass the same tree. One all-gather of a
+  16-byte digest per call compares the paths, shapes, dtypes and shardings, and a
+  sample of the values that must be equal. Only when digests differ, a second
+  all-gather of the full descriptions lets every process raise the same error,
+  naming the leaves that differ, instead of some raising and the others waiting
+  forever in a collective.
+"""
+
+import functools as ft
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ._specs import entry_axes
+
+
+# ---------------------------------------------------------------------------------
+# Host data to global arrays.
+# ---------------------------------------------------------------------------------
+
+
+def from_host_copies(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from a full copy of `value` that every process holds: each
+    process copies only the shards its own devices hold."""
+    return jax.make_array_from_callback(
+        np.shape(value), sharding, lambda index: value[index]
+    )
+
+
+@ft.lru_cache(maxsize=256)
+def _blocks_by_process(
+    mesh: Mesh, axes: tuple[str, ...]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """For a dimension split over mesh `axes` (the first one major), the blocks of
+    it that each process's devices hold: `((process_index, blocks), ...)`."""
+    devices = np.asarray(mesh.devices)
+    block = np.zeros(devices.shape, np.int64)
+    for axis in axes:
+        dim = mesh.axis_names.index(axis)
+        coords = np.arange(devices.shape[dim]).reshape(
+            [-1 if i == dim else 1 for i in range(devices.ndim)]
+        )
+        block = block * devices.shape[dim] + coords
+    held: dict[int, set[int]] = {}
+    for device, b in zip(devices.flat, np.broadcast_to(block, devices.shape).flat):
+        held.setdefault(device.process_index, set()).add(int(b))
+    return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
+
+
+def _one_slice_each(held: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+    """Whether every process holds one aligned run of blocks, all of one length."""
+    size = len(held[0][1])
+    return all(
+        len(blocks) == size
+        and blocks[0] % size == 0
+        and blocks == tuple(range(blocks[0], blocks[0] + size))
+        for _, blocks in held
+    )
+
+
+def spanning_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices belong to different processes."""
+    return tuple(
+        axis
+        for axis in mesh.axis_names
+        if any(len(b) < mesh.shape[axis] for _, b in _blocks_by_process(mesh, (axis,)))
+    )
+
+
+def host_local_shape(
+    local_shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+) -> tuple[tuple[int, ...], list[str], PartitionSpec]:
+    """The global shape of an array that each process holds a block of.
+
+    Along a dimension split over mesh axes whose devices fall into `k` groups of
+    processes, each process's block is `1/k` of it. Returns the global shape, the
+    reasons `spec` cannot take host-local blocks (some process's devices hold
+    several separate slices of a dimension), and a spec that could (the same
+    dimensions, the mesh axes that span processes first)."""
+    global_shape = list(local_shape)
+    reasons = []
+    fixed: list[Any] = list(spec)
+    for dim, entry in enumerate(list(spec)[: len(local_shape)]):
+        axes = tuple(a for a in entry_axes(entry) if a in mesh.shape)
+        if not axes:
+            continue  # unknown axes are reported by `check_spec`
+        held = _blocks_by_process(mesh, axes)
+        if _one_slice_each(held):
+            groups = math.prod(mesh.shape[a] for a in axes) // len(held[0][1])
+            global_shape[dim] = local_shape[dim] * groups
+            continue
+        process, blocks = next(
+            (p, b) for p, b in held if not _one_slice_each(((p, b), held[0]))
+        )
+        reasons.append(
+            f"dimension {dim} is split over {_axes_repr(axes)} so that process "
+            f"{process}'s devices hold blocks {list(blocks)} of "
+            f"{math.prod(mesh.shape[a] for a in axes)}, not one contiguous slice, "
+            "so no host-local block can hold them"
+        )
+        spanning = spanning_axes(mesh)
+        reordered = tuple(sorted(axes, key=lambda a: a not in spanning))
+        if _one_slice_each(_blocks_by_process(mesh, reordered)):
+            fixed[dim] = reordered
+    return tuple(global_shape), reasons, PartitionSpec(*fixed)
+
+
+def is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> bool:
+    """Whether a host-local block of `shape` is the whole array: `spec` does not
+    split it across processes (and can take host-local blocks at all)."""
+    try:
+        full, reasons, _ = host_local_shape(shape, spec, mesh)
+    except (TypeError, ValueError):  # a malformed spec, reported by `check_spec`
+        return False
+    return not reasons and full == shape
+
+
+def _axes_repr(axes: Sequence[str]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def from_host_local(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from the block of it that this process holds (already
+    validated by `host_local_shape`)."""
+    value = np.asarray(value)
+    shape, _, _ = host_local_shape(value.shape, sharding.spec, sharding.mesh)
+    return jax.make_array_from_process_local_data(sharding, value, shape)
+
+
+# ---------------------------------------------------------------------------------
+# Global arrays to host.
+# ---------------------------------------------------------------------------------
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    # Slices are unhashable before Python 3.12; `indices` also normalises them.
+    return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+@ft.lru_cache(maxsize=4096)
+def _every_process_holds_all(sharding: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the devices of every process hold the whole array between them.
+    Computed from the whole sharding, so every process gets the same answer."""
+    held: dict[int, set[tuple[Any, ...]]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        held.setdefault(device.process_index, set()).add(_index_key(index, shape))
+    everything = set().union(*held.values())
+    return all(blocks == everything for blocks in held.values())
+
+
+@ft.lru_cache(maxsize=4096)
+def process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedSharding:
+    """A sharding over the devices of `sharding` that gives every process the whole
+    array, split across that process's own devices.
+
+    The local devices are spread over the dimensions greedily, each dimension
+    taking the largest factor of the remaining device count that divides it;
+    devices left over hold replicas. Processes with unequal numbers of devices
+    get a copy on every device."""
+    devices = sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    processes = len({d.process_index for d in devices})
+    local = len(devices) // processes
+    if local * processes != len(devices) or any(
+        d.process_index != devices[i // local * local].process_index
+        for i, d in enumerate(devices)
+    ):
+        mesh = Mesh(np.array(devices, dtype=object), ("all",), (AxisType.Auto,))
+        return NamedSharding(mesh, PartitionSpec())
+    left, splits = local, []
+    for size in shape:
+        split = math.gcd(left, size) if size else left
+        splits.append(split)
+        left //= split
+    names = ["processes"] + [f"local{d}" for d, s in enumerate(splits) if s > 1]
+    sizes = [processes] + [s for s in splits if s > 1] + [left]
+    grid = np.array(devices, dtype=object).reshape(sizes)
+    mesh = Mesh(grid, (*names, "replicas"), (AxisType.Auto,) * len(sizes))
+    spec = [f"local{d}" if s > 1 else None for d, s in enumerate(splits)]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def host_value(array: jax.Array) -> np.ndarray:
+    """The full value of an array spread over several processes, on this host.
+
+    Every process whose devices the array uses must call this for the same array
+    at the same point: unless every process already holds the whole array, this
+    is a collective."""
+    shape = tuple(array.shape)
+    out = np.empty(shape, array.dtype)
+    if out.size == 0:
+        return out
+    if not _every_process_holds_all(array.sharding, shape):
+        array = jax.device_put(array, process_local_sharding(array.sharding, shape))
+    copied = set()
+    for shard in array.addressable_shards:
+        key = _index_key(shard.index, shape)
+        if key not in copied:
+            copied.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# All processes must pass the same tree.
+# ---------------------------------------------------------------------------------
+
+# Elements sampled from each array to compare values across processes.
+_SAMPLE = 64
+
+
+@ft.lru_cache(maxsize=1024)
+def _sample_index(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    flat = np.unique(np.linspace(0, math.prod(shape) - 1, _SAMPLE).astype(np.int64))
+    return np.unravel_index(flat, shape)
+
+
+def fingerprint(value: Any) -> str:
+    """A hash of a sample of the values of a host array (of all of them if it is
+    small): cheap, and equal on processes that hold equal arrays."""
+    value = np.asarray(value)
+    if value.size > _SAMPLE:
+        value = value[_sample_index(value.shape)]
+    return hashlib.blake2b(
+        np.ascontiguousarray(value).tobytes(), digest_size=8
+    ).hexdigest()
+
+
+@ft.lru_cache(maxsize=64)
+def _leaders_of(mesh: Mesh) -> tuple[Any, ...]:
+    first: dict[int, Any] = {}
+    for device in np.asarray(mesh.devices).flat:
+        p = device.process_index
+        if p not in first or device.id < first[p].id:
+            first[p] = device
+    return tuple(first[p] for p in sorted(first))
+
+
+def leaders(meshes: Iterable[Mesh]) -> tuple[Any, ...]:
+    """One device of each process of `meshes` (its lowest id), by process index;
+    empty unless this process is one of several."""
+    first: dict[int, Any] = {}
+    for mesh in meshes:
+        for device in _leaders_of(mesh):
+            p = device.process_index
+            if p not in first or device.id < first[p].id:
+                first[p] = device
+    if len(first) < 2 or jax.process_index() not in first:
+        return ()
+    return tuple(first[p] for p in sorted(first))
+
+
+def _allgather_rows(row: np.ndarray, devices: tuple[Any, ...]) -> np.ndarray:
+    """Every process's `row` (of one length everywhere), stacked in process order."""
+    mesh = Mesh(np.array(devices, dtype=object), ("processes",), (AxisType.Auto,))
+    stacked = jax.make_array_from_callback(
+        (len(devices), row.size),
+        NamedSharding(mesh, PartitionSpec("processes")),
+        lambda index: row[None],
+    )
+    return host_value(stacked)
+
+
+def _allgather_bytes(payload: bytes, devices: tuple[Any, ...]) -> list[bytes]:
+    length = np.array([len(payload)], dtype="<u4").view(np.uint8)
+    lengths = _allgather_rows(length, devices).view("<u4")[:, 0]
+    # Rounded up to a power of two, so few shapes (and compilations) occur.
+    row = np.zeros(1 << max(int(lengths.max()) - 1, 63).bit_length(), np.uint8)
+    row[: len(payload)] = np.frombuffer(payload, np.uint8)
+    rows = _allgather_rows(row, devices)
+    return [rows[i, :n].tobytes() for i, n in enumerate(lengths)]
+
+
+Record = tuple[str, tuple[int, ...], str, str, str]
+
+
+def check_agreement(
+    caller: str,
+    header: Any,
+    records: list[Record],
+    devices: tuple[Any, ...],
+    *,
+    host_local: bool,
+    spanning: tuple[str, ...],
+) -> None:
+    """Raises the same `ValueError` on every process unless all processes passed
+    the same `header` and `records` (path, shape, dtype, sharding, and a value
+    fingerprint or `""`, per array). A collective among the processes of
+    `devices`, one device per process."""
+    payload = json.dumps([header, records]).encode()
+    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    digests = _allgather_rows(np.frombuffer(digest, np.uint8), devices)
+    if (digests == digests[0]).all():
+        return
+    views = [json.loads(b) for b in _allgather_bytes(payload, devices)]
+    processes = [d.process_index for d in devices]
+    raise ValueError(
+        disagreement_message(caller, views, processes, host_local, spanning)
+    )
+
+
+def _by_process(values: list[Any], processes: list[int]) -> str:
+    groups: dict[str, list[int]] = {}
+    for value, p in zip(values, processes):
+        groups.setdefault(str(value), []).append(p)
+    return "; ".join(
+        f"{value} on process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))}"
+        for value, ps in groups.items()
+    )
+
+
+_MAX_LINES = 10
+
+
+def disagreement_message(
+    caller: str,
+    views: list[Any],
+    processes: list[int],
+    host_local: bool,
+    spanning: tuple[str, ...],
+) -> str:
+    """The message when processes passed different trees: each view is one
+    process's `[header, records]`, as JSON data."""
+    lines = []
+    kinds = set()
+    headers = [view[0] for view in views]
+    if any(h != headers[0] for h in headers):
+        kinds.add("tree")
+        lines.append(f"  - the meshes: {_by_process(headers, processes)}")
+    records = [view[1] for view in views]
+    paths = [[r[0] for r in rs] for rs in records]
+    if any(p != paths[0] for p in paths):
+        kinds.add("tree")
+        i = next(
+            i
+            for i in range(max(map(len, paths)))
+            if len({tuple(p[i : i + 1]) for p in paths}) > 1
+        )
+        named = [f"'{p[i]}'" if i < len(p) else "no more arrays" for p in paths]
+        lines.append(
+            f"  - the trees differ at array {i}: {_by_process(named, processes)}"
+        )
+    else:
+        for rows in zip(*records):
+            path = rows[0][0]
+            for field, kind, describe in (
+                (slice(1, 3), "tree", lambda r: f"shape {tuple(r[1])} {r[2]}"),
+                (slice(3, 4), "tree", lambda r: f"spec {r[3] or None}"),
+                (slice(4, 5), "values", lambda r: f"values with sample hash {r[4]}"),
+            ):
+                if any(r[field] != rows[0][field] for r in rows):
+                    kinds.add(kind)
+                    described = [describe(r) for r in rows]
+                    lines.append(f"  - '{path}': {_by_process(described, processes)}")
+                    break
+    if len(lines) > _MAX_LINES:
+        lines[_MAX_LINES:] = [f"  ... and {len(lines) - _MAX_LINES} more."]
+    head = f"eqshard.{caller}: the processes passed different inputs:"
+    fixes = []
+    if "tree" in kinds:
+        fixes.append(
+            "Every process must make this call with the same tree: the same "
+            "paths, shapes, dtypes and specs, on the same mesh"
+            + (
+                " (with host-local blocks, every process's block has the same shape)."
+                if host_local
+                else "."
+            )
+        )
+    if "values" in kinds and host_local:
+        fixes.append(
+            "The specs of the arrays whose values differ do not split them across "
+            "processes, so every process's devices hold all of them and every "
+            "process must pass the same value. To give each process its own part, "
+            "shard a dimension over a mesh axis that spans processes ("
+            + (", ".join(map(repr, spanning)) or "this mesh has none")
+            + ")."
+        )
+    elif "values" in kinds:
+        fixes.append(
+            "eqshard.shard takes a full copy of every array on every process, so "
+            "the copies must be equal (compared on a sample of the values). If "
+            "each process holds only its own part, e.g. of the batch, use "
+            "`Partitioner.move_to_devices(tree, specs, host_local=True)`; if the "
+            "copies should be equal, make them so (e.g. initialise from the same "
+            "key on every process)."
+        )
+    return "\n".join([head, *lines, *fixes])
