@@ -35,15 +35,26 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
-from ._specs import entry_axes
+from ._mesh import current_mesh
+from ._specs import entry_axes, is_spec_leaf, leaf_specs
+from ._tree import is_array, path_str
+from ._typing import KeyPath
 
 
 # ---------------------------------------------------------------------------------
 # Host data to global arrays.
 # ---------------------------------------------------------------------------------
+
+
+def is_global(x: Any) -> bool:
+    """Whether `x` is an array spread over several processes (anything else is
+    host data, JAX arrays on this process's devices included)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def from_host_copies(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -54,44 +65,12 @@ def from_host_copies(value: Any, sharding: NamedSharding) -> jax.Array:
     )
 
 
-@ft.lru_cache(maxsize=256)
-def _blocks_by_process(
-    mesh: Mesh, axes: tuple[str, ...]
-) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """For a dimension split over mesh `axes` (the first one major), the blocks of
-    it that each process's devices hold: `((process_index, blocks), ...)`."""
-    devices = np.asarray(mesh.devices)
-    block = np.zeros(devices.shape, np.int64)
-    for axis in axes:
-        dim = mesh.axis_names.index(axis)
-        coords = np.arange(devices.shape[dim]).reshape(
-            [-1 if i == dim else 1 for i in range(devices.ndim)]
-        )
-        block = block * devices.shape[dim] + coords
-    held: dict[int, set[int]] = {}
-    for device, b in zip(devices.flat, np.broadcast_to(block, devices.shape).flat):
-        held.setdefault(device.process_index, set()).add(int(b))
-    return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
-
-
-def _one_slice_each(held: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
-    """Whether every process holds one aligned run of blocks, all of one length."""
-    size = len(held[0][1])
-    return all(
-        len(blocks) == size
-        and blocks[0] % size == 0
-        and blocks == tuple(range(blocks[0], blocks[0] + size))
-        for _, blocks in held
-    )
-
-
-def spanning_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes along which the devices belong to different processes."""
-    return tuple(
-        axis
-        for axis in mesh.axis_names
-        if any(len(b) < mesh.shape[axis] for _, b in _blocks_by_process(mesh, (axis,)))
-    )
+def from_host_local(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from the block of it that this process holds (already
+    validated by `host_local_shape`)."""
+    value = np.asarray(value)
+    shape, _, _ = host_local_shape(value.shape, sharding.spec, sharding.mesh)
+    return jax.make_array_from_process_local_data(sharding, value, shape)
 
 
 def host_local_shape(
@@ -125,14 +104,14 @@ def host_local_shape(
             f"{math.prod(mesh.shape[a] for a in axes)}, not one contiguous slice, "
             "so no host-local block can hold them"
         )
-        spanning = spanning_axes(mesh)
+        spanning = _spanning_axes(mesh)
         reordered = tuple(sorted(axes, key=lambda a: a not in spanning))
         if _one_slice_each(_blocks_by_process(mesh, reordered)):
             fixed[dim] = reordered
     return tuple(global_shape), reasons, PartitionSpec(*fixed)
 
 
-def is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> bool:
+def _is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> bool:
     """Whether a host-local block of `shape` is the whole array: `spec` does not
     split it across processes (and can take host-local blocks at all)."""
     try:
@@ -142,16 +121,48 @@ def is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> b
     return not reasons and full == shape
 
 
+@ft.lru_cache(maxsize=256)
+def _blocks_by_process(
+    mesh: Mesh, axes: tuple[str, ...]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """For a dimension split over mesh `axes` (the first one major), the blocks of
+    it that each process's devices hold: `((process_index, blocks), ...)`."""
+    devices = np.asarray(mesh.devices)
+    block = np.zeros(devices.shape, np.int64)
+    for axis in axes:
+        dim = mesh.axis_names.index(axis)
+        coords = np.arange(devices.shape[dim]).reshape(
+            [-1 if i == dim else 1 for i in range(devices.ndim)]
+        )
+        block = block * devices.shape[dim] + coords
+    held: dict[int, set[int]] = {}
+    for device, b in zip(devices.flat, np.broadcast_to(block, devices.shape).flat):
+        held.setdefault(device.process_index, set()).add(int(b))
+    return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
+
+
+def _one_slice_each(held: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+    """Whether every process holds one aligned run of blocks, all of one length."""
+    size = len(held[0][1])
+    return all(
+        len(blocks) == size
+        and blocks[0] % size == 0
+        and blocks == tuple(range(blocks[0], blocks[0] + size))
+        for _, blocks in held
+    )
+
+
+def _spanning_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices belong to different processes."""
+    return tuple(
+        axis
+        for axis in mesh.axis_names
+        if any(len(b) < mesh.shape[axis] for _, b in _blocks_by_process(mesh, (axis,)))
+    )
+
+
 def _axes_repr(axes: Sequence[str]) -> str:
     return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
-
-
-def from_host_local(value: Any, sharding: NamedSharding) -> jax.Array:
-    """A global array from the block of it that this process holds (already
-    validated by `host_local_shape`)."""
-    value = np.asarray(value)
-    shape, _, _ = host_local_shape(value.shape, sharding.spec, sharding.mesh)
-    return jax.make_array_from_process_local_data(sharding, value, shape)
 
 
 # ---------------------------------------------------------------------------------
@@ -176,7 +187,7 @@ def _every_process_holds_all(sharding: Any, shape: tuple[int, ...]) -> bool:
 
 
 @ft.lru_cache(maxsize=4096)
-def process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedSharding:
+def _process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedSharding:
     """A sharding over the devices of `sharding` that gives every process the whole
     array, split across that process's own devices.
 
@@ -217,7 +228,7 @@ def host_value(array: jax.Array) -> np.ndarray:
     if out.size == 0:
         return out
     if not _every_process_holds_all(array.sharding, shape):
-        array = jax.device_put(array, process_local_sharding(array.sharding, shape))
+        array = jax.device_put(array, _process_local_sharding(array.sharding, shape))
     copied = set()
     for shard in array.addressable_shards:
         key = _index_key(shard.index, shape)
@@ -231,6 +242,97 @@ def host_value(array: jax.Array) -> np.ndarray:
 # All processes must pass the same tree.
 # ---------------------------------------------------------------------------------
 
+
+def check_processes_agree(
+    caller: str,
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    root: KeyPath,
+    host_local: bool,
+) -> None:
+    """Raises the same `ValueError` on every process of the call's meshes unless
+    they all passed the same paths, shapes, dtypes and specs, and equal values
+    where the values must be equal (every full copy; with `host_local`, every
+    block that is the whole array).
+
+    Nothing here depends on whether the specs fit, which each process checks
+    afterwards: processes that agree then fail, or not, together. A collective
+    among the processes of the meshes, if there are several."""
+    meshes = _meshes(specs, mesh)
+    devices = _leaders(meshes)
+    if not devices:
+        return
+    path_leaves = jtu.tree_flatten_with_path(tree)[0]
+    try:
+        spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
+    except (TypeError, ValueError):  # raised again, on every process, afterwards
+        spec_of = [None] * len(path_leaves)
+    if mesh is None:
+        mesh = current_mesh()
+    records = [
+        _record(root + path, leaf, spec, mesh, host_local)
+        for (path, leaf), spec in zip(path_leaves, spec_of)
+        if is_array(leaf)
+    ]
+    header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
+    payload = json.dumps([header, records]).encode()
+    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    digests = _allgather_rows(np.frombuffer(digest, np.uint8), devices)
+    if (digests == digests[0]).all():
+        return
+    views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
+    processes = [device.process_index for device in devices]
+    spanning = tuple(dict.fromkeys(a for m in meshes for a in _spanning_axes(m)))
+    raise ValueError(
+        _disagreement_message(caller, views, processes, host_local, spanning)
+    )
+
+
+def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
+    """The concrete meshes a `shard` call may place arrays on."""
+    found = {}
+    if mesh is None:
+        mesh = current_mesh()
+    if isinstance(mesh, Mesh):
+        found[mesh] = None
+    for leaf in jtu.tree_leaves(specs, is_leaf=is_spec_leaf):
+        if isinstance(leaf, NamedSharding) and isinstance(leaf.mesh, Mesh):
+            found[leaf.mesh] = None
+    return list(found)
+
+
+@ft.lru_cache(maxsize=64)
+def _describe_mesh(mesh: Mesh) -> str:
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    return f"{dict(mesh.shape)} over devices {ids.tolist()}"
+
+
+def _record(
+    path: KeyPath,
+    leaf: Any,
+    spec: Any,
+    mesh: Mesh | AbstractMesh | None,
+    host_local: bool,
+) -> tuple[str, tuple[int, ...], str, str, str]:
+    """What all processes must agree on for one array: its path, shape, dtype and
+    spec, and a fingerprint of its values if they must be equal everywhere."""
+    if isinstance(spec, NamedSharding):
+        spec, mesh = spec.spec, spec.mesh
+    shape = tuple(np.shape(leaf))
+    same = isinstance(spec, PartitionSpec) and not is_global(leaf)
+    if same and host_local:
+        same = isinstance(mesh, Mesh) and _is_whole_block(shape, spec, mesh)
+    return (
+        path_str(path),
+        shape,
+        str(leaf.dtype),
+        "" if spec is None else str(spec),
+        _fingerprint(leaf) if same else "",
+    )
+
+
 # Elements sampled from each array to compare values across processes.
 _SAMPLE = 64
 
@@ -241,7 +343,7 @@ def _sample_index(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     return np.unravel_index(flat, shape)
 
 
-def fingerprint(value: Any) -> str:
+def _fingerprint(value: Any) -> str:
     """A hash of a sample of the values of a host array (of all of them if it is
     small): cheap, and equal on processes that hold equal arrays."""
     value = np.asarray(value)
@@ -262,7 +364,7 @@ def _leaders_of(mesh: Mesh) -> tuple[Any, ...]:
     return tuple(first[p] for p in sorted(first))
 
 
-def leaders(meshes: Iterable[Mesh]) -> tuple[Any, ...]:
+def _leaders(meshes: Iterable[Mesh]) -> tuple[Any, ...]:
     """One device of each process of `meshes` (its lowest id), by process index;
     empty unless this process is one of several."""
     first: dict[int, Any] = {}
@@ -277,7 +379,8 @@ def leaders(meshes: Iterable[Mesh]) -> tuple[Any, ...]:
 
 
 def _allgather_rows(row: np.ndarray, devices: tuple[Any, ...]) -> np.ndarray:
-    """Every process's `row` (of one length everywhere), stacked in process order."""
+    """Every process's `row` (of one length everywhere), stacked in process order.
+    `devices` has one device of each process."""
     mesh = Mesh(np.array(devices, dtype=object), ("processes",), (AxisType.Auto,))
     stacked = jax.make_array_from_callback(
         (len(devices), row.size),
@@ -288,6 +391,7 @@ def _allgather_rows(row: np.ndarray, devices: tuple[Any, ...]) -> np.ndarray:
 
 
 def _allgather_bytes(payload: bytes, devices: tuple[Any, ...]) -> list[bytes]:
+    """Every process's `payload`, in process order."""
     length = np.array([len(payload)], dtype="<u4").view(np.uint8)
     lengths = _allgather_rows(length, devices).view("<u4")[:, 0]
     # Rounded up to a power of two, so few shapes (and compilations) occur.
@@ -295,34 +399,6 @@ def _allgather_bytes(payload: bytes, devices: tuple[Any, ...]) -> list[bytes]:
     row[: len(payload)] = np.frombuffer(payload, np.uint8)
     rows = _allgather_rows(row, devices)
     return [rows[i, :n].tobytes() for i, n in enumerate(lengths)]
-
-
-Record = tuple[str, tuple[int, ...], str, str, str]
-
-
-def check_agreement(
-    caller: str,
-    header: Any,
-    records: list[Record],
-    devices: tuple[Any, ...],
-    *,
-    host_local: bool,
-    spanning: tuple[str, ...],
-) -> None:
-    """Raises the same `ValueError` on every process unless all processes passed
-    the same `header` and `records` (path, shape, dtype, sharding, and a value
-    fingerprint or `""`, per array). A collective among the processes of
-    `devices`, one device per process."""
-    payload = json.dumps([header, records]).encode()
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
-    digests = _allgather_rows(np.frombuffer(digest, np.uint8), devices)
-    if (digests == digests[0]).all():
-        return
-    views = [json.loads(b) for b in _allgather_bytes(payload, devices)]
-    processes = [d.process_index for d in devices]
-    raise ValueError(
-        disagreement_message(caller, views, processes, host_local, spanning)
-    )
 
 
 def _by_process(values: list[Any], processes: list[int]) -> str:
@@ -338,7 +414,7 @@ def _by_process(values: list[Any], processes: list[int]) -> str:
 _MAX_LINES = 10
 
 
-def disagreement_message(
+def _disagreement_message(
     caller: str,
     views: list[Any],
     processes: list[int],

@@ -35,15 +35,12 @@ from jaxtyping import PyTree
 
 from ._mesh import _require_mesh, current_mesh
 from ._multiprocess import (
-    check_agreement,
-    fingerprint,
+    check_processes_agree,
     from_host_copies,
     from_host_local,
     host_local_shape,
     host_value,
-    is_whole_block,
-    leaders,
-    spanning_axes,
+    is_global,
 )
 from ._specs import (
     check_spec,
@@ -129,7 +126,7 @@ def _match(
         else:
             spec, sharding_mesh = spec.spec, spec.mesh
         shape = tuple(np.shape(leaf))
-        if host_local and not _is_global(leaf):
+        if host_local and not is_global(leaf):
             fixed, reasons = _check_block(shape, spec, sharding_mesh)
         else:
             fixed, reasons = check_spec(shape, spec, dict(sharding_mesh.shape))
@@ -181,7 +178,7 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
     """One array of a multi-process run on its sharding: a global array is laid
     out again; host data is this process's full copy or, with `host_local`, its
     block of the array."""
-    if _is_global(leaf):
+    if is_global(leaf):
         return jax.device_put(leaf, sharding)
     leaf = np.asarray(leaf)  # JAX arrays on this process's devices included
     if host_local:
@@ -202,9 +199,15 @@ def shard(
     Every array leaf (`jax.Array` or NumPy) gets `NamedSharding(mesh, spec)`;
     everything else (static fields, callables, Python scalars, `None`) is returned
     untouched, so an Equinox module comes back as a module of the same type. All
-    arrays move in one batched `jax.device_put`, with no compilation. In a
-    multi-process run, each process passes its full host-local copy and supplies
-    only the shards its own devices hold.
+    arrays move in one batched `jax.device_put`, with no compilation.
+
+    In a multi-process run, every process of the mesh makes the same call with a
+    full copy of every array, and copies to its devices only the shards they hold.
+    The processes first compare their paths, shapes, dtypes, specs and a sample of
+    the values (one 16-byte all-gather), so that a mismatch raises the same error
+    on every process, naming the leaves that differ, instead of a hang or wrong
+    values. To pass each process's own part of an array instead (such as its part
+    of the batch), use `Partitioner.move_to_devices(..., host_local=True)`.
 
     Every spec is checked before anything moves, and `shard` never corrects a spec:
     all the leaves whose specs cannot apply are reported together.
@@ -230,7 +233,9 @@ def shard(
       differs), if no mesh is given or set, or if specs cannot apply: an unknown
       mesh axis, a mesh axis used twice, a spec longer than the array's rank, or a
       dimension not divisible by its mesh axes. The message names every such leaf,
-      its shape and spec, and the nearest spec that fits.
+      its shape and spec, and the nearest spec that fits. In a multi-process run,
+      also (on every process) if the processes' paths, shapes, dtypes or specs
+      differ, or their copies of an array do.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), or if a
       leaf of `specs` is not a spec.
 
@@ -263,96 +268,10 @@ def _shard(
         return jtu.tree_unflatten(jtu.tree_structure(tree), _place(matched, dtype))
     # All processes compare their trees first: a process whose tree differs could
     # otherwise fail validation alone and leave the others waiting in a collective.
-    _check_processes_agree(caller, tree, specs, mesh, root=root, host_local=host_local)
+    check_processes_agree(caller, tree, specs, mesh, root=root, host_local=host_local)
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
     placed = _place(matched, dtype, host_local=host_local)
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
-
-
-def _is_global(x: Any) -> bool:
-    """Whether `x` is an array spread over several processes (anything else is
-    host data, JAX arrays on this process's devices included)."""
-    return isinstance(x, jax.Array) and not x.is_fully_addressable
-
-
-def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
-    """The concrete meshes a `shard` call may place arrays on."""
-    found = {}
-    if mesh is None:
-        mesh = current_mesh()
-    if isinstance(mesh, Mesh):
-        found[mesh] = None
-    for leaf in jtu.tree_leaves(specs, is_leaf=is_spec_leaf):
-        if isinstance(leaf, NamedSharding) and isinstance(leaf.mesh, Mesh):
-            found[leaf.mesh] = None
-    return list(found)
-
-
-@ft.lru_cache(maxsize=64)
-def _describe_mesh(mesh: Mesh) -> str:
-    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
-    return f"{dict(mesh.shape)} over devices {ids.tolist()}"
-
-
-def _check_processes_agree(
-    caller: str,
-    tree: PyTree,
-    specs: PyTree,
-    mesh: Mesh | AbstractMesh | None,
-    *,
-    root: KeyPath,
-    host_local: bool,
-) -> None:
-    """Raises the same `ValueError` on every process of the call's meshes unless
-    they all passed the same paths, shapes, dtypes and specs, and equal values
-    where the values must be equal (every full copy; with `host_local`, every
-    block that is the whole array). Nothing here depends on whether the leaves'
-    specs fit, which each process checks afterwards."""
-    meshes = _meshes(specs, mesh)
-    devices = leaders(meshes)
-    if not devices:
-        return
-    path_leaves = jtu.tree_flatten_with_path(tree)[0]
-    try:
-        spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
-    except (TypeError, ValueError):  # raised again, on every process, afterwards
-        spec_of = [None] * len(path_leaves)
-    if mesh is None:
-        mesh = current_mesh()
-    records = [
-        _record(root + path, leaf, spec, mesh, host_local)
-        for (path, leaf), spec in zip(path_leaves, spec_of)
-        if is_array(leaf)
-    ]
-    spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
-    header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
-    check_agreement(
-        caller, header, records, devices, host_local=host_local, spanning=spanning
-    )
-
-
-def _record(
-    path: KeyPath,
-    leaf: Any,
-    spec: Any,
-    mesh: Mesh | AbstractMesh | None,
-    host_local: bool,
-) -> tuple[str, tuple[int, ...], str, str, str]:
-    """What all processes must agree on for one array: its path, shape, dtype and
-    spec, and a fingerprint of its values if they must be equal everywhere."""
-    if isinstance(spec, NamedSharding):
-        spec, mesh = spec.spec, spec.mesh
-    shape = tuple(np.shape(leaf))
-    same = isinstance(spec, PartitionSpec) and not _is_global(leaf)
-    if same and host_local:
-        same = isinstance(mesh, Mesh) and is_whole_block(shape, spec, mesh)
-    return (
-        path_str(path),
-        shape,
-        str(leaf.dtype),
-        "" if spec is None else str(spec),
-        fingerprint(leaf) if same else "",
-    )
 
 
 # ---------------------------------------------------------------------------------
@@ -396,7 +315,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     scalars, `None`) is returned as it is. Arrays whose shards this process can see
     are copied with one `jax.device_get`; in a multi-process run, arrays spread over
     several processes are gathered one at a time without ever putting a full copy
-    on every device, and every process gets the full value.
+    on every device, and every process gets the full value. Every process must
+    then make the same call, since those arrays are gathered by all of them
+    together (arrays every process already holds whole need no communication).
 
     Use it before `eqx.tree_serialise_leaves`; [`eqshard.shard`][] puts the
     deserialised tree back. For trees too large to hold on host twice, see
@@ -445,7 +366,9 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
 
     Like [`eqshard.gather`][], but only one array is on host at a time, so a
     checkpoint writer can save a model larger than host memory allows twice.
-    Non-array leaves are skipped.
+    Non-array leaves are skipped. In a multi-process run, every process must
+    iterate in step, to the end, as every process takes part in gathering each
+    array spread over several processes.
 
     **Arguments:**
 

@@ -1,0 +1,505 @@
+# eqshard across real processes: each test starts JAX processes on localhost with
+# `run_processes` (see multihost.py), which run a `_child_*` function of this file
+# and return what it saw; the test asserts on that in this (parent) process, against
+# values worked out by hand or with NumPy here. A launch costs ~2 s, so each one
+# checks many things.
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from multihost import run_processes
+
+import eqshard
+
+
+def _mesh(shape, names):
+    """A mesh whose row p holds process p's devices in id order (by hand, so the
+    shards every device gets are known here)."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _key(index, shape):
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _shards(x):
+    """(position of the device among this process's devices, index, data) for
+    each shard of `x` on this process."""
+    local = sorted(jax.local_devices(), key=lambda d: d.id)
+    return sorted(
+        (local.index(s.device), _key(s.index, x.shape), np.asarray(s.data))
+        for s in x.addressable_shards
+    )
+
+
+class _Spy:
+    """Counts the data callbacks of `jax.make_array_from_callback` and records the
+    largest shard per device of every array `jax.device_put` makes."""
+
+    def __init__(self):
+        self.callbacks, self.put_bytes = [], []
+        real_callback, real_put = jax.make_array_from_callback, jax.device_put
+
+        def make_array_from_callback(shape, sharding, callback, *args, **kwargs):
+            def counted(index):
+                self.callbacks.append((tuple(shape), _key(index, shape)))
+                return callback(index)
+
+            return real_callback(shape, sharding, counted, *args, **kwargs)
+
+        def device_put(x, *args, **kwargs):
+            out = real_put(x, *args, **kwargs)
+            for y in jax.tree.leaves(out):
+                self.put_bytes.append(max(s.data.nbytes for s in y.addressable_shards))
+            return out
+
+        jax.make_array_from_callback = make_array_from_callback
+        jax.device_put = device_put
+
+    def take(self):
+        out = (self.callbacks, self.put_bytes)
+        self.callbacks, self.put_bytes = [], []
+        return out
+
+
+def _error(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------
+# shard, gather and iter_gather, and the mistakes they catch: 2 processes x 4.
+# ---------------------------------------------------------------------------------
+
+W = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+B = (np.arange(8) - 4).astype(np.int8)
+H = np.linspace(-2, 2, 12).astype(jnp.bfloat16).reshape(3, 4)
+FLAGS = np.array([True, False, True, True])
+SPECS = {
+    "w": P("dp", "tp"),  # split over both processes and their devices
+    "b": P("tp"),  # whole on each process, split across its devices
+    "h": P(None, "tp"),
+    "flags": P(),  # replicated everywhere
+    "d": P("dp"),  # a JAX array on this process's devices, as input
+    "keep": None,  # left where it is
+    "name": None,
+}
+
+
+def _tree():
+    return {
+        "w": W,
+        "b": B,
+        "h": H,
+        "flags": FLAGS,
+        "d": jnp.arange(6.0).reshape(2, 3),
+        "keep": jnp.ones(3),
+        "name": "block",
+    }
+
+
+def _child_shard_and_gather():
+    p = jax.process_index()
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    spy = _Spy()
+    out = {}
+
+    # Full copies on every process -> global arrays.
+    tree = _tree()
+    placed = eqshard.shard(tree, SPECS, mesh)
+    out["callbacks"], _ = spy.take()
+    out["kept"] = placed["keep"] is tree["keep"]
+    out["placed"] = {
+        k: (
+            v.shape,
+            v.is_fully_addressable,
+            v.sharding == NamedSharding(mesh, SPECS[k]),
+        )
+        for k, v in placed.items()
+        if k not in ("keep", "name")
+    }
+    out["name"] = placed["name"]
+    out["shards"] = {
+        k: _shards(v) for k, v in placed.items() if k not in ("keep", "name")
+    }
+    # A cast while placing, and a global array resharded.
+    out["cast"] = str(eqshard.shard(W, P("dp"), mesh, dtype=jnp.bfloat16).dtype)
+    out["resharded"] = _shards(eqshard.shard(placed["w"], P("tp", "dp"), mesh))
+    spy.take()
+
+    # Global arrays -> the full value on every process.
+    out["gathered"] = eqshard.gather(placed)
+    _, out["gather_put_bytes"] = spy.take()
+    items = eqshard.iter_gather(placed)
+    out["first"] = [next(items), next(items)]
+    _, out["first_put_bytes"] = spy.take()  # lazily: 'w' has not moved yet
+    out["rest"] = list(items)
+    empty = eqshard.shard(np.zeros((0, 4), np.float32), P("dp"), mesh)
+    out["empty"] = eqshard.gather(empty).shape
+    shard_fns, gather_fns = eqshard.make_shard_and_gather_fns(
+        {"w": P(None, "dp")}, mesh
+    )
+    out["fns"] = eqshard.tree_apply(
+        gather_fns, eqshard.tree_apply(shard_fns, {"w": W})
+    )["w"]
+
+    # Mistakes: every process raises the same error, and none is left waiting.
+    tree = _tree()
+    if p == 1:
+        tree["w"] = W[:, :7]  # its spec would not even fit here
+        tree["h"] = H.astype(np.float32)
+    out["err_shapes"] = _error(eqshard.shard, tree, SPECS, mesh)
+    tree = {"layers": [{"w": W}] * (2 + p)}
+    out["err_structure"] = _error(eqshard.shard, tree, P(), mesh)
+    # Each process's own rows, given to `shard`, which wants full copies.
+    out["err_values"] = _error(eqshard.shard, {"x": W[8 * p : 8 * p + 8]}, P(), mesh)
+    specs = {"w": P("dp"), "b": P()} if p == 0 else {"w": P(), "b": P()}
+    out["err_specs"] = _error(eqshard.shard, {"w": W, "b": B}, specs, mesh)
+    # Still in step after all that.
+    out["after"] = eqshard.gather(eqshard.shard({"w": W}, P("dp", "tp"), mesh))["w"]
+    return out
+
+
+def test_shard_and_gather_across_two_processes():
+    results = run_processes(_child_shard_and_gather)
+    d = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    full = {
+        "w": W,
+        "b": B,
+        "h": H,
+        "flags": FLAGS,
+        "d": d,
+        "keep": np.ones(3, np.float32),
+    }
+    # Hand-derived: process p holds mesh row p; its j-th device is column j.
+    for p, r in enumerate(results):
+        expected_index = {
+            "w": lambda j: ((8 * p, 8 * p + 8), (2 * j, 2 * j + 2)),
+            "b": lambda j: ((2 * j, 2 * j + 2),),
+            "h": lambda j: ((0, 3), (j, j + 1)),
+            "flags": lambda j: ((0, 4),),
+            "d": lambda j: ((p, p + 1), (0, 3)),
+        }
+        for k, index in expected_index.items():
+            assert r["placed"][k] == (full[k].shape, False, True), k
+            shards = r["shards"][k]
+            assert [j for j, _, _ in shards] == [0, 1, 2, 3], k
+            for j, got_index, data in shards:
+                assert got_index == index(j), (k, j)
+                rows = tuple(slice(*i) for i in got_index)
+                np.testing.assert_array_equal(data, full[k][rows])
+                assert data.dtype == full[k].dtype
+        assert r["name"] == "block" and r["kept"]
+        # Only this process's shards were copied from the host copies: one callback
+        # per local device and array, for that device's shard (JAX reads a fully
+        # replicated array, 'flags', once). One more made the (2, 16) digest of the
+        # tree that the processes compare.
+        expected_callbacks = [((2, 16), ((p, p + 1), (0, 16)))] + [
+            (full[k].shape, index(j))
+            for k, index in expected_index.items()
+            for j in range(1 if k == "flags" else 4)
+        ]
+        assert sorted(r["callbacks"]) == sorted(expected_callbacks)
+        assert r["cast"] == "bfloat16"
+        # P('tp', 'dp'): rows by local device j, columns by process p.
+        for j, index, data in r["resharded"]:
+            assert index == ((4 * j, 4 * j + 4), (4 * p, 4 * p + 4))
+            np.testing.assert_array_equal(data, W[4 * j : 4 * j + 4, 4 * p : 4 * p + 4])
+
+        # Every process gets every value, bit-exact, with its dtype.
+        gathered = r["gathered"]
+        assert gathered["name"] == "block"
+        for k, value in full.items():
+            assert type(gathered[k]) is np.ndarray and gathered[k].dtype == value.dtype
+            np.testing.assert_array_equal(gathered[k], value)
+        # Only 'd' and 'w' are split between the processes; the others are whole on
+        # each process and need no communication. On the way to host each device
+        # holds a quarter of 'w' (4 of 16 rows: 128 of its 512 bytes), where
+        # process_allgather would put all 512 bytes on every device. 'd' (2 x 3
+        # float32) only splits 2 ways (1 row, 12 bytes), the other 2 devices
+        # holding copies.
+        assert r["gather_put_bytes"] == [12, 128]
+        # iter_gather: in tree_leaves order, each leaf moved only when asked for.
+        items = r["first"] + r["rest"]
+        assert [name for name, _ in items] == ["b", "d", "flags", "h", "keep", "w"]
+        for name, value in items:
+            np.testing.assert_array_equal(value, full[name])
+        assert r["first_put_bytes"] == [12]
+        assert r["empty"] == (0, 4)
+        np.testing.assert_array_equal(r["fns"], W)
+        np.testing.assert_array_equal(r["after"], W)
+
+    # Errors: the same message on both processes, naming each leaf that differs.
+    for key in ("err_shapes", "err_structure", "err_values", "err_specs"):
+        assert results[0][key] is not None and results[0][key] == results[1][key], key
+    message = results[0]["err_shapes"]
+    assert "eqshard.shard: the processes passed different inputs" in message
+    assert (
+        "'w': shape (16, 8) float32 on process 0; shape (16, 7) float32 on process 1"
+        in message
+    )
+    assert (
+        "'h': shape (3, 4) bfloat16 on process 0; shape (3, 4) float32 on process 1"
+        in message
+    )
+    assert "'b'" not in message and "'flags'" not in message
+    message = results[0]["err_structure"]
+    assert (
+        "trees differ at array 2: no more arrays on process 0; 'layers/2/w'" in message
+    )
+    message = results[0]["err_values"]
+    assert "'x': values with sample hash" in message
+    assert "host_local=True" in message
+    message = results[0]["err_specs"]
+    assert "'w': spec P('dp',) on process 0; spec P() on process 1" in message
+    assert "'b'" not in message
+
+
+# ---------------------------------------------------------------------------------
+# The partitioner: data layout, host-local batches and a training step.
+# ---------------------------------------------------------------------------------
+
+PARAM_SPECS = {"w": P(None, "model"), "b": P("model")}
+LEARNING_RATE = 0.1
+STEPS = 3
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    y = rng.normal(size=(16, 4)).astype(np.float32)
+    w = rng.normal(size=(8, 4)).astype(np.float32)
+    b = np.zeros(4, np.float32)
+    return x, y, w, b
+
+
+def _loss(params, batch):
+    prediction = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((prediction - batch["y"]) ** 2)
+
+
+def _train_step(params, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, batch)
+    params = jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
+    return params, loss
+
+
+def _expected_training(x, y, w, b):
+    """The losses and final parameters of `STEPS` steps, in float64 NumPy."""
+    x, y, w, b = (a.astype(np.float64) for a in (x, y, w, b))
+    losses = []
+    for _ in range(STEPS):
+        residual = x @ w + b - y
+        losses.append(np.mean(residual**2))
+        d_prediction = 2 * residual / residual.size
+        w, b = (
+            w - LEARNING_RATE * x.T @ d_prediction,
+            b - LEARNING_RATE * d_prediction.sum(0),
+        )
+    return losses, w, b
+
+
+def _train(partitioner, x, y, w, b):
+    """`STEPS` steps with a host-local batch: each process passes the rows its data
+    layout gives it."""
+    layout = partitioner.data_layout(16)
+    rows = 16 // layout.num_shards
+    start = layout.shard_id * rows
+    batch = partitioner.move_to_devices(
+        {"x": x[start : start + rows], "y": y[start : start + rows]},
+        partitioner.data_partition_spec,
+        host_local=True,
+    )
+    params = partitioner.move_to_devices({"w": w, "b": b}, PARAM_SPECS)
+    step = partitioner.partition(
+        _train_step,
+        in_specs=(PARAM_SPECS, partitioner.data_partition_spec),
+        out_specs=(PARAM_SPECS, P()),
+    )
+    losses = []
+    for _ in range(STEPS):
+        params, loss = step(params, batch)
+        losses.append(float(eqshard.gather(loss)))
+    return {
+        "batch_shape": batch["x"].shape,
+        "batch": eqshard.gather(batch),
+        "losses": losses,
+        "params": eqshard.gather(params),
+    }
+
+
+def _chunk_view(partitioner, process_index):
+    chunker = eqshard.LocalChunker(partitioner.mesh, process_index=process_index)
+    axes = partitioner.mesh.axis_names
+    return {
+        "num_chunks": dict(chunker.num_chunks),
+        "chunk_ids": dict(chunker.chunk_ids),
+        "replica_ids": {a: chunker.get_replica_id(a) for a in axes},
+        "shard_ids": {a: chunker.get_shard_id(a) for a in axes},
+        "layout": partitioner.data_layout(16, process_index=process_index),
+    }
+
+
+def _child_partitioner(x, y, w, b):
+    p = jax.process_index()
+    # On CPU, t5x's default mesh is processes x local devices, ('data', 'model').
+    partitioner = eqshard.Partitioner(num_partitions=4)
+    mesh = partitioner.mesh
+    out = {
+        "axes": dict(mesh.shape),
+        "owners": [[d.process_index for d in row] for row in mesh.devices],
+        "data_shard_id": partitioner.data_shard_id,
+        "data_shards": partitioner.data_shards,
+        "data_mesh_size": partitioner.data_mesh_size,
+        "views": [_chunk_view(partitioner, q) for q in (p, 1 - p)],
+    }
+    for name, spec in (("data", P("data", None)), ("model", P(None, "model"))):
+        info = partitioner.local_chunk_info((16, 8), spec)
+        out[f"chunk_{name}"] = (_key(info.slice, (16, 8)), info.replica_id)
+    out.update(_train(partitioner, x, y, w, b))
+    # The same on a hybrid mesh built by hand: 'data' across the processes (DCN).
+    hybrid = eqshard.create_hybrid_mesh((1, 4), (2, 1), ("data", "model"))
+    out["hybrid_owners"] = [[d.process_index for d in row] for row in hybrid.devices]
+    placed = eqshard.shard(W, P("data", "model"), hybrid)
+    out["hybrid_shards"] = _shards(placed)
+    out["hybrid_gathered"] = eqshard.gather(placed)
+    return out
+
+
+def test_partitioner_across_two_processes():
+    x, y, w, b = _problem()
+    results = run_processes(_child_partitioner, args=(x, y, w, b))
+    losses, w_end, b_end = _expected_training(x, y, w, b)
+    for p, r in enumerate(results):
+        assert r["axes"] == {"data": 2, "model": 4}
+        assert r["owners"] == [[0] * 4, [1] * 4]
+        assert (r["data_shard_id"], r["data_shards"], r["data_mesh_size"]) == (p, 2, 2)
+        # Each process's view, and the other's, computed on this process.
+        for q, view in zip((p, 1 - p), r["views"]):
+            assert view["num_chunks"] == {"data": 2, "model": 1}
+            assert view["chunk_ids"] == {"data": q, "model": 0}
+            # Sharding over 'data' replicates over 'model': one chunk, id 0; and
+            # the other way round, the processes are replicas q of each other.
+            assert view["replica_ids"] == {"data": 0, "model": q}
+            assert view["shard_ids"] == {"data": q, "model": 0}
+            assert view["layout"] == eqshard.DataLayout(16, q, 2, True)
+        assert r["chunk_data"] == (((8 * p, 8 * p + 8), (0, 8)), 0)
+        assert r["chunk_model"] == (((0, 16), (0, 8)), p)
+        # 8 rows per process make the global batch of 16.
+        assert r["batch_shape"] == (16, 8)
+        np.testing.assert_array_equal(r["batch"]["x"], x)
+        np.testing.assert_array_equal(r["batch"]["y"], y)
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(r["params"]["w"], w_end, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["params"]["b"], b_end, rtol=1e-5, atol=1e-6)
+        assert r["hybrid_owners"] == [[0] * 4, [1] * 4]
+        for j, index, data in r["hybrid_shards"]:
+            assert index == ((8 * p, 8 * p + 8), (2 * j, 2 * j + 2))
+            np.testing.assert_array_equal(data, W[8 * p : 8 * p + 8, 2 * j : 2 * j + 2])
+        np.testing.assert_array_equal(r["hybrid_gathered"], W)
+
+
+# ---------------------------------------------------------------------------------
+# Four processes of 2 devices: a multi-slice mesh, host-local blocks, mistakes.
+# ---------------------------------------------------------------------------------
+
+
+def _child_four_processes(x, y, w, b):
+    p = jax.process_index()
+    # ('replica', 'data', 'model') = (2, 2, 2), the processes tiling the first two
+    # axes; the rules then split batches over ('replica', 'data').
+    partitioner = eqshard.Partitioner(
+        num_partitions=2, ici_mesh_shape=(1, 1, 2), dcn_mesh_shape=(2, 2, 1)
+    )
+    mesh = partitioner.mesh
+    out = {
+        "axes": dict(mesh.shape),
+        "owners": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+        "data_spec": partitioner.data_partition_spec,
+        "view": _chunk_view(partitioner, p),
+    }
+    out.update(_train(partitioner, x, y, w, b))
+
+    # Full copies: rows split over both process axes, columns over local devices.
+    placed = eqshard.shard(W, P(("replica", "data"), "model"), mesh)
+    out["shards"] = _shards(placed)
+    out["gathered"] = eqshard.gather(placed)
+    # Host-local blocks: every process's (4, 8) block of rows.
+    block = W[4 * p : 4 * p + 4]
+    from_blocks = partitioner.move_to_devices(
+        block, P(("replica", "data"), "model"), host_local=True
+    )
+    out["from_blocks"] = eqshard.gather(from_blocks)
+    # 'model' first puts blocks p % 2 and 2 + p % 2 of 4 rows on process p.
+    out["err_slices"] = _error(
+        partitioner.move_to_devices,
+        {"layer": {"w": block}},
+        P(("model", "data")),
+        host_local=True,
+    )
+    # A block whose spec does not split it across processes must be whole.
+    out["err_whole"] = _error(
+        partitioner.move_to_devices, {"x": block}, P(None, "model"), host_local=True
+    )
+    # One process of four passes another shape.
+    tree = {"a": W, "b": W[:4] if p == 2 else W[:8]}
+    out["err_shape"] = _error(eqshard.shard, tree, P(), mesh)
+    return out
+
+
+def test_four_processes_of_two_devices():
+    x, y, w, b = _problem()
+    results = run_processes(
+        _child_four_processes, num_processes=4, devices_per_process=2, args=(x, y, w, b)
+    )
+    losses, w_end, b_end = _expected_training(x, y, w, b)
+    for p, r in enumerate(results):
+        assert r["axes"] == {"replica": 2, "data": 2, "model": 2}
+        # Process p holds the two 'model' devices at replica p // 2, data p % 2.
+        assert r["owners"] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
+        assert r["data_spec"] == P(("replica", "data"))
+        view = r["view"]
+        assert view["num_chunks"] == {"replica": 2, "data": 2, "model": 1}
+        assert view["chunk_ids"] == {"replica": p // 2, "data": p % 2, "model": 0}
+        # The chunk ids along the other axes read as one number (model: 1 chunk).
+        assert view["replica_ids"] == {
+            "replica": p % 2,  # (data, model): (p % 2) * 1 + 0
+            "data": p // 2,  # (replica, model)
+            "model": p,  # (replica, data): 2 * (p // 2) + p % 2
+        }
+        assert view["shard_ids"] == {"replica": p // 2, "data": p % 2, "model": 0}
+        # Shard id along ('replica', 'data') = 2 * (p // 2) + p % 2 = p.
+        assert view["layout"] == eqshard.DataLayout(16, p, 4, True)
+        assert r["batch_shape"] == (16, 8)
+        np.testing.assert_array_equal(r["batch"]["x"], x)
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(r["params"]["w"], w_end, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["params"]["b"], b_end, rtol=1e-5, atol=1e-6)
+        for j, index, data in r["shards"]:
+            assert index == ((4 * p, 4 * p + 4), (4 * j, 4 * j + 4))
+            np.testing.assert_array_equal(data, W[4 * p : 4 * p + 4, 4 * j : 4 * j + 4])
+        np.testing.assert_array_equal(r["gathered"], W)
+        np.testing.assert_array_equal(r["from_blocks"], W)
+
+    for key in ("err_slices", "err_whole", "err_shape"):
+        assert all(r[key] == results[0][key] for r in results), key
+    message = results[0]["err_slices"]
+    assert "eqshard.Partitioner.move_to_devices: 1 leaf has a spec" in message
+    assert "'layer/w' (shape (4, 8))" in message
+    assert "process 0's devices hold blocks [0, 2] of 4" in message
+    assert "Use P(('data', 'model'),)" in message
+    message = results[0]["err_whole"]
+    assert "'x': values with sample hash" in message
+    assert "mesh axis that spans processes ('replica', 'data')" in message
+    message = results[0]["err_shape"]
+    assert (
+        "'b': shape (8, 8) float32 on processes 0, 1, 3; "
+        "shape (4, 8) float32 on process 2"
+    ) in message
+    assert "'a'" not in message
