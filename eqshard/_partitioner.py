@@ -597,8 +597,8 @@ class PartitionedFn:
 
     - `__call__(*args)`: runs the function.
     - `lower(*args)`: JAX's `jax.stages.Lowered` for these arguments (for
-      `as_text()`, `cost_analysis()`); it is lowered over the flattened arrays,
-      so use `compile` for something to call.
+      `as_text()`, `cost_analysis()`). For pytree arguments it is lowered over
+      their flattened arrays, so use `compile` for something to call.
     - `compile(*args)`: a callable compiled ahead of time for arguments like these,
       taking the same arguments as the function; its `compiled` attribute is
       JAX's `jax.stages.Compiled`.
