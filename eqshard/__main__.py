@@ -100,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help=(
             "mesh axes as name:size pairs, e.g. 'dp:2,tp:4' or 'fsdp:-1' (-1 takes "
-            "the remaining devices); sizes alone name the axes dp,tp / dp,fsdp,tp / "
-            "dp,fsdp,tp,sp. Default: dp:2,tp:4 on 8 devices."
+            "the remaining devices); 1 to 4 sizes alone name the axes dp / dp,tp / "
+            "dp,fsdp,tp / dp,fsdp,tp,sp. Default: dp:2,tp:4 on 8 devices."
         ),
     )
     parser.add_argument(

@@ -3,6 +3,7 @@
 # Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
 # MLP width 256, float32) and the mesh.
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -153,3 +154,42 @@ def test_bad_options(args, match):
     result = _run(*args)
     assert re.search(match, _one_line_error(result))
     assert "Traceback" not in result.stderr
+
+
+# The README's promises: its test command is CI's, its example runs, and every
+# public name has an entry in the API reference.
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def test_readme_commands():
+    block = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert commands[0] == "pip install -e . && python -m eqshard"
+    assert commands[1] == ci[-1]
+    assert "set -euo pipefail" in ci
+
+
+def test_readme_example_runs(tmp_path):
+    example = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)[1]
+    result = subprocess.run(
+        [sys.executable, "-c", example],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(P("tp", None))
+
+
+def test_every_public_name_has_an_api_entry():
+    init = (REPO / "eqshard" / "__init__.py").read_text()
+    public = set(re.findall(r"^    \w+ as (\w+),$", init, re.M))
+    public |= set(re.findall(r"^from \.\w+ import \w+ as (\w+)$", init, re.M))
+    pages = "\n".join(p.read_text() for p in (REPO / "docs" / "api").glob("*.md"))
+    documented = set(re.findall(r"^::: eqshard\.(\w+)$", pages, re.M))
+    assert len(public) > 50
+    assert sorted(public - documented) == []
