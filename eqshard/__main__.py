@@ -385,10 +385,8 @@ def config_for_size(target: int, mesh: Mesh) -> Config:
     for layers in range(1, 257):
         a, b = 12 * layers, 13 * layers + 2 * vocab + 2
         root = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
-        for dim in {
-            max(unit, math.floor(root / unit) * unit),
-            math.ceil(root / unit) * unit,
-        }:
+        below = max(unit, math.floor(root / unit) * unit)
+        for dim in sorted({below, math.ceil(root / unit) * unit}):
             config = Config(vocab=vocab, dim=dim, heads=dim // 64, layers=layers)
             error = abs(config.parameters - target) / target
             score = error + 0.02 * abs(math.log(dim / layers / 100))
@@ -411,10 +409,11 @@ def _match(rules: list[tuple[str, P]], tree: PyTree, origin: str) -> PyTree:
         return eqshard.match_partition_rules(rules, tree)
     except (ValueError, TypeError) as error:
         lines = str(error).splitlines()
-        raise UsageError(
-            f"{origin}: {' '.join(line.strip() for line in lines[:2])} (add a last "
-            "rule '.*  ()' to replicate the rest)"
-        ) from None
+        hint = ""
+        if "no rule matches" in str(error):
+            hint = " (a last rule '.*  ()' replicates the rest)"
+        summary = " ".join(line.strip() for line in lines[:2])
+        raise UsageError(f"{origin}: {summary}{hint}") from None
 
 
 # ---------------------------------------------------------------------------------
