@@ -4,6 +4,11 @@ import importlib.metadata
 
 
 __version__ = importlib.metadata.version("eqshard")
+from ._chunking import (
+    DataLayout as DataLayout,
+    LocalChunker as LocalChunker,
+    LocalChunkInfo as LocalChunkInfo,
+)
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
     extract_sharding_structure as extract_sharding_structure,
@@ -41,13 +46,8 @@ from ._misc import (
     round_up_to_multiple as round_up_to_multiple,
     wrap_function_with_rng as wrap_function_with_rng,
 )
-from ._partitioner import (
-    DataLayout as DataLayout,
-    LocalChunker as LocalChunker,
-    LocalChunkInfo as LocalChunkInfo,
-    PartitionedFn as PartitionedFn,
-    Partitioner as Partitioner,
-)
+from ._partitioned import PartitionedFn as PartitionedFn
+from ._partitioner import Partitioner as Partitioner
 from ._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     explain_partition_rules as explain_partition_rules,

@@ -1,0 +1,571 @@
+"""Partitioned functions: `jax.jit` with shardings built once, at partition time.
+
+How a [`eqshard.PartitionedFn`][] call stays cheap:
+
+- **Arrays only.** When every (non-static) argument is itself an array, the call
+  goes straight to one `jax.jit` made at partition time: no tree work in Python.
+- **Modules and other pytrees.** The arguments are flattened once; the leaf types
+  and the tree structure pick a cached *layout* (which leaves are arrays), and the
+  non-array leaves pick a cached `jax.jit` made for that layout, whose arguments
+  are the flat tuples of array leaves. This is `eqx.filter_jit`'s filtering with
+  less per-call work: no signature binding, no rebuilding of filtered trees, no
+  hashing of every leaf, no blocking on a marker.
+- **Contexts at trace time.** The mesh (as the abstract mesh) and the logical
+  rules are set while `fn` is traced, which is the only time `fn`'s Python runs,
+  so calls do not pay for entering them.
+"""
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._chunking import _mesh_repr
+from ._logical import (
+    _resolve,
+    _RulesContext,
+    AxisNames,
+    LogicalRules,
+)
+from ._specs import check_spec, entry_axes, is_spec_leaf, spec_error_message
+from ._tree import broadcast_prefix, is_array, path_str
+from ._typing import KeyPath
+
+
+# ---------------------------------------------------------------------------------
+# Specs -> shardings, once, at partition time.
+# ---------------------------------------------------------------------------------
+
+
+def _is_spec_or_names(x: Any) -> bool:
+    return is_spec_leaf(x) or isinstance(x, AxisNames)
+
+
+def _to_shardings(
+    specs: PyTree, mesh: Mesh, rules: LogicalRules, *, name: str, caller: str
+) -> PyTree:
+    """A spec tree with `AxisNames` resolved by `rules` and every `PartitionSpec`
+    made a `NamedSharding` on `mesh`; `None` and `NamedSharding` leaves are kept."""
+    resolved: dict[AxisNames, PartitionSpec] = {}
+
+    def convert(path: KeyPath, leaf: Any) -> NamedSharding | None:
+        if leaf is None or isinstance(leaf, NamedSharding):
+            return leaf
+        if isinstance(leaf, AxisNames):
+            spec = resolved.get(leaf)
+            if spec is None:
+                spec = resolved[leaf] = _resolve(leaf, rules, caller=caller, path=path)
+            leaf = spec
+        if not isinstance(leaf, PartitionSpec):
+            hint = ""
+            if isinstance(leaf, str):
+                hint = (
+                    " A plain tuple is a container, so its names became separate "
+                    "leaves: wrap logical names as eqshard.AxisNames(...) and mesh "
+                    "axes as P(...)."
+                )
+            raise TypeError(
+                f"eqshard.{caller}: `{name}` has {leaf!r} (a {type(leaf).__name__}) "
+                f"at '{path_str(path)}'. Leaves must be PartitionSpec, "
+                f"NamedSharding, eqshard.AxisNames or None.{hint}"
+            )
+        unknown = [a for e in leaf for a in entry_axes(e) if a not in mesh.shape]
+        if unknown:
+            raise ValueError(
+                f"eqshard.{caller}: `{name}` at '{path_str(path)}' is {leaf}, which "
+                f"names {', '.join(map(repr, unknown))}, not "
+                f"{'an axis' if len(unknown) == 1 else 'axes'} of the mesh "
+                f"{_mesh_repr(mesh)}. Use the mesh's axis names, or logical names "
+                "(eqshard.AxisNames) with rules for this mesh."
+            )
+        return NamedSharding(mesh, leaf)
+
+    if isinstance(specs, list):  # one entry per argument, like `jax.jit`
+        specs = tuple(specs)
+    return jtu.tree_map_with_path(convert, specs, is_leaf=_is_spec_or_names)
+
+
+def _check_shapes(
+    paths: Sequence[KeyPath],
+    leaves: Sequence[Any],
+    shardings: Sequence[NamedSharding | None],
+    caller: str,
+) -> None:
+    """Raises the eqshard message for every array whose sharding cannot apply."""
+    problems = []
+    for path, leaf, sharding in zip(paths, leaves, shardings):
+        if sharding is None or not is_array(leaf):
+            continue
+        shape = tuple(leaf.shape)
+        fixed, reasons = check_spec(shape, sharding.spec, dict(sharding.mesh.shape))
+        if reasons:
+            problems.append((path, shape, sharding.spec, fixed, reasons, sharding.mesh))
+    if problems:
+        raise ValueError(spec_error_message(caller, problems))
+
+
+# ---------------------------------------------------------------------------------
+# Partitioned functions.
+# ---------------------------------------------------------------------------------
+
+_IN = "PartitionedFn (in_specs)"
+_OUT = "PartitionedFn (out_specs)"
+
+# Types whose instances go straight to `jax.jit` as arguments: filled in as they
+# are first seen (so importing eqshard never touches the JAX backend).
+_DIRECT_TYPES: set[type] = set()
+
+
+def _is_direct(x: Any) -> bool:
+    """Whether `jax.jit` takes `x` as one array argument (abstract ones included,
+    for `lower`)."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
+def _getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A fast function from a sequence to the tuple of its items at `indices`."""
+    if not indices:
+        return lambda seq: ()
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*indices)
+
+
+class _OutStatics:
+    """The non-array leaves of a traced output, returned next to its arrays.
+
+    Registered as a static pytree node: `jax.jit` keeps it in the output structure
+    of the trace that made it, so each compiled function gives back its own."""
+
+    __slots__ = ("treedef", "template", "array_index")
+
+    def __init__(
+        self, treedef: jtu.PyTreeDef, template: list[Any], array_index: list[int]
+    ):
+        self.treedef = treedef
+        self.template = template
+        self.array_index = array_index
+
+    def rebuild(self, dynamic: PyTree) -> PyTree:
+        leaves = list(self.template)
+        for i, array in zip(self.array_index, jtu.tree_leaves(dynamic)):
+            leaves[i] = array
+        return self.treedef.unflatten(leaves)
+
+
+jtu.register_static(_OutStatics)
+
+
+class _Layout:
+    """The structure of a call's (non-static) arguments: which flat leaves are
+    arrays, which of those are donated, and one `jax.jit` per set of values of the
+    non-array leaves."""
+
+    __slots__ = (
+        "treedef",
+        "paths",
+        "array_index",
+        "static_index",
+        "donated_index",
+        "kept_index",
+        "get_static",
+        "get_donated",
+        "get_kept",
+        "signature",
+        "jitted",
+    )
+
+    def __init__(
+        self,
+        treedef: jtu.PyTreeDef,
+        paths: list[KeyPath],
+        leaves: list[Any],
+        donated_args: frozenset[int],
+    ):
+        self.treedef = treedef
+        self.paths = paths
+        flags = [is_array(leaf) for leaf in leaves]
+        self.array_index = [i for i, flag in enumerate(flags) if flag]
+        self.static_index = [i for i, flag in enumerate(flags) if not flag]
+        donated = [paths[i][0].idx in donated_args for i in range(len(leaves))]
+        self.donated_index = [i for i in self.array_index if donated[i]]
+        self.kept_index = [i for i in self.array_index if not donated[i]]
+        self.get_static = _getter(self.static_index)
+        self.get_donated = _getter(self.donated_index)
+        self.get_kept = _getter(self.kept_index)
+        self.signature = (treedef, tuple(self.array_index))
+        self.jitted: dict[tuple[Any, ...], Any] = {}
+
+
+class PartitionedFn:
+    """A function compiled with `jax.jit` on a [`eqshard.Partitioner`][]'s mesh.
+
+    Made by [`eqshard.Partitioner.partition`][]. Calls take the function's own
+    positional arguments. Array leaves are traced; every other leaf (Python
+    scalars, callables, static configuration of Equinox modules) is held static, as
+    in `eqx.filter_jit`, and a new value compiles again. Arguments in
+    `static_argnums` are static whatever they hold. Outputs may hold non-array
+    leaves too.
+
+    While the function is traced, the partitioner's mesh is the current (abstract)
+    mesh and its logical axis rules are set, so [`eqshard.with_sharding_constraint`][]
+    with mesh axes, or with specs from [`eqshard.logical_to_mesh_axes`][], works
+    inside it. The rules are read when tracing: later changes do not retrace.
+
+    **Methods:**
+
+    - `__call__(*args)`: runs the function.
+    - `lower(*args)`: JAX's `jax.stages.Lowered` for these arguments (for
+      `as_text()`, `cost_analysis()`). For pytree arguments it is lowered over
+      their flattened arrays, so use `compile` for something to call.
+    - `compile(*args)`: a callable compiled ahead of time for arguments like these,
+      taking the same arguments as the function; its `compiled` attribute is
+      JAX's `jax.stages.Compiled`.
+
+    **Attributes:**
+
+    - `in_shardings`, `out_shardings`: the spec trees as `NamedSharding`s, built
+      once when the function was partitioned.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        in_shardings: PyTree,
+        out_shardings: PyTree,
+        static_argnums: tuple[int, ...],
+        donate_argnums: tuple[int, ...],
+        mesh: Mesh,
+        rules: LogicalRules,
+    ):
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self._fn = fn
+        self._mesh = mesh
+        self._rules = _RulesContext(rules)
+        self._static = static_argnums
+        self._donate = frozenset(donate_argnums)
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        # Calls whose non-static arguments are all arrays skip the tree work: this
+        # is possible when `in_specs` is one spec, or one spec per argument.
+        if is_spec_leaf(in_shardings):
+            self._direct_count = -1
+        elif isinstance(in_shardings, tuple) and all(map(is_spec_leaf, in_shardings)):
+            self._direct_count = len(in_shardings) + len(static_argnums)
+        else:
+            self._direct_count = None
+        self._direct = None
+        if self._direct_count is not None:
+            self._direct = jax.jit(
+                self._trace_direct,
+                in_shardings=in_shardings,
+                out_shardings=(out_shardings, None),
+                static_argnums=static_argnums,
+                donate_argnums=donate_argnums,
+            )
+        self._get_dynamic = None
+        if static_argnums:
+            last = max(static_argnums)
+            self._get_dynamic = lambda args: tuple(
+                x for i, x in enumerate(args) if i not in static_argnums
+            )
+            self._min_count = last + 1
+        else:
+            self._min_count = 0
+
+    def __repr__(self) -> str:
+        return f"PartitionedFn({self.__name__}, mesh={_mesh_repr(self._mesh)})"
+
+    # -- tracing ------------------------------------------------------------------
+
+    def _run(self, args: tuple[Any, ...]) -> tuple[Any, _OutStatics | None]:
+        """Calls the function under the mesh and the rules (at trace time) and
+        splits its output into arrays and static leaves."""
+        with jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh), self._rules:
+            out = self._fn(*args)
+        try:
+            pairs = broadcast_prefix(
+                self.out_shardings,
+                out,
+                is_leaf=is_spec_leaf,
+                name="out_specs",
+                caller="PartitionedFn",
+            )
+        except ValueError as e:
+            raise ValueError(f"{e} Here `tree` is the function's output.") from None
+        path_leaves, treedef = jtu.tree_flatten_with_path(out)
+        leaves = [leaf for _, leaf in path_leaves]
+        _check_shapes(
+            [path for path, _ in path_leaves],
+            leaves,
+            [sharding for _, sharding in pairs],
+            _OUT,
+        )
+        flags = [is_array(leaf) for leaf in leaves]
+        if all(flags):
+            return out, None
+        dynamic = [leaf if flag else None for leaf, flag in zip(leaves, flags)]
+        template = [None if flag else leaf for leaf, flag in zip(leaves, flags)]
+        statics = _OutStatics(
+            treedef, template, [i for i, flag in enumerate(flags) if flag]
+        )
+        return treedef.unflatten(dynamic), statics
+
+    def _trace_direct(self, *args: Any) -> tuple[Any, _OutStatics | None]:
+        dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
+        shardings = (
+            [self.in_shardings] * len(dynamic)
+            if is_spec_leaf(self.in_shardings)
+            else list(self.in_shardings)
+        )
+        paths = [(jtu.SequenceKey(i),) for i in range(len(dynamic))]
+        _check_shapes(paths, dynamic, shardings, _IN)
+        return self._run(args)
+
+    def _make_jit(
+        self, layout: _Layout, statics: tuple[Any, ...], static_args: tuple[Any, ...]
+    ) -> Any:
+        """The `jax.jit` for one layout and one set of static values."""
+        # Each leaf's sharding (the leaves of this stand-in only mark positions).
+        shardings = [
+            sharding
+            for _, sharding in broadcast_prefix(
+                self.in_shardings,
+                layout.treedef.unflatten(list(range(layout.treedef.num_leaves))),
+                is_leaf=is_spec_leaf,
+                name="in_specs",
+                caller="PartitionedFn",
+            )
+        ]
+        template: list[Any] = [None] * layout.treedef.num_leaves
+        for i, value in zip(layout.static_index, statics):
+            template[i] = value
+        static_positions = self._static
+
+        def call(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
+            leaves = list(template)
+            for i, x in zip(layout.donated_index, donated):
+                leaves[i] = x
+            for i, x in zip(layout.kept_index, kept):
+                leaves[i] = x
+            _check_shapes(layout.paths, leaves, shardings, _IN)
+            args = list(layout.treedef.unflatten(leaves))
+            for position, value in zip(static_positions, static_args):
+                args.insert(position, value)
+            return self._run(tuple(args))
+
+        call.__name__ = self.__name__
+        call.__qualname__ = getattr(self._fn, "__qualname__", self.__name__)
+        return jax.jit(
+            call,
+            in_shardings=(
+                tuple(shardings[i] for i in layout.donated_index),
+                tuple(shardings[i] for i in layout.kept_index),
+            ),
+            out_shardings=(self.out_shardings, None),
+            donate_argnums=(0,) if layout.donated_index else (),
+        )
+
+    # -- calling ------------------------------------------------------------------
+
+    def _dispatch(
+        self, args: tuple[Any, ...], *, static: bool
+    ) -> tuple[Any, tuple[Any, ...], Any]:
+        """The `jax.jit` for these arguments, the arguments to call it with, and a
+        signature telling apart what it was made for. With `static=False` the
+        arguments leave out the static ones, as compiled functions take them."""
+        count = len(args)
+        if count < self._min_count:
+            raise TypeError(
+                f"eqshard.PartitionedFn: {self.__name__} got {count} positional "
+                f"arguments, but static_argnums={self._static} needs at least "
+                f"{self._min_count}."
+            )
+        if self._get_dynamic is None:
+            dynamic, static_args = args, ()
+        else:
+            dynamic = self._get_dynamic(args)
+            static_args = tuple(args[i] for i in self._static)
+        if self._direct is not None and self._direct_count in (-1, count):
+            if all(map(_is_direct, dynamic)):
+                _DIRECT_TYPES.update(
+                    type(x) for x in dynamic if not isinstance(x, jax.ShapeDtypeStruct)
+                )
+                return self._direct, args if static else dynamic, (None, static_args)
+        leaves, treedef = jtu.tree_flatten(dynamic)
+        key = (treedef, tuple(map(type, leaves)))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._new_layout(dynamic, treedef, leaves, key)
+        statics = layout.get_static(leaves)
+        jit_key = (statics, static_args)
+        try:
+            jitted = layout.jitted.get(jit_key)
+        except TypeError:
+            raise self._unhashable_error(layout, statics, static_args) from None
+        if jitted is None:
+            jitted = layout.jitted[jit_key] = self._make_jit(
+                layout, statics, static_args
+            )
+        call_args = (layout.get_donated(leaves), layout.get_kept(leaves))
+        return jitted, call_args, (layout.signature, jit_key)
+
+    def _new_layout(
+        self,
+        dynamic: tuple[Any, ...],
+        treedef: jtu.PyTreeDef,
+        leaves: list[Any],
+        key: tuple[Any, ...],
+    ) -> _Layout:
+        # Check the structure first, naming the first path where `in_specs` differs.
+        try:
+            broadcast_prefix(
+                self.in_shardings,
+                dynamic,
+                is_leaf=is_spec_leaf,
+                name="in_specs",
+                caller="PartitionedFn",
+            )
+        except ValueError as e:
+            raise ValueError(f"{e} {_ARGS_NOTE}") from None
+        donated = frozenset(i - sum(s < i for s in self._static) for i in self._donate)
+        paths = [path for path, _ in jtu.tree_flatten_with_path(dynamic)[0]]
+        layout = _Layout(treedef, paths, leaves, donated)
+        self._layouts[key] = layout
+        return layout
+
+    def _unhashable_error(
+        self,
+        layout: _Layout,
+        statics: tuple[Any, ...],
+        static_args: tuple[Any, ...],
+    ) -> TypeError:
+        for i, value in zip(layout.static_index, statics):
+            try:
+                hash(value)
+            except TypeError:
+                return TypeError(
+                    f"eqshard.PartitionedFn: the argument leaf at "
+                    f"'{path_str(layout.paths[i])}' is {value!r} (a "
+                    f"{type(value).__name__}), which is neither an array nor "
+                    "hashable. Non-array leaves are compiled into the function, so "
+                    "they must be hashable: make it an array, or hashable."
+                )
+        return TypeError(
+            f"eqshard.PartitionedFn: the static arguments {static_args!r} (positions "
+            f"{self._static}) must be hashable."
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        # The common case first: every argument is an array of a type seen before.
+        if (
+            self._get_dynamic is None
+            and self._direct_count in (-1, len(args))
+            and all(map(_DIRECT_TYPES.__contains__, map(type, args)))
+        ):
+            try:
+                out, statics = self._direct(*args)
+            except ValueError as e:
+                self._diagnose(args, e)
+                raise
+        else:
+            jitted, call_args, _ = self._dispatch(args, static=True)
+            try:
+                out, statics = jitted(*call_args)
+            except ValueError as e:
+                self._diagnose(args, e)
+                raise
+        return out if statics is None else statics.rebuild(out)
+
+    def _diagnose(self, args: tuple[Any, ...], error: ValueError) -> None:
+        """Raises eqshard's message in place of an error JAX raised before tracing,
+        if an argument's spec cannot apply or the argument is placed elsewhere."""
+        if str(error).startswith("eqshard."):  # ours, from the trace
+            return
+        dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
+        try:
+            pairs = broadcast_prefix(
+                self.in_shardings,
+                dynamic,
+                is_leaf=is_spec_leaf,
+                name="in_specs",
+                caller="PartitionedFn",
+            )
+        except ValueError:
+            return
+        path_leaves = jtu.tree_flatten_with_path(dynamic)[0]
+        paths = [path for path, _ in path_leaves]
+        leaves = [leaf for _, leaf in path_leaves]
+        shardings = [sharding for _, sharding in pairs]
+        try:
+            _check_shapes(paths, leaves, shardings, _IN)
+        except ValueError as ours:
+            raise ours from error
+        for path, leaf, sharding in zip(paths, leaves, shardings):
+            if (
+                isinstance(leaf, jax.Array)
+                and leaf.committed
+                and sharding is not None
+                and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+            ):
+                raise ValueError(
+                    f"eqshard.PartitionedFn: the argument at '{path_str(path)}' is "
+                    f"already placed with {leaf.sharding}, but `in_specs` asks for "
+                    f"{sharding.spec} on mesh {_mesh_repr(sharding.mesh)}; jax.jit "
+                    "does not move placed arrays. Place it first with "
+                    "`partitioner.move_to_devices` (or `eqshard.shard`), or change "
+                    "its spec. " + _ARGS_NOTE
+                ) from error
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """JAX's `Lowered` for these arguments; see [`eqshard.PartitionedFn`][]."""
+        jitted, call_args, _ = self._dispatch(args, static=True)
+        return jitted.lower(*call_args)
+
+    def compile(self, *args: Any) -> "_Compiled":
+        """A callable compiled ahead of time for arguments like `args`; see
+        [`eqshard.PartitionedFn`][]."""
+        jitted, call_args, signature = self._dispatch(args, static=True)
+        return _Compiled(self, signature, jitted.lower(*call_args).compile())
+
+
+_ARGS_NOTE = (
+    "Paths start with the index of the argument among the non-static positional "
+    "arguments."
+)
+
+
+class _Compiled:
+    """A [`eqshard.PartitionedFn`][] compiled ahead of time for one structure of
+    arguments. Calls take the function's own arguments."""
+
+    def __init__(self, owner: PartitionedFn, signature: Any, compiled: Any):
+        self._owner = owner
+        self._signature = signature
+        self.compiled = compiled
+
+    def __call__(self, *args: Any) -> Any:
+        _, call_args, signature = self._owner._dispatch(args, static=False)
+        if signature != self._signature:
+            raise TypeError(
+                f"eqshard.PartitionedFn.compile: {self._owner.__name__} was compiled "
+                "for arguments of another structure, or with other non-array "
+                "leaves or static arguments. Compile again for these arguments."
+            )
+        out, statics = self.compiled(*call_args)
+        return out if statics is None else statics.rebuild(out)
+
+    def as_text(self) -> str | None:
+        return self.compiled.as_text()
+
+    def __repr__(self) -> str:
+        return f"Compiled({self._owner.__name__})"
