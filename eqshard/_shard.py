@@ -23,7 +23,7 @@ How data moves:
 
 import functools as ft
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import jax
@@ -558,6 +558,7 @@ def with_sharding_constraint(
     *,
     mesh: Mesh | AbstractMesh | None = None,
     on_invalid: Literal["warn", "raise", "ignore"] = "warn",
+    rules: Sequence[Any] | None = None,
 ) -> PyTree:
     """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
 
@@ -575,11 +576,15 @@ def with_sharding_constraint(
     **Arguments:**
 
     - `tree`: any pytree.
-    - `specs`: a spec tree for `tree`, or a prefix of one.
+    - `specs`: a spec tree for `tree`, or a prefix of one. Its leaves may also be
+      [`eqshard.AxisNames`][] (logical axis names), resolved by `rules`.
     - `mesh`: defaults to the mesh set by `jax.set_mesh` (the abstract mesh inside
       `jit`).
     - `on_invalid`: `"warn"` corrects and warns, naming each leaf; `"raise"` raises
       a `ValueError` naming them all; `"ignore"` corrects silently.
+    - `rules`: logical axis rules for `AxisNames` leaves; defaults to the rules set
+      by [`eqshard.logical_axis_rules`][] (as inside a
+      [`eqshard.Partitioner`][]-partitioned function).
 
     **Returns:**
 
@@ -620,7 +625,7 @@ def with_sharding_constraint(
         "explicit": ([], []),
     }
     for i, ((path, spec), leaf) in enumerate(
-        zip(leaf_specs(specs, tree, caller=caller), leaves)
+        zip(leaf_specs(specs, tree, caller=caller, logical=True, rules=rules), leaves)
     ):
         if spec is None or not is_array(leaf):
             continue

@@ -13,6 +13,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._logical import _resolve, _rules_or_context, AxisNames
 from ._tree import broadcast_prefix, path_str
 from ._typing import KeyPath, typecheck
 
@@ -23,22 +24,37 @@ def is_spec_leaf(x: Any) -> bool:
 
 
 def leaf_specs(
-    specs: PyTree, tree: PyTree, *, caller: str
+    specs: PyTree,
+    tree: PyTree,
+    *,
+    caller: str,
+    logical: bool = False,
+    rules: Any = None,
 ) -> list[tuple[KeyPath, PartitionSpec | NamedSharding | None]]:
     """One `(path, spec)` pair per leaf of `tree`, broadcasting the prefix `specs`.
 
-    Raises a `ValueError` naming the first path where `specs` is not a prefix of
-    `tree`, or a `TypeError` naming a leaf of `specs` that is not a spec."""
+    With `logical=True`, `AxisNames` leaves are resolved to `PartitionSpec`s by
+    `rules` (or the logical-rules context). Raises a `ValueError` naming the first
+    path where `specs` is not a prefix of `tree`, or a `TypeError` naming a leaf of
+    `specs` that is not a spec."""
     pairs = broadcast_prefix(
         specs, tree, is_leaf=is_spec_leaf, name="specs", caller=caller
     )
-    for path, spec in pairs:
-        if not is_spec_leaf(spec):
+    resolved: dict[AxisNames, PartitionSpec] = {}
+    for i, (path, spec) in enumerate(pairs):
+        if logical and isinstance(spec, AxisNames):
+            if spec not in resolved:
+                if not resolved:
+                    rules = _rules_or_context(rules, caller)
+                resolved[spec] = _resolve(spec, rules, caller=caller, path=path)
+            pairs[i] = (path, resolved[spec])
+        elif not is_spec_leaf(spec):
+            names = ", `eqshard.AxisNames`" if logical else ""
             raise TypeError(
                 f"eqshard.{caller}: `specs` has {spec!r} at '{path_str(path)}'. Spec "
-                "leaves must be `PartitionSpec`, `NamedSharding` or `None`; write "
-                f"P{tuple(spec) if isinstance(spec, tuple) else (spec,)!r} for a "
-                "PartitionSpec."
+                f"leaves must be `PartitionSpec`, `NamedSharding`{names} or `None`; "
+                f"write P{tuple(spec) if isinstance(spec, tuple) else (spec,)!r} for "
+                "a PartitionSpec."
             )
     return pairs
 

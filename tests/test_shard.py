@@ -259,6 +259,26 @@ def test_constraint_inside_jit_auto_axes(mesh):
     assert x.sharding.spec == P("dp")
 
 
+def test_constraint_resolves_logical_axis_names(mesh):
+    rules = [("batch", "dp"), ("embed", "tp")]
+    tree = {"x": jnp.ones((8, 16)), "y": jnp.ones((8,)), "n": 3}
+    specs = {"x": eqshard.AxisNames("batch", "embed"), "y": P(), "n": None}
+    out = eqshard.with_sharding_constraint(tree, specs, mesh=mesh, rules=rules)
+    assert out["x"].sharding == NamedSharding(mesh, P("dp", "tp"))
+    assert out["y"].sharding == NamedSharding(mesh, P()) and out["n"] == 3
+
+    @jax.jit
+    def f(x):  # the rules context, as inside a Partitioner-partitioned function
+        return eqshard.with_sharding_constraint(x, eqshard.AxisNames(None, "batch"))
+
+    with jax.set_mesh(mesh), eqshard.logical_axis_rules(rules):
+        assert f(jnp.ones((2, 8))).sharding.spec == P(None, "dp")
+    with pytest.raises(TypeError, match=r"'x'.*`eqshard.AxisNames`"):
+        eqshard.with_sharding_constraint(
+            tree, {"x": "batch", "y": P(), "n": None}, mesh=mesh
+        )
+
+
 def test_constraint_explicit_axes_reshards(explicit_mesh):
     with jax.set_mesh(explicit_mesh):
         x = jax.device_put(jnp.ones((4, 8)), NamedSharding(explicit_mesh, P()))
