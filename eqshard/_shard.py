@@ -93,6 +93,17 @@ def _check_block(
     return fixed, reasons
 
 
+def _untyped_leaf_error(
+    caller: str, found: list[tuple[KeyPath, np.dtype]]
+) -> TypeError:
+    where = ", ".join(f"'{path_str(p)}' ({dtype})" for p, dtype in found[:10])
+    return TypeError(
+        f"eqshard.{caller}: NumPy arrays of object or raw-bytes dtype at {where} "
+        "cannot go to a device. A bfloat16 array saved with `np.save` loads as "
+        "'|V2': restore it with `.view(jnp.bfloat16)`."
+    )
+
+
 def _match(
     tree: PyTree,
     specs: PyTree,
@@ -115,6 +126,15 @@ def _match(
     ]
     if abstract:
         raise _abstract_leaf_error(caller, abstract)
+    untyped = [
+        (root + path, leaf.dtype)
+        for (path, spec), leaf in zip(pairs, leaves)
+        if spec is not None
+        and isinstance(leaf, np.ndarray)
+        and (leaf.dtype.kind == "O" or leaf.dtype.type is np.void)
+    ]
+    if untyped:
+        raise _untyped_leaf_error(caller, untyped)
     matched = []
     problems = []
     for (path, spec), leaf in zip(pairs, leaves):

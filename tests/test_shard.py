@@ -147,6 +147,12 @@ def test_shard_reports_every_bad_leaf(mesh):
         ({"a": jnp.ones(3)}, {"a": ("dp",)}, ValueError, r"at 'a'.*`P\(...\)`"),
         ({"a": jnp.ones(3)}, {"a": "dp"}, TypeError, r"'dp' at 'a'"),
         (
+            {"a": np.zeros(4, jnp.bfloat16).view("V2")},
+            P(),
+            TypeError,
+            r"'a' \(\|V2\).*view\(jnp.bfloat16\)",
+        ),
+        (
             {"a": jax.ShapeDtypeStruct((8,), jnp.float32)},
             P(),
             TypeError,
