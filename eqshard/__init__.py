@@ -1,9 +1,7 @@
 """eqshard: functional, typed, filtered pytree sharding for JAX and Equinox."""
 
-import importlib.metadata
+from importlib.metadata import version as _version
 
-
-__version__ = importlib.metadata.version("eqshard")
 from ._chunking import (
     DataLayout as DataLayout,
     LocalChunker as LocalChunker,
@@ -82,3 +80,6 @@ from ._tree import (
     tree_path_to_string as tree_path_to_string,
     unflatten_tree as unflatten_tree,
 )
+
+
+__version__ = _version("eqshard")
