@@ -22,7 +22,10 @@ from ._typing import typecheck
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
-Rules: TypeAlias = Sequence[tuple[Pattern, PartitionSpec]]
+# `(regex, PartitionSpec)` pairs. Annotated loosely on purpose: beartype checks one
+# random item of a sequence, so a stricter annotation would reject a malformed
+# rule list on some calls and not others; `_compile_rules` checks every rule.
+Rules: TypeAlias = Sequence[Any]
 Compiled: TypeAlias = list[tuple[re.Pattern[str], PartitionSpec]]
 
 # What happened to an array leaf, when no rule index applies.
@@ -32,10 +35,6 @@ _LIMIT = 30  # lines of leaves or rules shown in one error message
 
 def _show(name: str) -> str:
     return repr(name) if name else "<root>"
-
-
-def _pattern_text(pattern: Pattern) -> str:
-    return pattern if isinstance(pattern, str) else pattern.pattern
 
 
 # ---------------------------------------------------------------- compiling
@@ -151,15 +150,18 @@ def _relax(spec: PartitionSpec | None, rank: int) -> PartitionSpec:
     return spec.update(partitions=spec.partitions[:rank])
 
 
-def _rule_lines(rules: Sequence[tuple[Pattern, PartitionSpec]]) -> list[str]:
-    lines = [f"  {i}: {_pattern_text(p)!r} -> {s!r}" for i, (p, s) in enumerate(rules)]
+def _rule_lines(compiled: Compiled) -> list[str]:
+    lines = [f"  {i}: {r.pattern!r} -> {s!r}" for i, (r, s) in enumerate(compiled)]
     if len(lines) > _LIMIT:
         lines = lines[:_LIMIT] + [f"  ... and {len(lines) - _LIMIT} more rules"]
     return lines or ["  (no rules)"]
 
 
 def _bad_leaves_message(
-    bad: list[tuple[str, tuple[int, ...], str]], rules: Rules, sep: str, caller: str
+    bad: list[tuple[str, tuple[int, ...], str]],
+    compiled: Compiled,
+    sep: str,
+    caller: str,
 ) -> str:
     lines = [f"eqshard.{caller}: {len(bad)} array leaves have no valid spec:"]
     for name, shape, problem in bad[:_LIMIT]:
@@ -173,7 +175,7 @@ def _bad_leaves_message(
         f"Rules tried, in order (the first `re.search` match on the {sep!r}-joined "
         "path wins):"
     )
-    lines += _rule_lines(rules)
+    lines += _rule_lines(compiled)
     lines.append(
         "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
         "replicates the rest), make each spec at most as long as the array's rank, "
@@ -250,7 +252,9 @@ def match_partition_rules(
             spec = _relax(spec, rank)
         specs.append(spec)
     if bad:
-        raise ValueError(_bad_leaves_message(bad, rules, sep, "match_partition_rules"))
+        raise ValueError(
+            _bad_leaves_message(bad, compiled, sep, "match_partition_rules")
+        )
     return jtu.tree_unflatten(matches.treedef, specs)
 
 
@@ -556,7 +560,7 @@ def create_pattern_based_partition_spec(
 
 @typecheck
 def get_weight_decay_mask(
-    exclusions: Pattern | Sequence[Pattern], *, sep: str = "/"
+    exclusions: Pattern | Sequence[Any], *, sep: str = "/"
 ) -> Callable[[PyTree], PyTree]:
     """Makes a weight-decay mask function from regexes of parameters to exclude.
 
@@ -576,11 +580,14 @@ def get_weight_decay_mask(
 
     **Raises:**
 
-    `ValueError` naming each exclusion whose regex is invalid.
+    `ValueError` naming each exclusion whose regex is invalid; `TypeError` naming
+    an exclusion that is not a regex.
 
     !!! Example
 
         ```python
+        import optax
+
         mask = eqshard.get_weight_decay_mask(["bias", "norm/scale"])
         optimizer = optax.adamw(1e-3, weight_decay=0.1, mask=mask)
         ```

@@ -191,9 +191,26 @@ def test_invalid_regexes_are_named_together():
     assert "rule 1 '(attn'" in message and "rule 2 'mlp['" in message
 
 
-def test_rule_that_is_not_a_pair():
-    with pytest.raises(TypeError, match="rule"):
-        eqshard.match_partition_rules([("w", ("dp",))], {"w": np.ones(2)})
+@pytest.mark.parametrize(
+    "rules, match",
+    [
+        ([("w", ("dp",))], r"rule 0 is \('w', \('dp',\)\); every rule must be a pair"),
+        ([("a", P()), ("b", P()), ("w",)], r"rule 2 is \('w',\)"),
+        ([("a", P()), (3, P())], r"rule 1 is 3, which is not a regex"),
+    ],
+)
+def test_rule_that_is_not_a_pair(rules, match):
+    # eqshard's own message on every call, whichever rule is bad.
+    for _ in range(5):
+        with pytest.raises(TypeError, match=match):
+            eqshard.match_partition_rules(rules, {"w": np.ones(2)})
+
+
+def test_rules_may_be_lists():
+    rules = [["a", P("dp")], ("b", P()), ["w", P("tp")]]
+    for _ in range(5):
+        specs = eqshard.match_partition_rules(rules, {"w": np.ones(4)})
+        assert specs == {"w": P("tp")}
 
 
 def test_negative_min_size():
@@ -420,6 +437,8 @@ def test_weight_decay_mask_on_module_and_invalid_regex():
     assert mask.layers[0].weight is True and mask.layers[0].bias is None
     with pytest.raises(ValueError, match="exclusion 1 '\\(bias'"):
         eqshard.get_weight_decay_mask(["ok", "(bias"])
+    with pytest.raises(TypeError, match="exclusion 2 is 3, which is not a regex"):
+        eqshard.get_weight_decay_mask(["ok", "bias", 3])
 
 
 def test_weight_decay_mask_with_optax_adamw():
