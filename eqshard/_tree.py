@@ -217,10 +217,11 @@ def _describe(x: Any) -> str:
     if x is None:
         return "None"
     if isinstance(x, dict):
-        return f"a dict with keys {_key_list(x.keys())}"
+        return f"a dict with keys {_key_list(x.keys())}" if x else "an empty dict"
     if isinstance(x, list | tuple):
         return f"a {type(x).__name__} of length {len(x)}"
-    return f"a {type(x).__name__}"
+    kind = type(x).__name__
+    return f"an {kind}" if kind[:1].lower() in "aeiou" else f"a {kind}"
 
 
 def _first_mismatch(
@@ -231,8 +232,9 @@ def _first_mismatch(
     if is_leaf(prefix):
         return None
     prefix_children, prefix_def = _children(prefix)
-    if jtu.treedef_is_leaf(prefix_def):
+    if jtu.treedef_is_leaf(prefix_def) and prefix_def.num_leaves == 1:
         return None  # a leaf that `is_leaf` did not claim: the caller checks leaves
+    # `None` and empty containers are nodes without children: compared below.
     full_children, full_def = _children(full)
     if prefix_def != full_def:
         mine, theirs = _describe(prefix), _describe(full)

@@ -106,6 +106,20 @@ def test_named_tree_map_structure_error_names_path():
         eqshard.named_tree_map(lambda n, x, y: x, {"a": [1, 2]}, {"a": [1, 2, 3]})
 
 
+@pytest.mark.parametrize(
+    "tree, other, match",
+    [
+        ({"a": None, "b": 1}, {"a": 1, "b": 1}, r"at 'a': `tree` has None where"),
+        ({"a": ()}, {"a": (1,)}, r"at 'a': `tree` has a tuple of length 0 where"),
+        ({"a": {}}, {"a": {"w": 1}}, r"at 'a': `tree` has an empty dict where"),
+    ],
+)
+def test_named_tree_map_childless_node_error_names_path(tree, other, match):
+    # None and empty containers are nodes with no leaves, not leaves.
+    with pytest.raises(ValueError, match=match):
+        eqshard.named_tree_map(lambda n, x, y: x, tree, other)
+
+
 def test_tree_apply_prefix_and_none():
     tree = {"a": 1, "b": [2, 3], "m": _block()}
     fns = {"a": lambda x: x + 1, "b": lambda xs: sum(xs), "m": None}
@@ -127,6 +141,8 @@ def test_tree_apply_errors():
         eqshard.tree_apply({"x": [None]}, {"x": 3})
     with pytest.raises(TypeError, match=r"`fns` has 3 at 'a'"):
         eqshard.tree_apply({"a": 3}, {"a": 1})
+    with pytest.raises(ValueError, match=r"at 'x': `fns` has a list of length 0"):
+        eqshard.tree_apply({"x": []}, {"x": [1]})
 
 
 def test_names_from_partition_spec():
