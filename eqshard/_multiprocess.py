@@ -57,11 +57,12 @@ def is_global(x: Any) -> bool:
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
-def from_host_copies(value: Any, sharding: NamedSharding) -> jax.Array:
+def from_host_copies(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a full copy of `value` that every process holds: each
-    process copies only the shards its own devices hold."""
+    process copies only the shards its own devices hold (none, if the mesh has none
+    of its devices; the dtype is then given, as JAX cannot read it from a shard)."""
     return jax.make_array_from_callback(
-        np.shape(value), sharding, lambda index: value[index]
+        value.shape, sharding, lambda index: value[index], dtype=value.dtype
     )
 
 

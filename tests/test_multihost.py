@@ -149,6 +149,13 @@ def _child_shard_and_gather():
         gather_fns, eqshard.tree_apply(shard_fns, {"w": W})
     )["w"]
 
+    # A mesh of process 1's devices only: process 0 takes part too, and gets an
+    # array with no shard on it.
+    devices = [d for d in jax.devices() if d.process_index == 1]
+    stage = Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
+    on_one = eqshard.shard({"x": B}, P("tp"), stage)["x"]
+    out["one_process"] = (on_one.shape, str(on_one.dtype), _shards(on_one))
+
     # Mistakes: every process raises the same error, and none is left waiting.
     tree = _tree()
     if p == 1:
@@ -233,6 +240,13 @@ def test_shard_and_gather_across_two_processes():
         assert r["first_put_bytes"] == [12]
         assert r["empty"] == (0, 4)
         np.testing.assert_array_equal(r["fns"], W)
+        shape, dtype, shards = r["one_process"]
+        assert (shape, dtype) == ((8,), "int8")
+        assert [(j, index) for j, index, _ in shards] == (
+            [] if p == 0 else [(j, ((2 * j, 2 * j + 2),)) for j in range(4)]
+        )
+        for j, _, data in shards:
+            np.testing.assert_array_equal(data, B[2 * j : 2 * j + 2])
         np.testing.assert_array_equal(r["after"], W)
 
     # Errors: the same message on both processes, naming each leaf that differs.
