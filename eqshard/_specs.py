@@ -15,7 +15,7 @@ from jaxtyping import PyTree
 
 from ._logical import _resolve, _rules_or_context, AxisNames
 from ._tree import broadcast_prefix, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import KeyPath, SpecLeaf, typecheck
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -30,7 +30,7 @@ def leaf_specs(
     caller: str,
     logical: bool = False,
     rules: Any = None,
-) -> list[tuple[KeyPath, PartitionSpec | NamedSharding | None]]:
+) -> list[tuple[KeyPath, SpecLeaf]]:
     """One `(path, spec)` pair per leaf of `tree`, broadcasting the prefix `specs`.
 
     With `logical=True`, `AxisNames` leaves are resolved to `PartitionSpec`s by
@@ -49,14 +49,32 @@ def leaf_specs(
                 resolved[spec] = _resolve(spec, rules, caller=caller, path=path)
             pairs[i] = (path, resolved[spec])
         elif not is_spec_leaf(spec):
-            names = ", `eqshard.AxisNames`" if logical else ""
-            raise TypeError(
-                f"eqshard.{caller}: `specs` has {spec!r} at '{path_str(path)}'. Spec "
-                f"leaves must be `PartitionSpec`, `NamedSharding`{names} or `None`; "
-                f"write P{tuple(spec) if isinstance(spec, tuple) else (spec,)!r} for "
-                "a PartitionSpec."
-            )
+            raise TypeError(bad_spec_leaf_message(caller, path, spec, logical=logical))
     return pairs
+
+
+def bad_spec_leaf_message(
+    caller: str, path: KeyPath, leaf: Any, *, logical: bool, argname: str = "specs"
+) -> str:
+    """The message for a leaf of a spec tree that is not a spec, with the fix that
+    fits what was written: `P(...)` for mesh axis names, `logical_to_mesh_specs`
+    for logical ones where they are not accepted."""
+    names = ", `eqshard.AxisNames`" if logical else ""
+    message = (
+        f"eqshard.{caller}: `{argname}` has {leaf!r} at '{path_str(path)}'. Spec "
+        f"leaves must be `PartitionSpec`, `NamedSharding`{names} or `None`"
+    )
+    if isinstance(leaf, AxisNames):
+        return (
+            f"{message}; resolve logical axis names to mesh axes first, with "
+            "`eqshard.logical_to_mesh_specs(specs, rules)`."
+        )
+    if isinstance(leaf, str):
+        fix = f"write P({leaf!r}) for a mesh axis"
+        if logical:
+            fix += f", or eqshard.AxisNames({leaf!r}) for a logical name"
+        return f"{message}; {fix}."
+    return f"{message}."
 
 
 def entry_axes(entry: Any) -> tuple[str, ...]:

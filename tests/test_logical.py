@@ -649,3 +649,24 @@ def test_specs_root_leaf():
 def test_specs_bad_rules():
     with pytest.raises(TypeError, match=r"logical_to_mesh_specs: `rules\[0\]`"):
         eqshard.logical_to_mesh_specs({"w": AxisNames("a")}, [("a",)])
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (AxisNames("embed"), r"AxisNames\('embed'\) at 'w'.*logical_to_mesh_specs"),
+        ("dp", r"'dp' at 'w'.*write P\('dp'\) for a mesh axis\.$"),
+        (3, r"3 at 'w'\. .* or `None`\.$"),
+    ],
+)
+def test_shard_rejects_non_spec_leaves_with_the_fitting_fix(spec, match):
+    # `shard` takes mesh axes only: logical names must be resolved first.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(TypeError, match=match):
+        eqshard.shard({"w": np.zeros(8)}, {"w": spec}, mesh)
+
+
+def test_constraint_suggests_axis_names_for_a_string_leaf():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(TypeError, match=r"P\('batch'\).*AxisNames\('batch'\)"):
+        eqshard.with_sharding_constraint(jnp.zeros(8), "batch", mesh=mesh)
