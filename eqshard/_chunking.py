@@ -343,31 +343,45 @@ class LocalChunker:
             sharded.extend(axes)
         return LocalChunkInfo(tuple(slices), self.get_replica_id(sharded))
 
+    def _held(self, axis: str) -> int:
+        """The number of this process's devices along mesh `axis`."""
+        return self.mesh.shape[axis] // self.num_chunks[axis]
+
     def _check_one_slice(
         self, axes: tuple[str, ...], entries: tuple[Any, ...], caller: str
     ) -> None:
         """A dimension over several axes is one slice per process only if, after
         the first of its axes where the process holds several devices, the process
         holds every device of the axes that follow."""
-
-        def held(axis: str) -> int:  # devices of this process along `axis`
-            return self.mesh.shape[axis] // self.num_chunks[axis]
-
         spread = None
         for axis in axes:
             if spread is not None and self.num_chunks[axis] > 1:
-                order = sorted(
-                    axes,
-                    key=lambda a: 0 if held(a) == 1 else 2 - (self.num_chunks[a] > 1),
-                )
                 raise ValueError(
                     f"eqshard.{caller}: the dimension sharded over {axes!r} (in "
                     f"{entries!r}) is not one contiguous slice on process "
-                    f"{self.process_index}: it holds {held(spread)} devices along "
-                    f"{spread!r} but only {held(axis)} of the {self.mesh.shape[axis]} "
-                    f"along {axis!r}. Order the axes as {tuple(order)!r}: those "
-                    "where each process holds one device first, those it holds "
-                    "whole last."
+                    f"{self.process_index}: it holds {self._held(spread)} devices "
+                    f"along {spread!r} but only {self._held(axis)} of the "
+                    f"{self.mesh.shape[axis]} along {axis!r}. {self._slice_fix(axes)}"
                 )
-            if held(axis) > 1 and spread is None:
+            if self._held(axis) > 1 and spread is None:
                 spread = axis
+
+    def _slice_fix(self, axes: tuple[str, ...]) -> str:
+        """How to shard a dimension over `axes` so that each process holds one
+        slice of it: an order of the axes, if one works."""
+        # 0: the process holds one device along the axis; 1: some; 2: all.
+        rank = {
+            a: 0 if self._held(a) == 1 else 2 - (self.num_chunks[a] > 1) for a in axes
+        }
+        partial = tuple(a for a in axes if rank[a] == 1)
+        if len(partial) > 1:
+            return (
+                "No order of the axes does: the process holds some but not all of "
+                f"the devices along each of {partial!r}. Shard this dimension over "
+                "only one of them, or arrange the mesh so that each process holds "
+                "one device or every device along each of these axes."
+            )
+        return (
+            f"Order the axes as {tuple(sorted(axes, key=rank.get))!r}: those where "
+            "each process holds one device first, those it holds whole last."
+        )

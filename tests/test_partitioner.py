@@ -564,6 +564,16 @@ def test_local_chunks_by_hand_for_tuples_of_axes():
         ValueError, match=r"not one contiguous slice.*\('model', 'data'\)"
     ):
         chunker.get_local_chunk_info((16,), (("data", "model"),))
+    # Each process holds a 2x2 block of a 4x4 mesh: part of both axes, so neither
+    # order makes one slice, and the message must not suggest one.
+    blocks = _fake_mesh(
+        [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]], ("data", "model")
+    )
+    chunker = eqshard.LocalChunker(blocks, process_index=0)
+    for axes in (("data", "model"), ("model", "data")):
+        with pytest.raises(ValueError, match=r"No order of the axes does") as error:
+            chunker.get_local_chunk_info((16,), (axes,))
+        assert "Order the axes as" not in str(error.value)
 
 
 def test_chunker_errors():
