@@ -318,12 +318,37 @@ def _to_host(array: jax.Array) -> np.ndarray:
     return host_value(array)
 
 
-def _host_leaves(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:
+def _elsewhere_error(caller: str, found: list[tuple[KeyPath, Any]]) -> ValueError:
+    where = ", ".join(
+        f"'{path_str(path)}' (on processes "
+        f"{sorted({d.process_index for d in x.sharding.device_set})})"
+        for path, x in found[:10]
+    )
+    return ValueError(
+        f"eqshard.{caller}: process {jax.process_index()} holds no shard of the "
+        f"arrays at {where}: their meshes have none of its devices, so it cannot "
+        "copy them to host. Gather them on the processes that hold them, and leave "
+        "them out of the tree this process gathers."
+    )
+
+
+def _host_leaves(
+    tree: PyTree, caller: str
+) -> tuple[list[tuple[KeyPath, Any]], jtu.PyTreeDef]:
+    """The leaves of `tree` with their paths, checked before any of them moves:
+    every array has data, and this process holds a shard of it."""
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)
     abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
         raise _abstract_leaf_error(caller, abstract)
-    return [x for _, x in path_leaves], treedef
+    elsewhere = [
+        (p, x)
+        for p, x in path_leaves
+        if is_global(x) and not x.sharding.addressable_devices
+    ]
+    if elsewhere:
+        raise _elsewhere_error(caller, elsewhere)
+    return path_leaves, treedef
 
 
 @typecheck
@@ -354,7 +379,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
 
     **Raises:**
 
-    A `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+    - `ValueError` in a multi-process run, naming the arrays of which this process
+      holds no shard (their meshes have none of its devices).
 
     !!! Example
 
@@ -363,7 +390,8 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
         eqx.tree_serialise_leaves("model.eqx", host)
         ```
     """
-    leaves, treedef = _host_leaves(tree, "gather")
+    path_leaves, treedef = _host_leaves(tree, "gather")
+    leaves = [x for _, x in path_leaves]
     local = [
         i
         for i, x in enumerate(leaves)
@@ -373,8 +401,8 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     for i, value in zip(local, jax.device_get([_uncached(leaves[i]) for i in local])):
         out[i] = value
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            out[i] = _to_host(x)
+        if is_global(x):
+            out[i] = host_value(x)
     return jtu.tree_unflatten(
         treedef, [_cast(x, dtype) if is_array(x) else x for x in out]
     )
@@ -402,7 +430,7 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
 
     **Raises:**
 
-    A `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+    As [`eqshard.gather`][], before the first array is yielded.
 
     !!! Example
 
@@ -411,8 +439,7 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
             np.save(f"ckpt/{path.replace('/', '.')}.npy", value)
         ```
     """
-    _host_leaves(tree, "iter_gather")
-    path_leaves = jtu.tree_flatten_with_path(tree)[0]
+    path_leaves, _ = _host_leaves(tree, "iter_gather")
     return _iter_host(path_leaves, sep)
 
 

@@ -155,6 +155,11 @@ def _child_shard_and_gather():
     stage = Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
     on_one = eqshard.shard({"x": B}, P("tp"), stage)["x"]
     out["one_process"] = (on_one.shape, str(on_one.dtype), _shards(on_one))
+    # Only process 1 can gather it, and it needs no other process for that.
+    out["one_process_gathered"] = _error(eqshard.gather, {"stage": {"x": on_one}})
+    if p == 1:
+        out["one_process_gathered"] = eqshard.gather(on_one)
+    out["one_process_iter"] = _error(eqshard.iter_gather, [on_one])
 
     # Mistakes: every process raises the same error, and none is left waiting.
     tree = _tree()
@@ -247,7 +252,16 @@ def test_shard_and_gather_across_two_processes():
         )
         for j, _, data in shards:
             np.testing.assert_array_equal(data, B[2 * j : 2 * j + 2])
+        if p == 1:
+            np.testing.assert_array_equal(r["one_process_gathered"], B)
+            assert r["one_process_iter"] is None
         np.testing.assert_array_equal(r["after"], W)
+
+    # Process 0 holds no shard of it: an error naming it, not uninitialised memory.
+    message = results[0]["one_process_gathered"]
+    assert "eqshard.gather: process 0 holds no shard" in message
+    assert "'stage/x' (on processes [1])" in message
+    assert "'0' (on processes [1])" in results[0]["one_process_iter"]
 
     # Errors: the same message on both processes, naming each leaf that differs.
     for key in ("err_shapes", "err_structure", "err_values", "err_specs"):
