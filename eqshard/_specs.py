@@ -40,13 +40,14 @@ def leaf_specs(
     pairs = broadcast_prefix(
         specs, tree, is_leaf=is_spec_leaf, name="specs", caller=caller
     )
-    resolved: dict[AxisNames, PartitionSpec] = {}
+    table = None  # the rules, read at the first `AxisNames` (most trees have none)
+    resolved: dict[AxisNames, PartitionSpec] = {}  # each distinct layout once
     for i, (path, spec) in enumerate(pairs):
         if logical and isinstance(spec, AxisNames):
             if spec not in resolved:
-                if not resolved:
-                    rules = _rules_or_context(rules, caller)
-                resolved[spec] = _resolve(spec, rules, caller=caller, path=path)
+                if table is None:
+                    table = _rules_or_context(rules, caller)
+                resolved[spec] = _resolve(spec, table, caller=caller, path=path)
             pairs[i] = (path, resolved[spec])
         elif not is_spec_leaf(spec):
             raise TypeError(bad_spec_leaf_message(caller, path, spec, logical=logical))
