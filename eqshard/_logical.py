@@ -599,46 +599,22 @@ def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> P
 
 
 # t5x's default tables, keyed by (activation_partitioning_dims,
-# parameter_partitioning_dims). 2-D activations also shard 'embed' over 'model';
-# 2-D parameters also shard 'embed' over 'data'; with both, 'model' is tried first.
+# parameter_partitioning_dims). 1-D both: 'embed' is never sharded. Otherwise
+# 'embed' comes last: 2-D activations shard it over 'model', 2-D parameters over
+# 'data', and with both 'model' is tried first.
+_SHARDED_RULES: LogicalRules = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("kv", None),
+    ("joined_kv", "model"),
+)
 _STANDARD_RULES: dict[tuple[int, int], LogicalRules] = {
-    (1, 1): (
-        ("batch", "data"),
-        ("vocab", "model"),
-        ("embed", None),
-        ("mlp", "model"),
-        ("heads", "model"),
-        ("kv", None),
-        ("joined_kv", "model"),
-    ),
-    (2, 1): (
-        ("batch", "data"),
-        ("vocab", "model"),
-        ("mlp", "model"),
-        ("heads", "model"),
-        ("kv", None),
-        ("joined_kv", "model"),
-        ("embed", "model"),
-    ),
-    (1, 2): (
-        ("batch", "data"),
-        ("vocab", "model"),
-        ("mlp", "model"),
-        ("heads", "model"),
-        ("kv", None),
-        ("joined_kv", "model"),
-        ("embed", "data"),
-    ),
-    (2, 2): (
-        ("batch", "data"),
-        ("vocab", "model"),
-        ("mlp", "model"),
-        ("heads", "model"),
-        ("kv", None),
-        ("joined_kv", "model"),
-        ("embed", "model"),
-        ("embed", "data"),
-    ),
+    (1, 1): _SHARDED_RULES[:2] + (("embed", None),) + _SHARDED_RULES[2:],
+    (2, 1): _SHARDED_RULES + (("embed", "model"),),
+    (1, 2): _SHARDED_RULES + (("embed", "data"),),
+    (2, 2): _SHARDED_RULES + (("embed", "model"), ("embed", "data")),
 }
 
 # Logical axes that every standard table keeps unsharded.
