@@ -49,7 +49,7 @@ from ._specs import (
     leaf_specs,
     spec_error_message,
 )
-from ._tree import is_array, path_name, path_str
+from ._tree import _collision_message, is_array, path_name, path_str
 from ._typing import KeyPath, typecheck
 
 
@@ -430,7 +430,8 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
 
     **Raises:**
 
-    As [`eqshard.gather`][], before the first array is yielded.
+    As [`eqshard.gather`][], before the first array is yielded; also a `ValueError`
+    naming both paths if two arrays get the same path string.
 
     !!! Example
 
@@ -440,14 +441,22 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
         ```
     """
     path_leaves, _ = _host_leaves(tree, "iter_gather")
-    return _iter_host(path_leaves, sep)
-
-
-def _iter_host(path_leaves: list[tuple[KeyPath, Any]], sep: str) -> Iterator[Any]:
+    named: list[tuple[str, Any]] = []
+    owner: dict[str, KeyPath] = {}
     for path, leaf in path_leaves:
         if is_array(leaf):
-            host = _to_host(leaf) if isinstance(leaf, jax.Array) else np.asarray(leaf)
-            yield path_name(path, sep), host
+            name = path_name(path, sep)
+            if name in owner:  # a checkpoint would silently keep one of them
+                message = _collision_message(name, owner[name], path)
+                raise ValueError(f"eqshard.iter_gather: {message}")
+            owner[name] = path
+            named.append((name, leaf))
+    return _iter_host(named)
+
+
+def _iter_host(named: list[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]:
+    for name, leaf in named:
+        yield name, _to_host(leaf) if isinstance(leaf, jax.Array) else np.asarray(leaf)
 
 
 # ---------------------------------------------------------------------------------

@@ -189,6 +189,13 @@ def test_iter_gather_yields_paths_one_leaf_at_a_time(mesh):
     assert [p for p, _ in eqshard.iter_gather(tree, sep=".")][0] == "m.weight"
 
 
+def test_iter_gather_paths_must_be_unique():
+    tree = {"a/b": jnp.ones(2), "a": {"b": np.zeros(2)}, "c/d": 1, "c": {"d": 2}}
+    with pytest.raises(ValueError, match=r"iter_gather: .*same name 'a/b'.*`sep`"):
+        eqshard.iter_gather(tree)
+    assert [path for path, _ in eqshard.iter_gather(tree, sep=".")] == ["a.b", "a/b"]
+
+
 def test_gathered_copies_are_not_kept_alive_by_the_device_arrays(mesh):
     # `jax.device_get` caches its host copy on the array it copies; gather must
     # not leave a hidden host copy of the model behind.
