@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from ._mesh import _mesh_repr
 from ._specs import entry_axes
 from ._typing import typecheck
 
@@ -55,10 +56,6 @@ class DataLayout:
     shard_id: int
     num_shards: int
     is_first_host_in_replica_set: bool
-
-
-def _mesh_repr(mesh: Mesh) -> str:
-    return str(dict(mesh.shape))
 
 
 def _axes_tuple(

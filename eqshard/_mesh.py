@@ -17,6 +17,11 @@ from ._typing import typecheck
 # One builder per kind of message.
 
 
+def _mesh_repr(mesh: Mesh | AbstractMesh) -> str:
+    """A mesh's axes and sizes, for messages: `{'data': 4, 'model': 2}`."""
+    return str(dict(mesh.shape))
+
+
 def _shape_error(caller: str, dims: Any, names: Any, problem: str) -> ValueError:
     """A mesh shape (`dims` over `names`) that cannot be built, and why."""
     return ValueError(
@@ -40,7 +45,7 @@ def _unknown_axes_error(
     """Axis names that the mesh does not have."""
     return ValueError(
         f"eqshard.{caller}: mesh axis {', '.join(map(repr, missing))} not in the "
-        f"mesh {dict(mesh.shape)}. Use one of {tuple(mesh.axis_names)}."
+        f"mesh {_mesh_repr(mesh)}. Use one of {tuple(mesh.axis_names)}."
     )
 
 

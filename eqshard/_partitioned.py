@@ -25,13 +25,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._chunking import _mesh_repr
 from ._logical import (
     _resolve,
     _RulesContext,
     AxisNames,
     LogicalRules,
 )
+from ._mesh import _mesh_repr
 from ._specs import check_spec, entry_axes, is_spec_leaf, spec_error_message
 from ._tree import broadcast_prefix, is_array, path_str
 from ._typing import KeyPath

@@ -5,8 +5,10 @@ A [`eqshard.Partitioner`][] owns a mesh (given, or picked for the hardware by
 [`eqshard.default_mesh`][]) and logical axis rules. `partition(fn, in_specs,
 out_specs)` turns spec trees (`PartitionSpec`s, `NamedSharding`s or
 [`eqshard.AxisNames`][]) into `NamedSharding`s once and wraps `fn` in a
-[`eqshard.PartitionedFn`][]. Its data layout follows t5x: the data axes are the mesh
-axes that the rules map the logical axis `'batch'` to (see `_chunking.py`).
+[`eqshard.PartitionedFn`][] (`_partitioned.py`). Its data layout follows t5x: the
+data axes are the mesh axes that the rules map the logical axis `'batch'` to, and
+which part of them a process holds comes from [`eqshard.LocalChunker`][]
+(`_chunking.py`).
 """
 
 import math
@@ -18,7 +20,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from ._chunking import _mesh_repr, DataLayout, LocalChunker, LocalChunkInfo
+from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
 from ._logical import (
     _normalize_rules,
     _resolve,
@@ -26,16 +28,12 @@ from ._logical import (
     LogicalRules,
     standard_logical_axis_rules,
 )
+from ._mesh import _mesh_repr
 from ._partitioned import _to_shardings, PartitionedFn
 from ._shard import _match, _shard
 from ._specs import entry_axes
 from ._topology import default_mesh
 from ._typing import typecheck
-
-
-# ---------------------------------------------------------------------------------
-# The partitioner.
-# ---------------------------------------------------------------------------------
 
 
 def _config_error(problem: str, fix: str) -> ValueError:
