@@ -99,20 +99,19 @@ def _collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
 
 
 def _flatten_with_names(
-    tree: PyTree, is_leaf: IsLeaf, sep: str | None
-) -> tuple[dict[Any, Any], list[KeyPath], jtu.PyTreeDef]:
+    tree: PyTree, is_leaf: IsLeaf, sep: str | None, caller: str
+) -> tuple[dict[Any, Any], jtu.PyTreeDef]:
     path_leaves, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
     flat: dict[Any, Any] = {}
     owner: dict[Any, KeyPath] = {}
-    paths = []
     for path, leaf in path_leaves:
         name = path_name(path, sep)
         if name in owner:
-            raise ValueError(_collision_message(name, owner[name], path))
+            message = _collision_message(name, owner[name], path)
+            raise ValueError(f"eqshard.{caller}: {message}")
         owner[name] = path
         flat[name] = leaf
-        paths.append(path)
-    return flat, paths, treedef
+    return flat, treedef
 
 
 @typecheck
@@ -146,7 +145,7 @@ def flatten_tree(
         # {"a/b": 1, "c/0": 2, "c/1": 3}
         ```
     """
-    flat, _, _ = _flatten_with_names(tree, is_leaf, sep)
+    flat, _ = _flatten_with_names(tree, is_leaf, sep, "flatten_tree")
     return flat
 
 
@@ -192,11 +191,14 @@ def unflatten_tree(
         # {"a": {"b": 1}, "c": [2, 3]}
         ```
     """
-    names, _, treedef = _flatten_with_names(like, is_leaf, sep)
+    names, treedef = _flatten_with_names(like, is_leaf, sep, "unflatten_tree")
     missing = [name for name in names if name not in flat]
     unexpected = [name for name in flat if name not in names]
     if missing or unexpected:
-        lines = ["`flat` does not have the names of the leaves of `like`."]
+        lines = [
+            "eqshard.unflatten_tree: `flat` does not have the names of the leaves "
+            "of `like`."
+        ]
         if missing:
             lines.append(f"Missing from `flat`: {_key_list(missing)}.")
         if unexpected:

@@ -66,8 +66,13 @@ def test_flatten_tuple_keys_and_non_string_dict_keys():
 
 
 def test_flatten_collision_names_both_paths():
-    with pytest.raises(ValueError, match=r"'a/b': \['a'\]\['b'\] and \['a/b'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"^eqshard.flatten_tree: .*'a/b': \['a'\]\['b'\] and \['a/b'\]",
+    ):
         eqshard.flatten_tree({"a/b": 1, "a": {"b": 2}}, sep="/")
+    with pytest.raises(ValueError, match=r"^eqshard.unflatten_tree: .*'a/b'"):
+        eqshard.unflatten_tree({"a/b": 1}, {"a/b": 0, "a": {"b": 0}}, sep="/")
     # The same tree has no collision under another separator.
     assert len(eqshard.flatten_tree({"a/b": 1, "a": {"b": 2}}, sep=".")) == 2
 
@@ -90,7 +95,9 @@ def test_unflatten_round_trip_on_module():
 def test_unflatten_reports_missing_and_unexpected():
     like = {"a": {"b": 0}, "c": [0, 0]}
     with pytest.raises(
-        ValueError, match=r"Missing from `flat`: 'c/1'.*Not in `like`: 'x'"
+        ValueError,
+        match=r"^eqshard.unflatten_tree: .*Missing from `flat`: 'c/1'.*"
+        r"Not in `like`: 'x'",
     ):
         eqshard.unflatten_tree({"a/b": 1, "c/0": 2, "x": 3}, like, sep="/")
 
