@@ -331,21 +331,27 @@ class PartitionedFn:
         _check_shapes(paths, dynamic, shardings, _IN)
         return self._run(args)
 
+    def _in_pairs(self, dynamic: Any) -> list[tuple[KeyPath, Any]]:
+        """One `(path, sharding)` pair per leaf of the non-static arguments; a
+        structure that `in_specs` does not fit raises naming the first path."""
+        try:
+            return broadcast_prefix(
+                self.in_shardings,
+                dynamic,
+                is_leaf=is_spec_leaf,
+                name="in_specs",
+                caller="PartitionedFn",
+            )
+        except ValueError as e:
+            raise ValueError(f"{e} {_ARGS_NOTE}") from None
+
     def _make_jit(
         self, layout: _Layout, statics: tuple[Any, ...], static_args: tuple[Any, ...]
     ) -> Any:
         """The `jax.jit` for one layout and one set of static values."""
         # Each leaf's sharding (the leaves of this stand-in only mark positions).
-        shardings = [
-            sharding
-            for _, sharding in broadcast_prefix(
-                self.in_shardings,
-                layout.treedef.unflatten(list(range(layout.treedef.num_leaves))),
-                is_leaf=is_spec_leaf,
-                name="in_specs",
-                caller="PartitionedFn",
-            )
-        ]
+        stand_in = layout.treedef.unflatten(list(range(layout.treedef.num_leaves)))
+        shardings = [sharding for _, sharding in self._in_pairs(stand_in)]
         template: list[Any] = [None] * layout.treedef.num_leaves
         for i, value in zip(layout.static_index, statics):
             template[i] = value
@@ -426,19 +432,9 @@ class PartitionedFn:
         leaves: list[Any],
         key: tuple[Any, ...],
     ) -> _Layout:
-        # Check the structure first, naming the first path where `in_specs` differs.
-        try:
-            broadcast_prefix(
-                self.in_shardings,
-                dynamic,
-                is_leaf=is_spec_leaf,
-                name="in_specs",
-                caller="PartitionedFn",
-            )
-        except ValueError as e:
-            raise ValueError(f"{e} {_ARGS_NOTE}") from None
+        # Checks the structure first, naming the first path where `in_specs` differs.
+        paths = [path for path, _ in self._in_pairs(dynamic)]
         donated = frozenset(i - sum(s < i for s in self._static) for i in self._donate)
-        paths = [path for path, _ in jtu.tree_flatten_with_path(dynamic)[0]]
         layout = _Layout(treedef, paths, leaves, donated)
         self._layouts[key] = layout
         return layout
@@ -493,18 +489,11 @@ class PartitionedFn:
             return
         dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
         try:
-            pairs = broadcast_prefix(
-                self.in_shardings,
-                dynamic,
-                is_leaf=is_spec_leaf,
-                name="in_specs",
-                caller="PartitionedFn",
-            )
+            pairs = self._in_pairs(dynamic)
         except ValueError:
             return
-        path_leaves = jtu.tree_flatten_with_path(dynamic)[0]
-        paths = [path for path, _ in path_leaves]
-        leaves = [leaf for _, leaf in path_leaves]
+        paths = [path for path, _ in pairs]
+        leaves = jtu.tree_leaves(dynamic)
         shardings = [sharding for _, sharding in pairs]
         try:
             _check_shapes(paths, leaves, shardings, _IN)
