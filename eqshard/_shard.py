@@ -79,6 +79,17 @@ def _abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
     )
 
 
+def _abstract_mesh_error(caller: str, paths: list[KeyPath]) -> TypeError:
+    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+    return TypeError(
+        f"eqshard.{caller}: `specs` has `NamedSharding`s on an abstract mesh at "
+        f"{where}, which has no devices to place arrays on. Pass `PartitionSpec`s "
+        "and a mesh (`eqshard.get_partition_spec` reads them from a tree), or bind "
+        "the shardings of an `eqx.filter_eval_shape` tree to a mesh with "
+        "`eqshard.extract_shardings(shapes, mesh)`."
+    )
+
+
 def _check_block(
     shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
 ) -> tuple[PartitionSpec, list[str]]:
@@ -135,6 +146,15 @@ def _match(
     ]
     if untyped:
         raise _untyped_leaf_error(caller, untyped)
+    unbound = [
+        root + path
+        for (path, spec), leaf in zip(pairs, leaves)
+        if isinstance(spec, NamedSharding)
+        and not isinstance(spec.mesh, Mesh)
+        and is_array(leaf)
+    ]
+    if unbound:
+        raise _abstract_mesh_error(caller, unbound)
     matched = []
     problems = []
     for (path, spec), leaf in zip(pairs, leaves):
@@ -256,8 +276,8 @@ def shard(
       its shape and spec, and the nearest spec that fits. In a multi-process run,
       also (on every process) if the processes' paths, shapes, dtypes or specs
       differ, or their copies of an array do.
-    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), or if a
-      leaf of `specs` is not a spec.
+    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
+      leaf of `specs` is not a spec, or if a `NamedSharding` is on an abstract mesh.
 
     !!! Example
 

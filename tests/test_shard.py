@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import eqshard
 
@@ -157,6 +157,12 @@ def test_shard_reports_every_bad_leaf(mesh):
             P(),
             TypeError,
             r"ShapeDtypeStruct.*'a'",
+        ),
+        (  # as `extract_sharding_structure` gives for `eqx.filter_eval_shape` trees
+            {"a": [jnp.ones(8)], "b": 1},
+            NamedSharding(AbstractMesh((2, 4), ("dp", "tp")), P("dp")),
+            TypeError,
+            r"on an abstract mesh at 'a/0'.*extract_shardings",
         ),
     ],
 )
