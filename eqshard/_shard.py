@@ -507,7 +507,7 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
     **Raises:**
 
     - `ValueError` if no mesh is given or set, or if a spec names a mesh axis that
-      `mesh` lacks (the message names the path).
+      `mesh` lacks or names one twice (the message names the path).
     - `TypeError` naming the path of a leaf that is not a spec.
 
     !!! Example
@@ -527,12 +527,20 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
             )
         if isinstance(spec, PartitionSpec):
             mesh = _concrete_mesh(mesh, "named_shardings")
-            unknown = [a for e in spec for a in entry_axes(e) if a not in mesh.shape]
+            axes = [a for e in spec for a in entry_axes(e)]
+            unknown = [a for a in axes if a not in mesh.shape]
             if unknown:
                 raise ValueError(
                     f"eqshard.named_shardings: spec {spec} at '{path_str(path)}' names "
                     f"{', '.join(map(repr, unknown))}, not an axis of mesh "
                     f"{dict(mesh.shape)}. Use the mesh's axis names, or another mesh."
+                )
+            twice = sorted({a for i, a in enumerate(axes) if a in axes[:i]})
+            if twice:
+                raise ValueError(
+                    f"eqshard.named_shardings: spec {spec} at '{path_str(path)}' names "
+                    f"{', '.join(map(repr, twice))} more than once, but a mesh axis "
+                    "can split one dimension only. Name each axis at most once."
                 )
             spec = NamedSharding(mesh, spec)
         out.append(spec)

@@ -227,6 +227,8 @@ def test_named_shardings(mesh):
         eqshard.named_shardings({"a": P("x")}, mesh)
     with pytest.raises(TypeError, match="at 'a'"):
         eqshard.named_shardings({"a": 3}, mesh)
+    with pytest.raises(ValueError, match=r"P\('tp', 'tp'\) at 'b/0' names 'tp' more"):
+        eqshard.named_shardings({"b": [P("tp", "tp")]}, mesh)
 
 
 def test_make_shard_and_gather_fns_match_shard(mesh):
