@@ -343,7 +343,11 @@ class PartitionedFn:
                 caller="PartitionedFn",
             )
         except ValueError as e:
-            raise ValueError(f"{e} {_ARGS_NOTE}") from None
+            raise ValueError(
+                f"{e} Here `tree` is the tuple of non-static positional arguments: "
+                "give `in_specs` one entry per argument (wrap a single argument's "
+                f"spec tree in a 1-tuple), or one spec for all. {_ARGS_NOTE}"
+            ) from None
 
     def _make_jit(
         self, layout: _Layout, statics: tuple[Any, ...], static_args: tuple[Any, ...]

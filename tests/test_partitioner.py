@@ -372,6 +372,9 @@ def test_call_errors_name_the_path(partitioner, mesh42):
         ValueError, match=r"at '0': `in_specs` has a dict .* where `tree` has an array"
     ):
         f(jnp.ones(8))
+    one_arg = partitioner.partition(lambda t: t["w"], {"w": P("data")}, None)
+    with pytest.raises(ValueError, match=r"has a dict .*wrap .* in a 1-tuple"):
+        one_arg({"w": jnp.ones(8)})
     with pytest.raises(ValueError, match=r"'0/w' \(shape \(6,\)\).*'data' \(size 4\)"):
         f({"w": np.ones(6)})
     placed = jax.device_put(jnp.ones(8), NamedSharding(mesh42, P("model")))
