@@ -266,7 +266,7 @@ class PartitionedFn:
         self._direct = None
         if self._direct_count is not None:
             self._direct = jax.jit(
-                self._trace_direct,
+                self._named(lambda *args: self._trace_direct(*args)),
                 in_shardings=in_shardings,
                 out_shardings=(out_shardings, None),
                 static_argnums=static_argnums,
@@ -319,6 +319,13 @@ class PartitionedFn:
             treedef, template, [i for i, flag in enumerate(flags) if flag]
         )
         return treedef.unflatten(dynamic), statics
+
+    def _named(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        """Gives the function `f` the name of `fn`, so that what `jax.jit` compiles
+        from it is named after `fn` (in HLO dumps and profiles)."""
+        f.__name__ = self.__name__
+        f.__qualname__ = getattr(self._fn, "__qualname__", self.__name__)
+        return f
 
     def _trace_direct(self, *args: Any) -> tuple[Any, _OutStatics | None]:
         dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
@@ -373,10 +380,8 @@ class PartitionedFn:
                 args.insert(position, value)
             return self._run(tuple(args))
 
-        call.__name__ = self.__name__
-        call.__qualname__ = getattr(self._fn, "__qualname__", self.__name__)
         return jax.jit(
-            call,
+            self._named(call),
             in_shardings=(
                 tuple(shardings[i] for i in layout.donated_index),
                 tuple(shardings[i] for i in layout.kept_index),

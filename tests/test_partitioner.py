@@ -310,6 +310,7 @@ def test_lower_and_compile(partitioner, mesh42):
     lowered = partitioned.lower(model, x)
     assert isinstance(lowered, jax.stages.Lowered)
     assert "sharding" in lowered.as_text()
+    assert "module @jit_f " in lowered.as_text()  # named after the function
     compiled = partitioned.compile(model, x)
     np.testing.assert_allclose(compiled(model, x), partitioned(model, x), rtol=1e-6)
     np.testing.assert_allclose(
@@ -321,11 +322,14 @@ def test_lower_and_compile(partitioner, mesh42):
         compiled(other, x)
 
     # Array arguments, and abstract arguments for planning.
-    matmul = partitioner.partition(lambda a, b: a @ b, P("data"), P("data"))
+    def product(a, b):
+        return a @ b
+
+    matmul = partitioner.partition(product, P("data"), P("data"))
     spec = jax.ShapeDtypeStruct((8, 4), jnp.float32)
-    assert (
-        "dot" in matmul.lower(spec, jax.ShapeDtypeStruct((4, 4), jnp.float32)).as_text()
-    )
+    text = matmul.lower(spec, jax.ShapeDtypeStruct((4, 4), jnp.float32)).as_text()
+    assert "dot" in text
+    assert "module @jit_product " in text
     compiled = matmul.compile(jnp.ones((8, 4)), jnp.ones((4, 4)))
     np.testing.assert_array_equal(compiled(jnp.ones((8, 4)), jnp.ones((4, 4))), 4.0)
 
