@@ -318,6 +318,11 @@ def get_mesh(
     Z-major, and otherwise, if `tile_by_host_if_needed`, the devices are tiled
     by host so that each process holds contiguous blocks.
 
+    **Differences from t5x:** the default `local_devices` are those of the
+    process holding the device at the origin, where t5x takes process 0's (the
+    same on real pods); off TPU the hardware mesh is as in
+    [`eqshard.get_coords`][].
+
     **Arguments:**
 
     - `model_parallel_submesh`: the tile, one entry per hardware dimension,
@@ -503,7 +508,10 @@ def default_mesh(
 
     **Differences from t5x:** giving only one of `ici_mesh_shape` and
     `dcn_mesh_shape` is an error (t5x ignored it), and the slow units of a
-    multi-slice mesh are processes when the devices have no slices.
+    multi-slice mesh are processes when the devices have no slices. The
+    platform, device kind and bounds are read from the device at the highest
+    coordinates, where t5x reads the last of `jax.devices()` (the same device
+    when the devices come in JAX's order), so their order does not matter.
 
     **Arguments:**
 
