@@ -1,6 +1,6 @@
 """Moving pytrees onto meshes and back to the host.
 
-How data moves:
+How data moves, in the order of this file:
 
 1. **Match.** A spec tree (or a prefix of one) is broadcast against the tree, so
    every leaf gets a spec. Arrays (`jax.Array`, NumPy) are placed; everything else
@@ -19,6 +19,11 @@ How data moves:
    laid out again over the same devices, whole on each process and split across
    that process's devices, then copied to host from those local shards, one leaf
    at a time: no device ever holds a full replica.
+
+After these come `named_shardings` and `make_shard_and_gather_fns`, for code that
+moves a tree piece by piece (their functions run steps 1-4 on one subtree each),
+and `with_sharding_constraint`, which moves nothing itself: it tells `jit` where
+arrays should live, and corrects a spec that cannot apply where `shard` raises.
 """
 
 import functools as ft
@@ -90,6 +95,50 @@ def _abstract_mesh_error(caller: str, paths: list[KeyPath]) -> TypeError:
     )
 
 
+def _untyped_leaf_error(
+    caller: str, found: list[tuple[KeyPath, np.dtype]]
+) -> TypeError:
+    where = ", ".join(f"'{path_str(p)}' ({dtype})" for p, dtype in found[:10])
+    return TypeError(
+        f"eqshard.{caller}: NumPy arrays of object or raw-bytes dtype at {where} "
+        "cannot go to a device. A bfloat16 array saved with `np.save` loads as "
+        "'|V2': restore it with `.view(jnp.bfloat16)`."
+    )
+
+
+def _check_movable(
+    caller: str, pairs: list[tuple[KeyPath, Any]], leaves: list[Any]
+) -> None:
+    """Raises a `TypeError` naming the leaves that cannot move whatever their spec:
+    structs without data, NumPy arrays no device can hold, and shardings on an
+    abstract mesh."""
+    abstract = [
+        path
+        for (path, _), leaf in zip(pairs, leaves)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if abstract:
+        raise _abstract_leaf_error(caller, abstract)
+    untyped = [
+        (path, leaf.dtype)
+        for (path, spec), leaf in zip(pairs, leaves)
+        if spec is not None
+        and isinstance(leaf, np.ndarray)
+        and (leaf.dtype.kind == "O" or leaf.dtype.type is np.void)
+    ]
+    if untyped:
+        raise _untyped_leaf_error(caller, untyped)
+    unbound = [
+        path
+        for (path, spec), leaf in zip(pairs, leaves)
+        if isinstance(spec, NamedSharding)
+        and not isinstance(spec.mesh, Mesh)
+        and is_array(leaf)
+    ]
+    if unbound:
+        raise _abstract_mesh_error(caller, unbound)
+
+
 def _check_block(
     shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
 ) -> tuple[PartitionSpec, list[str]]:
@@ -102,17 +151,6 @@ def _check_block(
     if block_reasons:
         return block_fixed, block_reasons + reasons
     return fixed, reasons
-
-
-def _untyped_leaf_error(
-    caller: str, found: list[tuple[KeyPath, np.dtype]]
-) -> TypeError:
-    where = ", ".join(f"'{path_str(p)}' ({dtype})" for p, dtype in found[:10])
-    return TypeError(
-        f"eqshard.{caller}: NumPy arrays of object or raw-bytes dtype at {where} "
-        "cannot go to a device. A bfloat16 array saved with `np.save` loads as "
-        "'|V2': restore it with `.view(jnp.bfloat16)`."
-    )
 
 
 def _match(
@@ -129,51 +167,32 @@ def _match(
     not fit are reported in one `ValueError`. With `host_local`, host arrays are
     each process's block of the global array, whose shape is checked instead."""
     leaves = jtu.tree_leaves(tree)
-    pairs = leaf_specs(specs, tree, caller=caller)
-    abstract = [
-        root + path
-        for (path, _), leaf in zip(pairs, leaves)
-        if isinstance(leaf, jax.ShapeDtypeStruct)
-    ]
-    if abstract:
-        raise _abstract_leaf_error(caller, abstract)
-    untyped = [
-        (root + path, leaf.dtype)
-        for (path, spec), leaf in zip(pairs, leaves)
-        if spec is not None
-        and isinstance(leaf, np.ndarray)
-        and (leaf.dtype.kind == "O" or leaf.dtype.type is np.void)
-    ]
-    if untyped:
-        raise _untyped_leaf_error(caller, untyped)
-    unbound = [
-        root + path
-        for (path, spec), leaf in zip(pairs, leaves)
-        if isinstance(spec, NamedSharding)
-        and not isinstance(spec.mesh, Mesh)
-        and is_array(leaf)
-    ]
-    if unbound:
-        raise _abstract_mesh_error(caller, unbound)
+    pairs = [(root + p, s) for p, s in leaf_specs(specs, tree, caller=caller)]
+    _check_movable(caller, pairs, leaves)
+    if any(
+        isinstance(spec, PartitionSpec) and is_array(leaf)
+        for (_, spec), leaf in zip(pairs, leaves)
+    ):
+        mesh = _concrete_mesh(mesh, caller)
     matched = []
     problems = []
     for (path, spec), leaf in zip(pairs, leaves):
         if spec is None or not is_array(leaf):
-            matched.append((root + path, leaf, None))
+            matched.append((path, leaf, None))
             continue
-        if isinstance(spec, PartitionSpec):
-            mesh = sharding_mesh = _concrete_mesh(mesh, caller)
+        if isinstance(spec, NamedSharding):
+            spec, spec_mesh = spec.spec, spec.mesh
         else:
-            spec, sharding_mesh = spec.spec, spec.mesh
+            spec_mesh = mesh
         shape = tuple(np.shape(leaf))
         if host_local and not is_global(leaf):
-            fixed, reasons = _check_block(shape, spec, sharding_mesh)
+            fixed, reasons = _check_block(shape, spec, spec_mesh)
         else:
-            fixed, reasons = check_spec(shape, spec, dict(sharding_mesh.shape))
+            fixed, reasons = check_spec(shape, spec, dict(spec_mesh.shape))
         if reasons:
-            problems.append((root + path, shape, spec, fixed, reasons, sharding_mesh))
+            problems.append((path, shape, spec, fixed, reasons, spec_mesh))
         else:
-            matched.append((root + path, leaf, NamedSharding(sharding_mesh, spec)))
+            matched.append((path, leaf, NamedSharding(spec_mesh, spec)))
     if problems:
         raise ValueError(spec_error_message(caller, problems))
     return matched
@@ -303,12 +322,16 @@ def _shard(
     root: KeyPath = (),
     host_local: bool = False,
 ) -> PyTree:
-    if jax.process_count() == 1:
-        matched = _match(tree, specs, mesh, caller=caller, root=root)
-        return jtu.tree_unflatten(jtu.tree_structure(tree), _place(matched, dtype))
-    # All processes compare their trees first: a process whose tree differs could
-    # otherwise fail validation alone and leave the others waiting in a collective.
-    check_processes_agree(caller, tree, specs, mesh, root=root, host_local=host_local)
+    """[`eqshard.shard`][], also for one subtree at `root` (the functions of
+    `make_shard_and_gather_fns`) and for host-local blocks (`host_local`, for
+    `Partitioner.move_to_devices`)."""
+    if jax.process_count() > 1:
+        # All processes compare their trees first: a process whose tree differs
+        # could otherwise fail validation alone and leave the others waiting in a
+        # collective.
+        check_processes_agree(
+            caller, tree, specs, mesh, root=root, host_local=host_local
+        )
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
     placed = _place(matched, dtype, host_local=host_local)
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
@@ -547,10 +570,6 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
     return jtu.tree_unflatten(treedef, out)
 
 
-def _gather_fn(subtree: PyTree, *, dtype: Any) -> PyTree:
-    return gather(subtree, dtype=dtype)
-
-
 @typecheck
 def make_shard_and_gather_fns(
     specs: PyTree, mesh: Mesh | None = None, *, dtype: Any = None
@@ -588,6 +607,7 @@ def make_shard_and_gather_fns(
     path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
     if any(isinstance(spec, PartitionSpec) for _, spec in path_specs):
         mesh = _concrete_mesh(mesh, "make_shard_and_gather_fns")
+    gather_fn = ft.partial(gather, dtype=dtype)
     shard_fns, gather_fns = [], []
     for path, spec in path_specs:
         if spec is None:
@@ -599,7 +619,7 @@ def make_shard_and_gather_fns(
                 _shard, specs=spec, mesh=mesh, dtype=dtype, caller="shard", root=path
             )
         )
-        gather_fns.append(ft.partial(_gather_fn, dtype=dtype))
+        gather_fns.append(gather_fn)
     return jtu.tree_unflatten(treedef, shard_fns), jtu.tree_unflatten(
         treedef, gather_fns
     )
