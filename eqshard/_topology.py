@@ -343,7 +343,8 @@ def get_mesh(
     `ValueError` naming the platform, device kind, bounds and submesh when the
     submesh has the wrong length, does not divide the bounds (the message lists
     the entries that would), cannot be tiled by host, or needs all cores for
-    the Z-major layout; or when the devices do not fill the hardware mesh.
+    the Z-major layout; or when the devices do not fill the hardware mesh, or
+    `local_devices` is empty or does not tile it.
 
     !!! Example
 
@@ -360,6 +361,11 @@ def get_mesh(
     if local_devices is None:
         home = ordered[0].process_index
         local_devices = [d for d in devs if d.process_index == home]
+    elif len(local_devices) == 0:
+        raise ValueError(
+            "eqshard.get_mesh: local_devices= is empty; pass the devices of one "
+            "process, or leave it out to use those of the device at the origin."
+        )
     if _is_tpu(ordered[-1]):
         local_coords = _coords_table(local_devices)
         local = bounds_from_last_device(max(local_devices, key=local_coords.get))

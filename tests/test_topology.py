@@ -325,6 +325,8 @@ def test_get_mesh_errors():
     local = [d for d in V3_4x4 if d.coords[0] < 3 and d.coords[1] == 0]
     with pytest.raises(ValueError, match=r"local devices span .*\(3, 1, 1, 2\)"):
         eqshard.get_mesh((1, 1, 1, 2), devices=V3_4x4, local_devices=local)
+    with pytest.raises(ValueError, match=r"get_mesh: local_devices= is empty"):
+        eqshard.get_mesh((1, 1, 1, 2), devices=V3_4x4, local_devices=[])
     with pytest.raises(ValueError, match=r"nothing sits at \[\(0, 0, 0, 0\)"):
         eqshard.get_mesh((1, 1, 1, 1), devices=V3_4x4[1:])
     twin = dataclasses.replace(V3_4x4[0], id=99)
