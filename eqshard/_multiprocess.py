@@ -31,7 +31,7 @@ import functools as ft
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh
-from ._specs import entry_axes, is_spec_leaf, leaf_specs
+from ._specs import _axes_repr, entry_axes, is_spec_leaf, leaf_specs
 from ._tree import is_array, path_str
 from ._typing import KeyPath
 
@@ -162,10 +162,6 @@ def _spanning_axes(mesh: Mesh) -> tuple[str, ...]:
     )
 
 
-def _axes_repr(axes: Sequence[str]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
-
-
 # ---------------------------------------------------------------------------------
 # Global arrays to host.
 # ---------------------------------------------------------------------------------
@@ -207,7 +203,7 @@ def _process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedShard
         return NamedSharding(mesh, PartitionSpec())
     left, splits = local, []
     for size in shape:
-        split = math.gcd(left, size) if size else left
+        split = math.gcd(left, size)  # all of `left` for a dimension of size 0
         splits.append(split)
         left //= split
     names = ["processes"] + [f"local{d}" for d, s in enumerate(splits) if s > 1]
@@ -261,6 +257,8 @@ def check_processes_agree(
     Nothing here depends on whether the specs fit, which each process checks
     afterwards: processes that agree then fail, or not, together. A collective
     among the processes of the meshes, if there are several."""
+    if mesh is None:
+        mesh = current_mesh()
     meshes = _meshes(specs, mesh)
     devices = _leaders(meshes)
     if not devices:
@@ -270,8 +268,6 @@ def check_processes_agree(
         spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
     except (TypeError, ValueError):  # raised again, on every process, afterwards
         spec_of = [None] * len(path_leaves)
-    if mesh is None:
-        mesh = current_mesh()
     records = [
         _record(root + path, leaf, spec, mesh, host_local)
         for (path, leaf), spec in zip(path_leaves, spec_of)
@@ -294,8 +290,6 @@ def check_processes_agree(
 def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
     """The concrete meshes a `shard` call may place arrays on."""
     found = {}
-    if mesh is None:
-        mesh = current_mesh()
     if isinstance(mesh, Mesh):
         found[mesh] = None
     for leaf in jtu.tree_leaves(specs, is_leaf=is_spec_leaf):
