@@ -688,7 +688,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-        mesh = build_mesh(args.mesh or _default_mesh_string(args.devices))
+        # An empty --mesh is an error, not the default.
+        if args.mesh is None:
+            mesh = build_mesh(_default_mesh_string(jax.device_count()))
+        else:
+            mesh = build_mesh(args.mesh)
         rules = builtin_rules(mesh) if user_rules is None else user_rules
         run(args, size, mesh, rules, origin, start)
     except UsageError as error:

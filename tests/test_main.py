@@ -148,12 +148,32 @@ def test_malformed_rules_file(tmp_path, text, line):
         (("--size", "1X"), r"--size '1X' is not a parameter count"),
         (("--size", "10K"), r"--size '10K' is below"),
         (("--steps", "-1"), r"--steps -1"),
+        (("--devices", "0"), r"--devices 0: give at least 1 device"),
+        (("--mesh", ""), r"--mesh '': .*empty entry"),
+        (("--rules", "/no/such/rules.txt"), r"/no/such/rules.txt: cannot read"),
+        (("--bogus",), r"unrecognized arguments: --bogus \(see --help\)"),
     ],
 )
 def test_bad_options(args, match):
     result = _run(*args)
     assert re.search(match, _one_line_error(result))
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        # A spec that cannot apply: the plan is printed, then one error line.
+        ("embed/weight  dp,dp\n.*  ()\n", r"'embed/weight' P\('dp', 'dp'\): .*twice"),
+        # Unmatched arrays: the hint for a catch-all rule.
+        ("embed/weight  tp\n", r"no rule matches .*a last rule '\.\*  \(\)'"),
+    ],
+)
+def test_rules_that_do_not_fit_the_model(tmp_path, text, match):
+    rules = tmp_path / "rules.txt"
+    rules.write_text(text)
+    result = _run("--rules", str(rules), "--plan-only")
+    assert re.search(match, _one_line_error(result))
 
 
 # The README's promises: its test command is CI's, its example runs, and every
