@@ -9,6 +9,7 @@ plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -311,7 +312,7 @@ class ShardingProblem:
     mesh: Mesh | AbstractMesh
 
 
-def _problem_tuples(problems: tuple[ShardingProblem, ...]) -> list[Any]:
+def _problem_tuples(problems: Sequence[ShardingProblem]) -> list[Any]:
     """`problems` in the form `spec_error_message` reads (paths as one-key paths)."""
     return [
         ((p.path,), p.shape, p.spec, p.suggestion, list(p.reasons), p.mesh)
@@ -625,7 +626,6 @@ def analyze_sharding_strategy(
     per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
     rows: list[ShardingRow] = []
     problems: list[ShardingProblem] = []
-    raw_problems: list[Any] = []
     for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree)):
         if not is_array(leaf):
             continue
@@ -649,7 +649,6 @@ def analyze_sharding_strategy(
             problems.append(
                 ShardingProblem(name, shape, spec, fixed, tuple(reasons), leaf_mesh)
             )
-            raw_problems.append((path, shape, spec, fixed, reasons, leaf_mesh))
         # `fixed` divides every dimension evenly, so every device holds as much.
         splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
         piece = math.prod(
@@ -669,8 +668,8 @@ def analyze_sharding_strategy(
                 not reasons,
             )
         )
-    if raw_problems and on_invalid == "raise":
-        raise ValueError(spec_error_message(caller, raw_problems))
+    if problems and on_invalid == "raise":
+        raise ValueError(spec_error_message(caller, _problem_tuples(problems)))
     return ShardingReport(
         mesh=mesh,
         rows=tuple(rows),
