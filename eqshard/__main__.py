@@ -699,6 +699,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"{_PROG}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`python -m eqshard --size 70B | head`): stop
+        # quietly, and keep Python from failing again when it flushes stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -176,6 +176,21 @@ def test_rules_that_do_not_fit_the_model(tmp_path, text, match):
     assert re.search(match, _one_line_error(result))
 
 
+def test_output_cut_short_by_the_reader():
+    # `python -m eqshard --size 70B | head`: the plan is longer than a pipe's
+    # buffer, so the command writes into a closed pipe; it stops without a traceback.
+    child = subprocess.Popen(
+        [sys.executable, "-m", "eqshard", "--size", "70B"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().startswith("eqshard ")
+    child.stdout.close()
+    stderr = child.communicate(timeout=300)[1]
+    assert child.returncode == 1 and "Traceback" not in stderr, stderr
+
+
 # The README's promises: its test command is CI's, its example runs, and every
 # public name has an entry in the API reference.
 
