@@ -368,6 +368,12 @@ def test_partition_spec_errors(partitioner):
         partitioner.partition(
             lambda a, b: a, P(), None, static_argnums=1, donate_argnums=(0, 1)
         )
+    with pytest.raises(ValueError, match=r"`static_argnums` must be non-negative"):
+        partitioner.partition(lambda a: a, P(), None, static_argnums=-1)
+    with pytest.raises(ValueError, match=r"`donate_argnums` must be non-negative"):
+        partitioner.partition(lambda a: a, P(), None, donate_argnums=True)
+    with pytest.raises(ValueError, match=r"`donate_argnums` repeats a position"):
+        partitioner.partition(lambda a: a, P(), None, donate_argnums=(0, 0))
 
 
 def test_call_errors_name_the_path(partitioner, mesh42):
@@ -415,6 +421,8 @@ def test_data_layout_single_process(partitioner):
         partitioner.data_layout(6)
     with pytest.raises(ValueError, match="process 1 has no devices"):
         partitioner.data_layout(8, process_index=1)
+    with pytest.raises(ValueError, match=r"data_layout: `batch_size` must be positive"):
+        partitioner.data_layout(0)
     info = partitioner.local_chunk_info((8, 6), AxisNames("batch", "mlp"))
     assert info == eqshard.LocalChunkInfo((slice(0, 8), slice(0, 6)), 0)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -455,7 +463,6 @@ def test_move_to_devices(partitioner, mesh42):
     specs = {"mlp": MLP_AXES, "step": None, "x": P("data")}
     host = {"mlp": jax.device_get(_mlp(jax.random.key(0))), "step": 3, "x": np.ones(8)}
     host["mlp"] = eqx.tree_at(lambda m: m.b1, host["mlp"], jnp.arange(16.0))
-    on_device = host["mlp"].b1
     out = partitioner.move_to_devices(host, specs)
     assert out["step"] == 3 and out["mlp"].activation is jax.nn.gelu
     assert out["mlp"].w1.sharding == NamedSharding(mesh42, P(None, "model"))
@@ -463,7 +470,6 @@ def test_move_to_devices(partitioner, mesh42):
     assert out["x"].sharding == NamedSharding(mesh42, P("data"))
     for got, want in zip(_arrays(out), _arrays(host)):
         np.testing.assert_array_equal(got, want)
-    del on_device  # donated where the runtime can: not guaranteed on CPU
     with pytest.raises(ValueError, match=r"'x' \(shape \(6,\)\)"):
         partitioner.move_to_devices({"x": np.ones(6)}, {"x": P("data")})
 
@@ -598,6 +604,8 @@ def test_chunker_errors():
         chunker.get_local_chunk_info((8,), ("data", None))
     with pytest.raises(ValueError, match="shards more than one dimension"):
         chunker.get_local_chunk_info((8, 8), ("data", "data"))
+    with pytest.raises(TypeError, match=r"entry 0 of `mesh_axes` is 3 \(a int\)"):
+        chunker.get_local_chunk_info((8,), (3,))
     with pytest.raises(ValueError, match=r"process 7 has no devices.*\[0, 1, 2, 3\]"):
         eqshard.LocalChunker(mesh, process_index=7)
     scattered = _fake_mesh([[0, 1], [1, 0]], ("data", "model"))
