@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._mesh import _mesh_repr
-from ._specs import entry_axes
 from ._typing import typecheck
 
 
@@ -315,7 +314,7 @@ class LocalChunker:
                     f"{type(entry).__name__}); use None, a mesh axis name, or a "
                     "tuple of them."
                 )
-            axes = _axes_tuple(entry_axes(entry), self.mesh, caller, ordered=True)
+            axes = _axes_tuple(entry, self.mesh, caller, ordered=True)
             if not axes:
                 continue
             repeated = [axis for axis in axes if axis in sharded]

@@ -606,6 +606,8 @@ def test_chunker_errors():
         chunker.get_local_chunk_info((8, 8), ("data", "data"))
     with pytest.raises(TypeError, match=r"entry 0 of `mesh_axes` is 3 \(a int\)"):
         chunker.get_local_chunk_info((8,), (3,))
+    with pytest.raises(TypeError, match=r"mesh axes must be strings, got 3"):
+        chunker.get_local_chunk_info((8,), (("data", 3),))
     with pytest.raises(ValueError, match=r"process 7 has no devices.*\[0, 1, 2, 3\]"):
         eqshard.LocalChunker(mesh, process_index=7)
     scattered = _fake_mesh([[0, 1], [1, 0]], ("data", "model"))
