@@ -125,12 +125,19 @@ class LocalChunker:
     !!! Example
 
         ```python
+        @dataclasses.dataclass(frozen=True)
+        class Device:  # a stand-in for a device of a 4-process run
+            id: int
+            process_index: int
+
         # 4 processes of 2 devices; process p holds row p of a (4, 2) mesh.
+        devices = np.array([Device(i, i // 2) for i in range(8)]).reshape(4, 2)
+        mesh = jax.sharding.Mesh(devices, ("data", "model"))
         chunker = eqshard.LocalChunker(mesh, process_index=2)
-        chunker.num_chunks  # {'data': 4, 'model': 1}
-        chunker.get_shard_id("data")  # 2
-        chunker.get_local_chunk_info((8, 6), ("data", None)).slice
-        # (slice(4, 6), slice(None))
+        assert dict(chunker.num_chunks) == {"data": 4, "model": 1}
+        assert chunker.get_shard_id("data") == 2
+        info = chunker.get_local_chunk_info((8, 6), ("data", None))
+        assert info.slice == (slice(4, 6), slice(None))
         ```
     """
 
