@@ -239,8 +239,41 @@ def test_make_shard_and_gather_fns_match_shard(mesh):
     for a, b in zip(jtu.tree_leaves(placed), jtu.tree_leaves(expected)):
         if isinstance(b, jax.Array):
             assert a.sharding == b.sharding
+    assert placed.weight.sharding == NamedSharding(mesh, P("dp", "tp"))
+    assert placed.scale.sharding == NamedSharding(mesh, P())
     host = eqshard.tree_apply(gather_fns, placed)
     assert isinstance(host.weight, np.ndarray) and host.act is jax.nn.gelu
+    np.testing.assert_array_equal(host.weight, np.arange(64.0).reshape(8, 8))
+
+
+def test_make_shard_and_gather_fns_cast_floats(mesh):
+    shard_fns, gather_fns = eqshard.make_shard_and_gather_fns(
+        {"f": P("dp"), "i": P()}, mesh, dtype=jnp.bfloat16
+    )
+    tree = {
+        "f": np.linspace(0, 1, 8, dtype=np.float32),
+        "i": np.arange(3, dtype=np.int8),
+    }
+    placed = eqshard.tree_apply(shard_fns, tree)
+    assert placed["f"].dtype == jnp.bfloat16 and placed["i"].dtype == tree["i"].dtype
+    assert placed["f"].sharding == NamedSharding(mesh, P("dp"))
+    host = eqshard.tree_apply(gather_fns, placed)
+    assert host["f"].tobytes() == tree["f"].astype(jnp.bfloat16).tobytes()
+
+
+def test_abstract_trees_are_refused_everywhere_data_moves(mesh):
+    tree = {"layers": [jnp.ones(2), jax.ShapeDtypeStruct((2,), jnp.float32)]}
+    for fn in (
+        eqshard.gather,
+        lambda t: eqshard.with_sharding_constraint(t, P(), mesh=mesh),
+    ):
+        with pytest.raises(TypeError, match=r"ShapeDtypeStruct.*'layers/1'"):
+            fn(tree)
+
+
+def test_shard_inside_jit_asks_for_a_concrete_mesh(mesh):
+    with jax.set_mesh(mesh), pytest.raises(TypeError, match="concrete `Mesh`.*jit"):
+        jax.jit(lambda x: eqshard.shard(x, P("dp")))(jnp.ones(8))
 
 
 def test_make_shard_fns_errors_name_the_full_path(mesh):
