@@ -634,21 +634,30 @@ def _constraint_kind(
     spec: PartitionSpec, mesh: Mesh | AbstractMesh, path: KeyPath
 ) -> str:
     """Whether `spec` constrains Auto axes (`with_sharding_constraint`) or Explicit
-    ones (`reshard`) of `mesh`."""
+    ones (`reshard`) of `mesh`. Inside `shard_map` the axes it maps over are Manual:
+    a spec cannot name them, and a replicated spec follows the other axes."""
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     used = {types[axis] for entry in spec for axis in entry_axes(entry)}
-    if not used:  # a replicated spec: follow the mesh
-        used = set(mesh.axis_types)
+    if not used:  # a replicated spec: follow the mesh (outside `shard_map`)
+        used = set(mesh.axis_types) - {AxisType.Manual} or {AxisType.Auto}
     if used <= {AxisType.Auto}:
         return "auto"
     if used <= {AxisType.Explicit}:
         return "explicit"
+    where = f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}'"
+    if AxisType.Manual in used:
+        manual = [a for e in spec for a in entry_axes(e) if types[a] == AxisType.Manual]
+        raise ValueError(
+            f"{where} names {', '.join(map(repr, manual))}, which `shard_map` maps "
+            f"over here (Manual axes of mesh {dict(mesh.shape)}), so no sharding "
+            "constraint can name them. Leave them out of the spec: inside "
+            "`shard_map` every device already holds its own block along them."
+        )
     raise ValueError(
-        f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}' mixes "
-        f"mesh axes of types {sorted(map(str, used))} (mesh {mesh}). A spec can "
-        "constrain Auto axes (`with_sharding_constraint`) or reshard Explicit ones "
-        "(`reshard`), not both: build the mesh with one axis type, e.g. "
-        "`eqshard.create_mesh(..., axis_types=...)`."
+        f"{where} mixes mesh axes of types {sorted(map(str, used))} (mesh {mesh}). "
+        "A spec can constrain Auto axes (`with_sharding_constraint`) or reshard "
+        "Explicit ones (`reshard`), not both: build the mesh with one axis type, "
+        "e.g. `eqshard.create_mesh(..., axis_types=...)`."
     )
 
 

@@ -349,6 +349,30 @@ def test_constraint_mixed_axis_types_raise():
         )
 
 
+def test_constraint_inside_shard_map(mesh):
+    # Inside `shard_map` over 'dp', 'dp' is a Manual axis: a replicated spec and
+    # specs over the other axes constrain as `jax.lax.with_sharding_constraint`
+    # does; naming 'dp' is an error.
+    def body(tree):
+        return eqshard.with_sharding_constraint(tree, {"a": P(), "b": P(None, "tp")})
+
+    def run(fn, axis_names):
+        mapped = jax.shard_map(
+            fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names=axis_names
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(mapped)({"a": jnp.ones((8, 4)), "b": jnp.ones((8, 4))})
+
+    out = run(body, {"dp"})
+    np.testing.assert_array_equal(out["a"], np.ones((8, 4)))
+    run(lambda t: eqshard.with_sharding_constraint(t, P()), {"dp", "tp"})
+    with pytest.raises(ValueError, match=r"P\('dp',\) at 'a' names 'dp'.*Manual"):
+        run(
+            lambda t: eqshard.with_sharding_constraint(t, {"a": P("dp"), "b": P()}),
+            {"dp"},
+        )
+
+
 def test_constraint_without_mesh_is_a_no_op():
     x = jnp.ones(4)
     assert eqshard.with_sharding_constraint({"x": x}, P("dp"))["x"] is x
