@@ -706,7 +706,8 @@ def with_sharding_constraint(
     **Raises:**
 
     - `ValueError` as `on_invalid="raise"` says, if `specs` is not a prefix of
-      `tree`, or if a spec mixes Auto and Explicit mesh axes.
+      `tree`, if a spec mixes Auto and Explicit mesh axes, or if it names an axis
+      that an enclosing `shard_map` maps over.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
 
     !!! Example
