@@ -414,7 +414,7 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     **Arguments:**
 
     - `tree`: any pytree.
-    - `dtype`: if given, floating arrays are cast to it on host.
+    - `dtype`: if given, floating arrays (NumPy ones too) are cast to it on host.
 
     **Returns:**
 
