@@ -47,9 +47,9 @@ def _bad_regex_message(caller: str, what: str, bad: list[tuple[int, str, str]]) 
     return "\n".join(lines)
 
 
-def _compile(
-    patterns: Sequence[Pattern], caller: str, what: str
-) -> list[re.Pattern[str]]:
+def _compile(patterns: Sequence[Any], caller: str, what: str) -> list[re.Pattern[str]]:
+    """Compiles each pattern once; `TypeError` for a pattern that is not a regex,
+    `ValueError` naming every invalid one."""
     compiled, bad = [], []
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, str | re.Pattern):
