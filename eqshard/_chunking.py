@@ -58,13 +58,14 @@ class DataLayout:
 
 
 def _axes_tuple(
-    axes: str | Sequence[str] | Set[str] | None,
+    axes: Any,
     mesh: Mesh,
     caller: str,
     *,
     ordered: bool,
 ) -> tuple[str, ...]:
-    """`axes` as a tuple of mesh axis names, checked against `mesh`."""
+    """`axes` (`None`, a name, or a sequence or set of names) as a tuple of mesh
+    axis names, checked against `mesh`. `Any`: checking the names is its job."""
     if axes is None:
         return ()
     if isinstance(axes, str):
