@@ -163,7 +163,8 @@ def _bad_leaves_message(
     sep: str,
     caller: str,
 ) -> str:
-    lines = [f"eqshard.{caller}: {len(bad)} array leaves have no valid spec:"]
+    count = "1 array leaf has" if len(bad) == 1 else f"{len(bad)} array leaves have"
+    lines = [f"eqshard.{caller}: {count} no valid spec:"]
     for name, shape, problem in bad[:_LIMIT]:
         lines.append(f"  {_show(name)} shape {shape}: {problem}")
     if len(bad) > _LIMIT:
