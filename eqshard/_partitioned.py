@@ -215,8 +215,8 @@ class PartitionedFn:
 
     While the function is traced, the partitioner's mesh is the current (abstract)
     mesh and its logical axis rules are set, so [`eqshard.with_sharding_constraint`][]
-    with mesh axes, or with specs from [`eqshard.logical_to_mesh_axes`][], works
-    inside it. The rules are read when tracing: later changes do not retrace.
+    with mesh axes, or with logical names ([`eqshard.AxisNames`][]), works inside
+    it. The rules are read when tracing: later changes do not retrace.
 
     **Methods:**
 
