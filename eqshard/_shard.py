@@ -280,7 +280,8 @@ def shard(
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
     - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
-      float32 checkpoint loaded as bfloat16).
+      float32 checkpoint loaded as bfloat16). NumPy arrays are cast on host; JAX
+      arrays on their devices, which compiles one small cast per distinct shape.
 
     **Returns:**
 
