@@ -89,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
             "abstract model of that many parameters instead."
         ),
         epilog=(
-            "Rules files have one rule a line, 'REGEX SPEC': the SPEC is the last "
-            "field, mesh axis names or None separated by ',' (dp,tp  None,tp), "
+            "Rules files have one rule a line, 'REGEX SPEC' or 'REGEX -> SPEC': the "
+            "SPEC is the last field, mesh axis names or None separated by ',' "
+            "(dp,tp  None,tp), "
             "'dp+fsdp' for one dimension over two axes, '()' for replicated. "
             "Lines starting with # are comments. The first matching rule wins."
         ),
@@ -176,7 +177,8 @@ def _parse_spec(text: str) -> P:
 
 
 def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
-    """The rules of a rules file: one `REGEX SPEC` a line, `#` comment lines."""
+    """The rules of a rules file: one `REGEX SPEC` (or `REGEX -> SPEC`) a line,
+    `#` comment lines."""
     rules = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
@@ -187,7 +189,11 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
             raise _rules_error(
                 path, number, line, "expected a regex, then a spec such as dp,tp"
             )
-        regex = stripped[: -len(fields[-1])].strip()
+        # `REGEX -> SPEC` reads as well: without this, the arrow would silently
+        # become part of a regex that matches nothing.
+        regex = stripped[: -len(fields[-1])].strip().removesuffix("->").rstrip()
+        if not regex:
+            raise _rules_error(path, number, line, "expected a regex before the spec")
         try:
             re.compile(regex)
         except re.error as error:

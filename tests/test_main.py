@@ -128,6 +128,20 @@ def test_rules_file(tmp_path):
     )
 
 
+def test_rules_file_arrow_between_regex_and_spec():
+    # Parsed in this process: no need for a subprocess to read a text format.
+    from eqshard.__main__ import parse_rules, UsageError
+
+    text = "attn/(q|k)/weight -> tp,fsdp\nmlp/up/bias->  tp\n.*  ()\n"
+    assert parse_rules(text, "rules.txt") == [
+        ("attn/(q|k)/weight", P("tp", "fsdp")),
+        ("mlp/up/bias", P("tp")),
+        (".*", P()),
+    ]
+    with pytest.raises(UsageError, match="rules.txt, line 2: expected a regex"):
+        parse_rules("embed  tp\n->  tp\n", "rules.txt")
+
+
 @pytest.mark.parametrize(
     "text, line",
     [
