@@ -517,6 +517,13 @@ def show_plan(
         f"(balance {report.balance_score:.2f}) over the "
         f"{len(report.bytes_per_device)} devices of mesh {report.mesh_shape}"
     )
+    dead = eqshard.explain_partition_rules(rules, tree).dead_rules
+    if dead:
+        listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
+        print(
+            f"note: {len(dead)} of the {len(rules)} rules matched no array (a typo, "
+            f"or shadowed by an earlier rule): {listed}"
+        )
     _check_plan(report)
     return specs
 

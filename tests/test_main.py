@@ -111,6 +111,7 @@ def test_rules_file(tmp_path):
         "\n"
         "attn/(q|k|v)/weight   None,tp\n"
         "mlp/.*/weight         tp+fsdp\n"
+        "embed/wieght          tp\n"  # a typo: replicates the embedding
         ".*                    ()\n"
     )
     result = _run(
@@ -126,6 +127,8 @@ def test_rules_file(tmp_path):
     assert re.search(
         r"P\(\) +64\.0 KiB +64\.0 KiB +replicated$", _row(out, "embed/weight")
     )
+    assert "note: 1 of the 4 rules matched no array" in out
+    assert out.rstrip().endswith(": 2 'embed/wieght'")
 
 
 def test_rules_file_arrow_between_regex_and_spec():
