@@ -11,6 +11,7 @@ which part of them a process holds comes from [`eqshard.LocalChunker`][]
 (`_chunking.py`).
 """
 
+import collections
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,8 +77,9 @@ class Partitioner:
     - `num_partitions`: the size of the model-parallel part of the default mesh.
       (On CPU, as in t5x, the default mesh is processes x local devices whatever
       this is.)
-    - `model_parallel_submesh`: the `(x, y, z, core)` TPU tile of one model
-      replica, for the default mesh.
+    - `model_parallel_submesh`: the tile of the hardware mesh that holds one model
+      replica, for the default mesh: `(x, y, z, core)` on TPU, `(processes, local
+      devices)` on other platforms (checked by [`eqshard.get_mesh`][]).
     - `mesh`: a `jax.sharding.Mesh` to use as it is.
     - `backend`: the JAX backend whose devices the default mesh uses.
     - `ici_mesh_shape`, `dcn_mesh_shape`: within-slice and across-slice shapes of
@@ -90,10 +92,9 @@ class Partitioner:
 
     `ValueError` if not exactly one of `num_partitions`, `model_parallel_submesh`
     and `mesh` is given, for options that only shape the default mesh given with
-    `mesh`, for a `model_parallel_submesh` that is not 4 numbers, a
-    `num_partitions` below 1, only one of the ICI/DCN shapes, or data axes that
-    the mesh lacks; the errors of [`eqshard.default_mesh`][]; `TypeError` or
-    `ValueError` naming a malformed rule.
+    `mesh`, for a `num_partitions` below 1, only one of the ICI/DCN shapes, or
+    data axes that the mesh lacks; the errors of [`eqshard.default_mesh`][];
+    `TypeError` or `ValueError` naming a malformed rule.
 
     !!! Example
 
@@ -160,12 +161,6 @@ class Partitioner:
             raise _config_error(
                 f"`num_partitions` must be at least 1, got {num_partitions}.",
                 "It is the number of devices each model replica is split over.",
-            )
-        if model_parallel_submesh is not None and len(model_parallel_submesh) != 4:
-            raise _config_error(
-                "`model_parallel_submesh` must be 4 numbers (x, y, z, core), got "
-                f"{tuple(model_parallel_submesh)!r}.",
-                "For a number of devices rather than a TPU tile, use `num_partitions`.",
             )
         if (ici_mesh_shape is None) != (dcn_mesh_shape is None):
             raise _config_error(
@@ -529,10 +524,15 @@ class Partitioner:
         matched = _match(tree, shardings, self._mesh, caller=caller)
         leaves = [leaf for _, leaf, _ in matched]
         moving = [i for i, (_, _, sharding) in enumerate(matched) if sharding]
+        uses = collections.Counter(id(leaf) for leaf in leaves)
         placed = jax.device_put(
             [leaves[i] for i in moving],
             [matched[i][2] for i in moving],
-            donate=[isinstance(leaves[i], jax.Array) for i in moving],
+            # An array that stands at several leaves cannot give its buffer twice.
+            donate=[
+                isinstance(leaves[i], jax.Array) and uses[id(leaves[i])] == 1
+                for i in moving
+            ],
         )
         for i, array in zip(moving, placed):
             leaves[i] = array

@@ -338,13 +338,20 @@ def test_lower_and_compile(partitioner, mesh42):
 # Errors when partitioning and calling.
 
 
+def test_partitioner_submesh_off_tpu():
+    # Off TPU the hardware mesh is (processes, local devices): a (1, 2) tile puts
+    # two local devices in each model replica.
+    partitioner = eqshard.Partitioner(model_parallel_submesh=(1, 2))
+    assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({}, "exactly one of .* got none"),
         ({"num_partitions": 2, "mesh": "MESH"}, "got num_partitions and mesh"),
         ({"mesh": "MESH", "backend": "cpu"}, "backend only shape the default mesh"),
-        ({"model_parallel_submesh": (1, 1, 2)}, r"4 numbers .* \(1, 1, 2\)"),
+        ({"model_parallel_submesh": (1, 1, 2)}, r"\(1, 1, 2\) must have 2 .* 'cpu'"),
         ({"num_partitions": 0}, "at least 1, got 0"),
         ({"num_partitions": 1, "ici_mesh_shape": (1, 8, 1)}, "only one was given"),
         (
