@@ -32,7 +32,13 @@ from ._logical import (
     LogicalRules,
 )
 from ._mesh import _mesh_repr
-from ._specs import check_spec, entry_axes, is_spec_leaf, spec_error_message
+from ._specs import (
+    bad_spec_leaf_message,
+    check_spec,
+    entry_axes,
+    is_spec_leaf,
+    spec_error_message,
+)
 from ._tree import broadcast_prefix, is_array, path_str
 from ._typing import KeyPath
 
@@ -62,17 +68,8 @@ def _to_shardings(
                 spec = resolved[leaf] = _resolve(leaf, rules, caller=caller, path=path)
             leaf = spec
         if not isinstance(leaf, PartitionSpec):
-            hint = ""
-            if isinstance(leaf, str):
-                hint = (
-                    " A plain tuple is a container, so its names became separate "
-                    "leaves: wrap logical names as eqshard.AxisNames(...) and mesh "
-                    "axes as P(...)."
-                )
             raise TypeError(
-                f"eqshard.{caller}: `{name}` has {leaf!r} (a {type(leaf).__name__}) "
-                f"at '{path_str(path)}'. Leaves must be PartitionSpec, "
-                f"NamedSharding, eqshard.AxisNames or None.{hint}"
+                bad_spec_leaf_message(caller, path, leaf, logical=True, argname=name)
             )
         unknown = [a for e in leaf for a in entry_axes(e) if a not in mesh.shape]
         if unknown:

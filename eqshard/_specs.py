@@ -10,6 +10,7 @@ correction. The messages for many leaves are built in one place,
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -74,6 +75,11 @@ def bad_spec_leaf_message(
         fix = f"write P({leaf!r}) for a mesh axis"
         if logical:
             fix += f", or eqshard.AxisNames({leaf!r}) for a logical name"
+        if path and isinstance(path[-1], jtu.SequenceKey):
+            fix += (
+                " (a plain tuple or list is a container, so each of its names "
+                "became a leaf: wrap them all, as in P('dp', 'tp'))"
+            )
         return f"{message}; {fix}."
     return f"{message}."
 

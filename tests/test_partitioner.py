@@ -367,7 +367,9 @@ def test_partitioner_configuration_errors(mesh42, kwargs, match):
 
 
 def test_partition_spec_errors(partitioner):
-    with pytest.raises(TypeError, match=r"'batch' \(a str\) at '1/w/0'.*AxisNames\("):
+    with pytest.raises(
+        TypeError, match=r"has 'batch' at '1/w/0'.*AxisNames\('batch'\).*plain tuple"
+    ):
         partitioner.partition(lambda a, b: a, (P(), {"w": ("batch", "embed")}), None)
     with pytest.raises(ValueError, match=r"'0' is P\('dp',\).* 'dp'"):
         partitioner.partition(lambda a: a, (P("dp"),), None)
