@@ -41,7 +41,9 @@ def leaf_specs(
     pairs = broadcast_prefix(
         specs, tree, is_leaf=is_spec_leaf, name="specs", caller=caller
     )
-    table = None  # the rules, read at the first `AxisNames` (most trees have none)
+    # The rules: checked now if given, read from the context at the first
+    # `AxisNames` otherwise (most trees have none).
+    table = None if rules is None else _rules_or_context(rules, caller)
     resolved: dict[AxisNames, PartitionSpec] = {}  # each distinct layout once
     for i, (path, spec) in enumerate(pairs):
         if logical and isinstance(spec, AxisNames):

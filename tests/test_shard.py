@@ -327,6 +327,9 @@ def test_constraint_resolves_logical_axis_names(mesh):
 
     with jax.set_mesh(mesh), eqshard.logical_axis_rules(rules):
         assert f(jnp.ones((2, 8))).sharding.spec == P(None, "dp")
+    with pytest.raises((TypeError, ValueError), match=r"rules"):
+        # Bad rules are an error even when no leaf needs them.
+        eqshard.with_sharding_constraint(tree, P(), mesh=mesh, rules=[("batch", 3)])
     with pytest.raises(TypeError, match=r"'x'.*`eqshard.AxisNames`"):
         eqshard.with_sharding_constraint(
             tree, {"x": "batch", "y": P(), "n": None}, mesh=mesh
