@@ -35,8 +35,8 @@ from ._mesh import _mesh_repr
 from ._specs import (
     bad_spec_leaf_message,
     check_spec,
-    entry_axes,
     is_spec_leaf,
+    named_sharding,
     spec_error_message,
 )
 from ._tree import broadcast_prefix, is_array, path_str
@@ -71,16 +71,9 @@ def _to_shardings(
             raise TypeError(
                 bad_spec_leaf_message(caller, path, leaf, logical=True, argname=name)
             )
-        unknown = [a for e in leaf for a in entry_axes(e) if a not in mesh.shape]
-        if unknown:
-            raise ValueError(
-                f"eqshard.{caller}: `{name}` at '{path_str(path)}' is {leaf}, which "
-                f"names {', '.join(map(repr, unknown))}, not "
-                f"{'an axis' if len(unknown) == 1 else 'axes'} of the mesh "
-                f"{_mesh_repr(mesh)}. Use the mesh's axis names, or logical names "
-                "(eqshard.AxisNames) with rules for this mesh."
-            )
-        return NamedSharding(mesh, leaf)
+        return named_sharding(
+            leaf, mesh, caller=caller, path=path, argname=name, logical=True
+        )
 
     if isinstance(specs, list):  # one entry per argument, like `jax.jit`
         specs = tuple(specs)

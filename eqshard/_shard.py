@@ -48,10 +48,12 @@ from ._multiprocess import (
     is_global,
 )
 from ._specs import (
+    bad_spec_leaf_message,
     check_spec,
     entry_axes,
     is_spec_leaf,
     leaf_specs,
+    named_sharding,
     spec_error_message,
 )
 from ._tree import _collision_message, is_array, path_name, path_str
@@ -546,27 +548,11 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
     for path, spec in path_specs:
         if not is_spec_leaf(spec):
             raise TypeError(
-                f"eqshard.named_shardings: `specs` has {spec!r} at '{path_str(path)}'; "
-                "leaves must be `PartitionSpec`, `NamedSharding` or `None`."
+                bad_spec_leaf_message("named_shardings", path, spec, logical=False)
             )
         if isinstance(spec, PartitionSpec):
             mesh = _concrete_mesh(mesh, "named_shardings")
-            axes = [a for e in spec for a in entry_axes(e)]
-            unknown = [a for a in axes if a not in mesh.shape]
-            if unknown:
-                raise ValueError(
-                    f"eqshard.named_shardings: spec {spec} at '{path_str(path)}' names "
-                    f"{', '.join(map(repr, unknown))}, not an axis of mesh "
-                    f"{dict(mesh.shape)}. Use the mesh's axis names, or another mesh."
-                )
-            twice = sorted({a for i, a in enumerate(axes) if a in axes[:i]})
-            if twice:
-                raise ValueError(
-                    f"eqshard.named_shardings: spec {spec} at '{path_str(path)}' names "
-                    f"{', '.join(map(repr, twice))} more than once, but a mesh axis "
-                    "can split one dimension only. Name each axis at most once."
-                )
-            spec = NamedSharding(mesh, spec)
+            spec = named_sharding(spec, mesh, caller="named_shardings", path=path)
         out.append(spec)
     return jtu.tree_unflatten(treedef, out)
 

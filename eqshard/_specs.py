@@ -86,6 +86,40 @@ def bad_spec_leaf_message(
     return f"{message}."
 
 
+def named_sharding(
+    spec: PartitionSpec,
+    mesh: Mesh,
+    *,
+    caller: str,
+    path: KeyPath,
+    argname: str = "specs",
+    logical: bool = False,
+) -> NamedSharding:
+    """`NamedSharding(mesh, spec)`, after checking that `spec` names only axes of
+    `mesh`, each once (JAX's own errors name no path)."""
+    axes = [axis for entry in spec for axis in entry_axes(entry)]
+    unknown = [axis for axis in axes if axis not in mesh.shape]
+    twice = sorted({axis for i, axis in enumerate(axes) if axis in axes[:i]})
+    if unknown or twice:
+        if unknown:
+            alternative = ", or logical names (eqshard.AxisNames) with rules" * logical
+            what = (
+                f"names {', '.join(map(repr, unknown))}, not "
+                f"{'an axis' if len(unknown) == 1 else 'axes'} of the mesh "
+                f"{dict(mesh.shape)}. Use the mesh's axis names{alternative}"
+            )
+        else:
+            what = (
+                f"names {', '.join(map(repr, twice))} more than once, but a mesh axis "
+                "can split one dimension only. Name each axis at most once"
+            )
+        raise ValueError(
+            f"eqshard.{caller}: `{argname}` at '{path_str(path)}' is {spec}, which "
+            f"{what}."
+        )
+    return NamedSharding(mesh, spec)
+
+
 def entry_axes(entry: Any) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return ()
