@@ -5,13 +5,27 @@
 # eqshard itself is not imported here: jaxtyping's import hook
 # (`--jaxtyping-packages=eqshard,...` in pyproject.toml) must see it first.
 
+import os
+
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
 from jax.sharding import AxisType
 
 
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8, jax.devices()
+
+# Property tests: no deadlines (the first example compiles) and no "too slow to
+# generate" failures on a loaded 2-core machine. Under CI the examples are the same
+# on every run and nothing is written to disk.
+settings.register_profile(
+    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci", parent=settings.get_profile("default"), derandomize=True, database=None
+)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 @pytest.fixture(scope="session")
