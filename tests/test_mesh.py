@@ -1,11 +1,10 @@
 """Tests for eqshard._mesh: building meshes, mesh strings, current-mesh queries."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import HostDevice, TpuDevice
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import eqshard
@@ -136,29 +135,6 @@ def test_get_jax_mesh_shape_errors_come_from_create_mesh_rules():
 # create_hybrid_mesh ---------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeCpu:
-    """A CPU device of a multi-process run, as JAX numbers them (2048 per process)."""
-
-    id: int
-    process_index: int
-    platform: str = "cpu"
-    device_kind: str = "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeV4:
-    """A TPU v4 chip (megacore: one device per chip) in a multi-slice job."""
-
-    id: int
-    process_index: int
-    coords: tuple
-    core_on_chip: int
-    slice_index: int
-    platform: str = "tpu"
-    device_kind: str = "TPU v4"
-
-
 def test_create_hybrid_mesh_single_process():
     mesh = eqshard.create_hybrid_mesh((2, 4), (1, 1), ("data", "model"))
     assert _ids(mesh) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -167,7 +143,7 @@ def test_create_hybrid_mesh_single_process():
 
 def test_create_hybrid_mesh_processes_are_units_without_slices():
     # Two processes of three CPU devices; ids as in a real multi-process run.
-    devices = [FakeCpu(2048 * p + i, p) for p in (1, 0) for i in (2, 0, 1)]
+    devices = [HostDevice(2048 * p + i, p) for p in (1, 0) for i in (2, 0, 1)]
     mesh = eqshard.create_hybrid_mesh((1, 3), (2, 1), ("a", "b"), devices=devices)
     # CPU granules keep the given order; processes are stacked by index.
     assert _ids(mesh) == [[2, 0, 1], [2048 + 2, 2048, 2048 + 1]]
@@ -182,7 +158,7 @@ def test_create_hybrid_mesh_slices_are_units():
     # y, so position [0, y, x] holds chip (x, y). The DCN shape (2, 1, 1)
     # stacks the slices along axis 0.
     devices = [
-        FakeV4(4 * s + 2 * y + x, s, (x, y, 0), 0, s)
+        TpuDevice(4 * s + 2 * y + x, s, (x, y, 0), 0, "TPU v4", s)
         for s in range(2)
         for y in range(2)
         for x in range(2)

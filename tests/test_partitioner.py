@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from fakes import HostDevice
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -28,20 +29,10 @@ def partitioner(mesh42):
     return eqshard.Partitioner(mesh=mesh42)
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    """A stand-in device of a multi-process run."""
-
-    id: int
-    process_index: int
-    platform: str = "cpu"
-    device_kind: str = "cpu"
-
-
 def _fake_mesh(owners: list, names: tuple[str, ...]) -> Mesh:
     """A mesh of fake devices; `owners[position]` is the process of each device."""
     owners = np.asarray(owners)
-    devices = [FakeDevice(i, int(p)) for i, p in enumerate(owners.flat)]
+    devices = [HostDevice(i, int(p)) for i, p in enumerate(owners.flat)]
     array = np.array(devices, dtype=object).reshape(owners.shape)
     return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
 

@@ -34,29 +34,10 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from fakes import HostDevice, TpuDevice
 from jax.sharding import AxisType
 
 import eqshard
-
-
-@dataclasses.dataclass(frozen=True)
-class Tpu:
-    id: int
-    process_index: int
-    coords: tuple
-    core_on_chip: int
-    device_kind: str
-    platform: str = "tpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class Host:
-    """A GPU or CPU device: no coordinates."""
-
-    id: int
-    process_index: int
-    platform: str
-    device_kind: str
 
 
 def pod(nx, ny, nz, nc, kind):
@@ -65,7 +46,7 @@ def pod(nx, ny, nz, nc, kind):
     for x, y, z, c in itertools.product(range(nx), range(ny), range(nz), range(nc)):
         id_ = c + nc * (x + nx * (y + ny * z))
         process = x // 2 + (nx // 2) * (y // 2 + (ny // 2) * z)
-        devices.append(Tpu(id_, process, (x, y, z), c, kind))
+        devices.append(TpuDevice(id_, process, (x, y, z), c, kind))
     return sorted(devices, key=lambda d: d.id)
 
 
@@ -363,23 +344,12 @@ def test_default_mesh_errors():
 # Multi-slice.
 
 
-@dataclasses.dataclass(frozen=True)
-class SliceTpu:
-    id: int
-    process_index: int
-    coords: tuple
-    core_on_chip: int
-    slice_index: int
-    device_kind: str = "TPU v4"
-    platform: str = "tpu"
-
-
 def test_default_mesh_multi_slice():
     # Two slices of 2x2x1 v4 chips. Inside a slice JAX maps the ICI 'model'
     # axis (size 2) to x (with the size-1 z) and 'data' to y; the DCN shape
     # stacks the slices on 'replica'. So [s, y, x] holds chip (x, y) of slice s.
     devices = [
-        SliceTpu(4 * s + 2 * y + x, s, (x, y, 0), 0, s)
+        TpuDevice(4 * s + 2 * y + x, s, (x, y, 0), 0, "TPU v4", s)
         for s in range(2)
         for y in range(2)
         for x in range(2)
@@ -396,7 +366,9 @@ def test_default_mesh_multi_slice():
 
 def test_default_mesh_multi_process_without_slices():
     # CPU devices of two processes have no slices: processes are the units.
-    devices = [Host(2048 * p + i, p, "cpu", "cpu") for p in range(2) for i in range(4)]
+    devices = [
+        HostDevice(2048 * p + i, p, "cpu", "cpu") for p in range(2) for i in range(4)
+    ]
     mesh = eqshard.default_mesh(
         1, devices=devices, ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1)
     )
@@ -408,7 +380,9 @@ def test_default_mesh_multi_process_without_slices():
 
 def gpus(processes, local, owner=lambda i, local: i // local):
     n = processes * local
-    return [Host(i, owner(i, local), "gpu", "NVIDIA H100") for i in range(n)][::-1]
+    return [HostDevice(i, owner(i, local), "gpu", "NVIDIA H100") for i in range(n)][
+        ::-1
+    ]
 
 
 @pytest.mark.parametrize(
@@ -481,7 +455,9 @@ def test_cpu_meshes_on_real_devices():
 def test_get_cpu_mesh_multi_process_ids():
     # Multi-process CPU ids are 2048 * process + i; with 3 devices per process
     # t5x's `id % 3` would rotate process 1's row; eqshard orders by id.
-    devices = [Host(2048 * p + i, p, "cpu", "cpu") for p in (1, 0) for i in (2, 0, 1)]
+    devices = [
+        HostDevice(2048 * p + i, p, "cpu", "cpu") for p in (1, 0) for i in (2, 0, 1)
+    ]
     assert ids(eqshard.get_cpu_mesh(devices=devices)) == [
         [0, 1, 2],
         [2048, 2049, 2050],
@@ -492,15 +468,15 @@ def test_get_cpu_mesh_multi_process_ids():
 
 def test_get_cpu_mesh_errors():
     devices = [
-        Host(i, p, "cpu", "cpu") for p in (0, 2) for i in range(3 * p, 3 * p + 3)
+        HostDevice(i, p, "cpu", "cpu") for p in (0, 2) for i in range(3 * p, 3 * p + 3)
     ]
     with pytest.raises(ValueError, match=r"do not fill the hardware mesh \(3, 3\)"):
         eqshard.get_cpu_mesh(devices=devices)
     with pytest.raises(ValueError, match=r"different numbers of devices \{0: 2, 1: 1"):
         eqshard.get_cpu_mesh(
             devices=[
-                Host(0, 0, "cpu", "cpu"),
-                *[Host(i, 1 - i % 2, "cpu", "cpu") for i in (1, 2)],
+                HostDevice(0, 0, "cpu", "cpu"),
+                *[HostDevice(i, 1 - i % 2, "cpu", "cpu") for i in (1, 2)],
             ]
         )
 
@@ -512,7 +488,7 @@ def test_get_coords_and_bounds():
     assert eqshard.get_coords(device) == (1, 1, 0, 1)
     assert eqshard.bounds_from_last_device(V3_4x4[-1]) == (4, 4, 1, 2)
     assert eqshard.bounds_from_last_device(V4_2x2x4[-1]) == (2, 2, 4, 1)
-    stranger = Host(99, 0, "cpu", "cpu")
+    stranger = HostDevice(99, 0, "cpu", "cpu")
     with pytest.raises(ValueError, match=r"not among the 8 devices given"):
         eqshard.get_coords(stranger, devices=jax.devices())
 
