@@ -135,10 +135,10 @@ class LocalChunker:
         devices = np.array([Device(i, i // 2) for i in range(8)]).reshape(4, 2)
         mesh = jax.sharding.Mesh(devices, ("data", "model"))
         chunker = eqshard.LocalChunker(mesh, process_index=2)
-        assert dict(chunker.num_chunks) == {"data": 4, "model": 1}
-        assert chunker.get_shard_id("data") == 2
+        dict(chunker.num_chunks)  # {"data": 4, "model": 1}
+        chunker.get_shard_id("data")  # 2
         info = chunker.get_local_chunk_info((8, 6), ("data", None))
-        assert info.slice == (slice(4, 6), slice(None))
+        info.slice  # (slice(4, 6), slice(None))
         ```
     """
 
