@@ -19,7 +19,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 import equinox as eqx
@@ -387,19 +387,20 @@ def config_for_size(target: int, mesh: Mesh) -> Config:
     100 per layer, like GPT-3 and LLaMA), whose dimensions divide the mesh."""
     unit = 64 * math.lcm(_axis_product(mesh, ("tp",)), _axis_product(mesh, ("fsdp",)))
     vocab = eqshard.round_up_to_multiple(32000 if target >= 5 * 10**7 else 1024, unit)
-    best: tuple[float, Config] | None = None
-    for layers in range(1, 257):
-        a, b = 12 * layers, 13 * layers + 2 * vocab + 2
-        root = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
-        below = max(unit, math.floor(root / unit) * unit)
-        for dim in sorted({below, math.ceil(root / unit) * unit}):
-            config = Config(vocab=vocab, dim=dim, heads=dim // 64, layers=layers)
-            error = abs(config.parameters - target) / target
-            score = error + 0.02 * abs(math.log(dim / layers / 100))
-            if best is None or score < best[0]:
-                best = (score, config)
-    assert best is not None
-    return best[1]
+
+    def candidates() -> Iterator[Config]:
+        for layers in range(1, 257):
+            a, b = 12 * layers, 13 * layers + 2 * vocab + 2
+            root = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
+            below = max(unit, math.floor(root / unit) * unit)
+            for dim in sorted({below, math.ceil(root / unit) * unit}):
+                yield Config(vocab=vocab, dim=dim, heads=dim // 64, layers=layers)
+
+    def score(config: Config) -> float:
+        error = abs(config.parameters - target) / target
+        return error + 0.02 * abs(math.log(config.dim / config.layers / 100))
+
+    return min(candidates(), key=score)  # the first of equal scores, as before
 
 
 def builtin_rules(mesh: Mesh) -> list[tuple[str, P]]:

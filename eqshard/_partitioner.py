@@ -13,6 +13,7 @@ which part of them a process holds comes from [`eqshard.LocalChunker`][]
 
 import collections
 import math
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -182,13 +183,15 @@ class Partitioner:
                 for name, axes in rules
             )
         if mesh is None:
+            # Exactly one of the two was given (checked above); with a submesh,
+            # `default_mesh` ignores the number of partitions.
             submesh = None
+            partitions = num_partitions
             if model_parallel_submesh is not None:
                 submesh = tuple(model_parallel_submesh)
-                num_partitions = math.prod(submesh)  # ignored with a submesh
-            assert num_partitions is not None
+                partitions = math.prod(submesh)
             mesh = default_mesh(
-                num_partitions,
+                typing.cast(int, partitions),
                 submesh,
                 backend=backend,
                 ici_mesh_shape=None
