@@ -42,6 +42,11 @@ def _config_error(problem: str, fix: str) -> ValueError:
     return ValueError(f"eqshard.Partitioner: {problem} {fix}")
 
 
+def _given(**options: Any) -> list[str]:
+    """The names of the options that are not `None`, in order."""
+    return [name for name, value in options.items() if value is not None]
+
+
 def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     numbers = (value,) if isinstance(value, int) else tuple(value)
     for n in numbers:
@@ -125,15 +130,11 @@ class Partitioner:
         logical_axis_rules: Sequence[Any] | None = None,
         params_on_devices: bool = True,
     ):
-        given = [
-            name
-            for name, value in (
-                ("num_partitions", num_partitions),
-                ("model_parallel_submesh", model_parallel_submesh),
-                ("mesh", mesh),
-            )
-            if value is not None
-        ]
+        given = _given(
+            num_partitions=num_partitions,
+            model_parallel_submesh=model_parallel_submesh,
+            mesh=mesh,
+        )
         if len(given) != 1:
             raise _config_error(
                 "exactly one of `num_partitions`, `model_parallel_submesh` and "
@@ -142,15 +143,11 @@ class Partitioner:
                 "let eqshard.default_mesh pick one for the hardware.",
             )
         if mesh is not None:
-            extra = [
-                name
-                for name, value in (
-                    ("backend", backend),
-                    ("ici_mesh_shape", ici_mesh_shape),
-                    ("dcn_mesh_shape", dcn_mesh_shape),
-                )
-                if value is not None
-            ]
+            extra = _given(
+                backend=backend,
+                ici_mesh_shape=ici_mesh_shape,
+                dcn_mesh_shape=dcn_mesh_shape,
+            )
             if extra:
                 raise _config_error(
                     f"{' and '.join(extra)} only shape the default mesh, but "
