@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ._mesh import _mesh_repr
+from ._mesh import mesh_repr
 from ._typing import typecheck
 
 
@@ -88,7 +88,7 @@ def _axes_tuple(
         raise ValueError(
             f"eqshard.{caller}: {', '.join(map(repr, unknown))} "
             f"{'is not an axis' if len(unknown) == 1 else 'are not axes'} of the "
-            f"mesh {_mesh_repr(mesh)}. Use the mesh's axis names."
+            f"mesh {mesh_repr(mesh)}. Use the mesh's axis names."
         )
     return out
 
@@ -154,7 +154,7 @@ class LocalChunker:
         if not len(local):
             raise ValueError(
                 f"eqshard.LocalChunker: process {process_index} has no devices in "
-                f"the mesh {_mesh_repr(mesh)}; its devices belong to processes "
+                f"the mesh {mesh_repr(mesh)}; its devices belong to processes "
                 f"{sorted(set(owners.ravel().tolist()))}."
             )
         low = local.min(axis=0)
@@ -165,7 +165,7 @@ class LocalChunker:
             raise ValueError(
                 f"eqshard.LocalChunker: the {len(local)} devices of process "
                 f"{process_index} do not form a block of the mesh "
-                f"{_mesh_repr(mesh)}: they span {block} devices along its axes, "
+                f"{mesh_repr(mesh)}: they span {block} devices along its axes, "
                 "which also holds devices of other processes. Arrange the mesh so "
                 "each process's devices are contiguous (as eqshard.create_mesh and "
                 "eqshard.default_mesh do)."
@@ -178,7 +178,7 @@ class LocalChunker:
                     f"eqshard.LocalChunker: the devices of process {process_index} "
                     f"span {int(size)} devices from position {int(start)} along mesh "
                     f"axis {name!r} (size {total}), which does not tile that axis "
-                    f"into equal chunks (mesh {_mesh_repr(mesh)}). Give every "
+                    f"into equal chunks (mesh {mesh_repr(mesh)}). Give every "
                     "process the same number of devices along each axis."
                 )
             num_chunks[name] = total // int(size)
@@ -337,7 +337,7 @@ class LocalChunker:
                 raise ValueError(
                     f"eqshard.{caller}: dimension {dim} (size {shape[dim]}) of shape "
                     f"{shape} is not divisible by {entry!r} (size {devices}) on "
-                    f"mesh {_mesh_repr(self.mesh)}."
+                    f"mesh {mesh_repr(self.mesh)}."
                 )
             self._check_one_slice(axes, entries, caller)
             chunks = math.prod(self.num_chunks[axis] for axis in axes)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._mesh import _require_mesh, current_mesh
+from ._mesh import current_mesh, require_mesh
 from ._specs import check_spec, entry_axes, leaf_specs, spec_error_message
 from ._tree import is_array, path_str
 from ._typing import KeyPath, typecheck
@@ -451,7 +451,7 @@ class ShardingReport:
         for line in cells:
             padded = [
                 cell.rjust(width) if right else cell.ljust(width)
-                for cell, width, right in zip(line, widths, _RIGHT)
+                for cell, width, right in zip(line, widths, _RIGHT, strict=True)
             ]
             lines.append("  ".join(padded).rstrip())
         lines.insert(1, "-" * len(lines[0]))
@@ -490,7 +490,7 @@ class ShardingReport:
                 "`report.table()` needs nothing."
             ) from None
         table = Table(title="eqshard sharding plan", caption=self._totals())
-        for header, right in zip(_HEADERS, _RIGHT):
+        for header, right in zip(_HEADERS, _RIGHT, strict=True):
             table.add_column(header, justify="right" if right else "left")
         styles = {"invalid": "red", "replicated": "yellow", "unplaced": "dim"}
         for row in self.rows:
@@ -545,7 +545,7 @@ def _analysis_mesh(
     for _, spec in pairs:
         if isinstance(spec, NamedSharding):
             return spec.mesh
-    return _require_mesh(None, caller="analyze_sharding_strategy")
+    return require_mesh(None, caller="analyze_sharding_strategy")
 
 
 _ON_INVALID = ("report", "raise")
@@ -626,7 +626,7 @@ def analyze_sharding_strategy(
     per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
     rows: list[ShardingRow] = []
     problems: list[ShardingProblem] = []
-    for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree)):
+    for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree), strict=True):
         if not is_array(leaf):
             continue
         shape = tuple(int(n) for n in leaf.shape)

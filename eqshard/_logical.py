@@ -212,9 +212,7 @@ def _rule_problem(rule: Any) -> tuple[type[Exception], str] | None:
     return None
 
 
-def _normalize_rules(
-    rules: Any, *, caller: str, argname: str = "rules"
-) -> LogicalRules:
+def normalize_rules(rules: Any, *, caller: str, argname: str = "rules") -> LogicalRules:
     """Validates rules and returns them as a tuple of `(str, MeshAxes)` tuples,
     with lists of mesh axes turned into tuples. Raises TypeError/ValueError naming
     the first bad rule."""
@@ -236,7 +234,7 @@ def _normalize_rules(
 _UNASSIGNED = object()
 
 
-def _resolve(
+def logical_to_spec(
     axes: Any, rules: LogicalRules, *, caller: str, path: KeyPath | None = None
 ) -> PartitionSpec:
     """Resolves one sequence of logical names with already-validated rules."""
@@ -290,12 +288,12 @@ class _RulesState(threading.local):
 _state = _RulesState()
 
 
-class _RulesContext:
+class RulesContext:
     """Sets already-validated rules for the current thread while active.
 
     Saved rules live on a per-thread stack, so one instance may be entered again,
     nested, or from several threads at once. Private: the Partitioner validates its
-    rules once with `_normalize_rules` and enters a `_RulesContext` per call.
+    rules once with `normalize_rules` and enters a `RulesContext` per call.
     """
 
     __slots__ = ("_rules",)
@@ -316,7 +314,7 @@ class _RulesContext:
 
 
 @typecheck
-def logical_axis_rules(rules: Sequence[Any]) -> _RulesContext:
+def logical_axis_rules(rules: Sequence[Any]) -> RulesContext:
     """Sets the logical axis rules for the current thread inside a `with` block.
 
     Inside the block, every eqshard function whose `rules=` is left as `None`
@@ -353,7 +351,7 @@ def logical_axis_rules(rules: Sequence[Any]) -> _RulesContext:
         spec  # P('data', 'model')
         ```
     """
-    return _RulesContext(_normalize_rules(rules, caller="logical_axis_rules"))
+    return RulesContext(normalize_rules(rules, caller="logical_axis_rules"))
 
 
 @typecheck
@@ -385,7 +383,7 @@ def set_logical_axis_rules(rules: Sequence[Any]) -> None:
         eqshard.set_logical_axis_rules(())
         ```
     """
-    _state.rules = _normalize_rules(rules, caller="set_logical_axis_rules")
+    _state.rules = normalize_rules(rules, caller="set_logical_axis_rules")
 
 
 @typecheck
@@ -395,14 +393,10 @@ def get_logical_axis_rules() -> LogicalRules:
     These are the rules of the innermost active [`eqshard.logical_axis_rules`][]
     block, or the last ones given to [`eqshard.set_logical_axis_rules`][], or `()`.
 
-    **Arguments:** none.
-
     **Returns:**
 
     The rules as a tuple of `(logical_name, mesh_axes)` tuples, with any lists of
     mesh axes turned into tuples.
-
-    **Raises:** nothing.
 
     !!! Example
 
@@ -415,8 +409,8 @@ def get_logical_axis_rules() -> LogicalRules:
     return _state.rules
 
 
-def _rules_or_context(rules: Any, caller: str) -> LogicalRules:
-    return _state.rules if rules is None else _normalize_rules(rules, caller=caller)
+def rules_or_context(rules: Any, caller: str) -> LogicalRules:
+    return _state.rules if rules is None else normalize_rules(rules, caller=caller)
 
 
 # --------------------------------------------------------------------------------
@@ -462,12 +456,12 @@ def composite_rules(
     a = (
         ()
         if first is None
-        else _normalize_rules(first, caller="composite_rules", argname="first")
+        else normalize_rules(first, caller="composite_rules", argname="first")
     )
     b = (
         ()
         if second is None
-        else _normalize_rules(second, caller="composite_rules", argname="second")
+        else normalize_rules(second, caller="composite_rules", argname="second")
     )
     chains: dict[str, tuple[MeshAxes, ...]] = {}
     for name, axes in a:
@@ -531,8 +525,8 @@ def logical_to_mesh_axes(
         eqshard.logical_to_mesh_axes(("length", None), rules)  # P(None, None)
         ```
     """
-    table = _rules_or_context(rules, "logical_to_mesh_axes")
-    return _resolve(axes, table, caller="logical_to_mesh_axes")
+    table = rules_or_context(rules, "logical_to_mesh_axes")
+    return logical_to_spec(axes, table, caller="logical_to_mesh_axes")
 
 
 def _is_spec(x: Any) -> bool:
@@ -579,7 +573,7 @@ def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> P
         specs  # {"w": P(None, "model"), "step": None}
         ```
     """
-    table = _rules_or_context(rules, "logical_to_mesh_specs")
+    table = rules_or_context(rules, "logical_to_mesh_specs")
 
     # Models repeat a few layouts many times: resolve each distinct one once.
     resolved: dict[AxisNames, PartitionSpec] = {}
@@ -588,7 +582,9 @@ def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> P
         if isinstance(leaf, AxisNames):
             spec = resolved.get(leaf)
             if spec is None:
-                spec = _resolve(leaf, table, caller="logical_to_mesh_specs", path=path)
+                spec = logical_to_spec(
+                    leaf, table, caller="logical_to_mesh_specs", path=path
+                )
                 resolved[leaf] = spec
             return spec
         if _is_spec(leaf):
@@ -680,7 +676,7 @@ def standard_logical_axis_rules(
         )
     extra = ()
     if additional_rules is not None:
-        extra = _normalize_rules(
+        extra = normalize_rules(
             additional_rules,
             caller="standard_logical_axis_rules",
             argname="additional_rules",

@@ -17,7 +17,7 @@ from ._typing import typecheck
 # One builder per kind of message.
 
 
-def _mesh_repr(mesh: Mesh | AbstractMesh) -> str:
+def mesh_repr(mesh: Mesh | AbstractMesh) -> str:
     """A mesh's axes and sizes, for messages: `{'data': 4, 'model': 2}`."""
     return str(dict(mesh.shape))
 
@@ -45,7 +45,7 @@ def _unknown_axes_error(
     """Axis names that the mesh does not have."""
     return ValueError(
         f"eqshard.{caller}: mesh axis {', '.join(map(repr, missing))} not in the "
-        f"mesh {_mesh_repr(mesh)}. Use one of {tuple(mesh.axis_names)}."
+        f"mesh {mesh_repr(mesh)}. Use one of {tuple(mesh.axis_names)}."
     )
 
 
@@ -118,7 +118,7 @@ def _axis_types(
     return tuple(axis_types)
 
 
-def _resolve_devices(
+def resolve_devices(
     caller: str, devices: Sequence[Any] | None, backend: str | None
 ) -> list[Any]:
     """The devices to build a mesh from: `devices`, or `jax.devices(backend)`."""
@@ -142,7 +142,7 @@ def _build_mesh(
     keep_device_order: bool = False,
 ) -> Mesh:
     """The mesh behind `create_mesh` and `get_jax_mesh`."""
-    devs = _resolve_devices(caller, devices, backend)
+    devs = resolve_devices(caller, devices, backend)
     names = _check_shape(caller, dims, names, len(devs))
     types = _axis_types(caller, names, axis_types)
     known = math.prod(d for d in dims if d != -1)
@@ -358,7 +358,7 @@ def create_hybrid_mesh(
     _check_shape(caller, ici_mesh_shape, axis_names, None)
     names = _check_shape(caller, dcn_mesh_shape, axis_names, None)
     types = _axis_types(caller, names, axis_types)
-    devs = _resolve_devices(caller, devices, None)
+    devs = resolve_devices(caller, devices, None)
     num_units = math.prod(dcn_mesh_shape)
     attr = _unit_attribute(devs, num_units)
     if attr is None:
@@ -407,13 +407,9 @@ def current_mesh() -> Mesh | AbstractMesh | None:
         visible here. Replace `with mesh:` by `with jax.set_mesh(mesh):`, or pass
         `mesh=` explicitly to eqshard functions.
 
-    **Arguments:** none.
-
     **Returns:**
 
     A `Mesh` outside `jit`, an `AbstractMesh` inside, or `None`.
-
-    **Raises:** nothing.
 
     !!! Example
 
@@ -438,7 +434,7 @@ def current_mesh() -> Mesh | AbstractMesh | None:
     return concrete
 
 
-def _require_mesh(
+def require_mesh(
     mesh: Mesh | AbstractMesh | None, *, caller: str
 ) -> Mesh | AbstractMesh:
     """Return `mesh` if given, else the current mesh, else raise a ValueError.
@@ -481,8 +477,6 @@ def names_in_current_mesh(*names: str) -> bool:
 
     `True` if every name is an axis of [`eqshard.current_mesh`][].
 
-    **Raises:** nothing.
-
     !!! Example
 
         ```python
@@ -519,7 +513,7 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> tuple[str, .
         eqshard.get_mesh_axis_names(mesh)  # ("dp", "tp")
         ```
     """
-    return tuple(_require_mesh(mesh, caller="get_mesh_axis_names").axis_names)
+    return tuple(require_mesh(mesh, caller="get_mesh_axis_names").axis_names)
 
 
 @typecheck
@@ -552,7 +546,7 @@ def mesh_axis_size(
         eqshard.mesh_axis_size(("dp", "tp"), mesh)  # 8
         ```
     """
-    mesh = _require_mesh(mesh, caller="mesh_axis_size")
+    mesh = require_mesh(mesh, caller="mesh_axis_size")
     wanted = _as_names(names)
     missing = [n for n in wanted if n not in mesh.axis_names]
     if missing:
@@ -567,7 +561,9 @@ def _bound_axis_error(
     """An axis name that is not bound where `axis_size`/`axis_index` ran."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = [
-        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Manual
     ]
     return ValueError(
         f"eqshard.{caller}: axis {names} is not bound here ({error}). Call it "

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._shard import gather
-from ._tree import _mismatch_message, is_array, path_str
+from ._tree import is_array, mismatch_message, path_str
 from ._typing import KeyPath, typecheck
 
 
@@ -65,11 +65,11 @@ def _same_structure(items: list[Any]) -> None:
     for i, item in enumerate(items[1:], start=1):
         if jtu.tree_structure(item) == first:
             continue
-        message = _mismatch_message(
+        message = mismatch_message(
             item, items[0], lambda _: False, f"metrics[{i}]", "metrics[0]"
         )
         if message.endswith("different structures."):  # `item` is a prefix
-            message = _mismatch_message(
+            message = mismatch_message(
                 items[0], item, lambda _: False, "metrics[0]", f"metrics[{i}]"
             )
         raise ValueError(

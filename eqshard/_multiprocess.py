@@ -31,7 +31,6 @@ import functools as ft
 import hashlib
 import json
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -41,7 +40,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh
-from ._specs import _axes_repr, entry_axes, is_spec_leaf, leaf_specs
+from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
 from ._tree import is_array, path_str
 from ._typing import KeyPath
 
@@ -100,7 +99,7 @@ def host_local_shape(
             (p, b) for p, b in held if not _one_slice_each(((p, b), held[0]))
         )
         reasons.append(
-            f"dimension {dim} is split over {_axes_repr(axes)} so that process "
+            f"dimension {dim} is split over {axes_repr(axes)} so that process "
             f"{process}'s devices hold blocks {list(blocks)} of "
             f"{math.prod(mesh.shape[a] for a in axes)}, not one contiguous slice, "
             "so no host-local block can hold them"
@@ -260,7 +259,7 @@ def check_processes_agree(
     if mesh is None:
         mesh = current_mesh()
     meshes = _meshes(specs, mesh)
-    devices = _leaders(meshes)
+    devices = _leaders(tuple(meshes))
     if not devices:
         return
     path_leaves = jtu.tree_flatten_with_path(tree)[0]
@@ -350,21 +349,12 @@ def _fingerprint(value: Any) -> str:
 
 
 @ft.lru_cache(maxsize=64)
-def _leaders_of(mesh: Mesh) -> tuple[Any, ...]:
-    first: dict[int, Any] = {}
-    for device in np.asarray(mesh.devices).flat:
-        p = device.process_index
-        if p not in first or device.id < first[p].id:
-            first[p] = device
-    return tuple(first[p] for p in sorted(first))
-
-
-def _leaders(meshes: Iterable[Mesh]) -> tuple[Any, ...]:
+def _leaders(meshes: tuple[Mesh, ...]) -> tuple[Any, ...]:
     """One device of each process of `meshes` (its lowest id), by process index;
     empty unless this process is one of several."""
     first: dict[int, Any] = {}
     for mesh in meshes:
-        for device in _leaders_of(mesh):
+        for device in np.asarray(mesh.devices).flat:
             p = device.process_index
             if p not in first or device.id < first[p].id:
                 first[p] = device

@@ -26,12 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._logical import (
-    _resolve,
-    _RulesContext,
     AxisNames,
+    logical_to_spec,
     LogicalRules,
+    RulesContext,
 )
-from ._mesh import _mesh_repr
+from ._mesh import mesh_repr
 from ._specs import (
     bad_spec_leaf_message,
     check_spec,
@@ -52,7 +52,7 @@ def _is_spec_or_names(x: Any) -> bool:
     return is_spec_leaf(x) or isinstance(x, AxisNames)
 
 
-def _to_shardings(
+def to_shardings(
     specs: PyTree, mesh: Mesh, rules: LogicalRules, *, name: str, caller: str
 ) -> PyTree:
     """A spec tree with `AxisNames` resolved by `rules` and every `PartitionSpec`
@@ -65,7 +65,9 @@ def _to_shardings(
         if isinstance(leaf, AxisNames):
             spec = resolved.get(leaf)
             if spec is None:
-                spec = resolved[leaf] = _resolve(leaf, rules, caller=caller, path=path)
+                spec = resolved[leaf] = logical_to_spec(
+                    leaf, rules, caller=caller, path=path
+                )
             leaf = spec
         if not isinstance(leaf, PartitionSpec):
             raise TypeError(
@@ -88,7 +90,7 @@ def _check_shapes(
 ) -> None:
     """Raises the eqshard message for every array whose sharding cannot apply."""
     problems = []
-    for path, leaf, sharding in zip(paths, leaves, shardings):
+    for path, leaf, sharding in zip(paths, leaves, shardings, strict=True):
         if sharding is None or not is_array(leaf):
             continue
         shape = tuple(leaf.shape)
@@ -144,7 +146,7 @@ class _OutStatics:
 
     def rebuild(self, dynamic: PyTree) -> PyTree:
         leaves = list(self.template)
-        for i, array in zip(self.array_index, jtu.tree_leaves(dynamic)):
+        for i, array in zip(self.array_index, jtu.tree_leaves(dynamic), strict=True):
             leaves[i] = array
         return self.treedef.unflatten(leaves)
 
@@ -241,7 +243,7 @@ class PartitionedFn:
         self.out_shardings = out_shardings
         self._fn = fn
         self._mesh = mesh
-        self._rules = _RulesContext(rules)
+        self._rules = RulesContext(rules)
         self._static = static_argnums
         self._donate = frozenset(donate_argnums)
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
@@ -273,7 +275,7 @@ class PartitionedFn:
             self._min_count = 0
 
     def __repr__(self) -> str:
-        return f"PartitionedFn({self.__name__}, mesh={_mesh_repr(self._mesh)})"
+        return f"PartitionedFn({self.__name__}, mesh={mesh_repr(self._mesh)})"
 
     # -- tracing ------------------------------------------------------------------
 
@@ -303,8 +305,12 @@ class PartitionedFn:
         flags = [is_array(leaf) for leaf in leaves]
         if all(flags):
             return out, None
-        dynamic = [leaf if flag else None for leaf, flag in zip(leaves, flags)]
-        template = [None if flag else leaf for leaf, flag in zip(leaves, flags)]
+        dynamic = [
+            leaf if flag else None for leaf, flag in zip(leaves, flags, strict=True)
+        ]
+        template = [
+            None if flag else leaf for leaf, flag in zip(leaves, flags, strict=True)
+        ]
         statics = _OutStatics(
             treedef, template, [i for i, flag in enumerate(flags) if flag]
         )
@@ -354,19 +360,19 @@ class PartitionedFn:
         stand_in = layout.treedef.unflatten(list(range(layout.treedef.num_leaves)))
         shardings = [sharding for _, sharding in self._in_pairs(stand_in)]
         template: list[Any] = [None] * layout.treedef.num_leaves
-        for i, value in zip(layout.static_index, statics):
+        for i, value in zip(layout.static_index, statics, strict=True):
             template[i] = value
         static_positions = self._static
 
         def call(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
             leaves = list(template)
-            for i, x in zip(layout.donated_index, donated):
+            for i, x in zip(layout.donated_index, donated, strict=True):
                 leaves[i] = x
-            for i, x in zip(layout.kept_index, kept):
+            for i, x in zip(layout.kept_index, kept, strict=True):
                 leaves[i] = x
             _check_shapes(layout.paths, leaves, shardings, _IN)
             args = list(layout.treedef.unflatten(leaves))
-            for position, value in zip(static_positions, static_args):
+            for position, value in zip(static_positions, static_args, strict=True):
                 args.insert(position, value)
             return self._run(tuple(args))
 
@@ -444,7 +450,7 @@ class PartitionedFn:
         statics: tuple[Any, ...],
         static_args: tuple[Any, ...],
     ) -> TypeError:
-        for i, value in zip(layout.static_index, statics):
+        for i, value in zip(layout.static_index, statics, strict=True):
             try:
                 hash(value)
             except TypeError:
@@ -498,7 +504,7 @@ class PartitionedFn:
             _check_shapes(paths, leaves, shardings, _IN)
         except ValueError as ours:
             raise ours from error
-        for path, leaf, sharding in zip(paths, leaves, shardings):
+        for path, leaf, sharding in zip(paths, leaves, shardings, strict=True):
             if (
                 isinstance(leaf, jax.Array)
                 and leaf.committed
@@ -508,7 +514,7 @@ class PartitionedFn:
                 raise ValueError(
                     f"eqshard.PartitionedFn: the argument at '{path_str(path)}' is "
                     f"already placed with {leaf.sharding}, but `in_specs` asks for "
-                    f"{sharding.spec} on mesh {_mesh_repr(sharding.mesh)}; jax.jit "
+                    f"{sharding.spec} on mesh {mesh_repr(sharding.mesh)}; jax.jit "
                     "does not move placed arrays. Place it first with "
                     "`partitioner.move_to_devices` (or `eqshard.shard`), or change "
                     "its spec. " + _ARGS_NOTE

@@ -24,15 +24,15 @@ from jaxtyping import PyTree
 
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
 from ._logical import (
-    _normalize_rules,
-    _resolve,
     AxisNames,
+    logical_to_spec,
     LogicalRules,
+    normalize_rules,
     standard_logical_axis_rules,
 )
-from ._mesh import _mesh_repr
-from ._partitioned import _to_shardings, PartitionedFn
-from ._shard import _match, _shard
+from ._mesh import mesh_repr
+from ._partitioned import PartitionedFn, to_shardings
+from ._shard import _match, shard_tree
 from ._specs import entry_axes
 from ._topology import default_mesh
 from ._typing import typecheck
@@ -169,7 +169,7 @@ class Partitioner:
         if logical_axis_rules is None:
             rules = standard_logical_axis_rules()
         else:
-            rules = _normalize_rules(
+            rules = normalize_rules(
                 logical_axis_rules,
                 caller="Partitioner",
                 argname="logical_axis_rules",
@@ -198,13 +198,15 @@ class Partitioner:
                 if dcn_mesh_shape is None
                 else tuple(dcn_mesh_shape),
             )
-        data_axes = entry_axes(_resolve(("batch",), rules, caller="Partitioner")[0])
+        data_axes = entry_axes(
+            logical_to_spec(("batch",), rules, caller="Partitioner")[0]
+        )
         missing = [axis for axis in data_axes if axis not in mesh.shape]
         if missing:
             raise _config_error(
                 f"the rules map the logical axis 'batch' (the data axes) to "
                 f"{data_axes if len(data_axes) > 1 else data_axes[0]!r}, but the mesh "
-                f"{_mesh_repr(mesh)} has no axis {', '.join(map(repr, missing))}.",
+                f"{mesh_repr(mesh)} has no axis {', '.join(map(repr, missing))}.",
                 "Pass `logical_axis_rules` for this mesh, with a rule such as "
                 f"('batch', {mesh.axis_names[0]!r}).",
             )
@@ -216,7 +218,7 @@ class Partitioner:
 
     def __repr__(self) -> str:
         return (
-            f"Partitioner(mesh={_mesh_repr(self._mesh)}, "
+            f"Partitioner(mesh={mesh_repr(self._mesh)}, "
             f"data_partition_spec={self.data_partition_spec})"
         )
 
@@ -327,7 +329,7 @@ class Partitioner:
             raise ValueError(
                 f"eqshard.Partitioner.data_layout: batch size {batch_size} is not "
                 f"divisible by the data mesh size (devices along "
-                f"{self._data_entry()!r} on mesh {_mesh_repr(self._mesh)}), "
+                f"{self._data_entry()!r} on mesh {mesh_repr(self._mesh)}), "
                 f"{mesh_size}. Use a multiple of {mesh_size}, e.g. "
                 f"{(batch_size // mesh_size + 1) * mesh_size}."
             )
@@ -376,7 +378,7 @@ class Partitioner:
             ```
         """
         if isinstance(mesh_axes, AxisNames):
-            mesh_axes = _resolve(
+            mesh_axes = logical_to_spec(
                 mesh_axes, self._rules, caller="Partitioner.local_chunk_info"
             )
         chunker = self._chunker(process_index)
@@ -454,10 +456,10 @@ class Partitioner:
                 "to donate."
             )
         caller = "Partitioner.partition"
-        in_shardings = _to_shardings(
+        in_shardings = to_shardings(
             in_specs, self._mesh, self._rules, name="in_specs", caller=caller
         )
-        out_shardings = _to_shardings(
+        out_shardings = to_shardings(
             out_specs, self._mesh, self._rules, name="out_specs", caller=caller
         )
         return PartitionedFn(
@@ -509,11 +511,11 @@ class Partitioner:
             ```
         """
         caller = "Partitioner.move_to_devices"
-        shardings = _to_shardings(
+        shardings = to_shardings(
             specs, self._mesh, self._rules, name="specs", caller=caller
         )
         if jax.process_count() > 1:
-            return _shard(
+            return shard_tree(
                 tree,
                 shardings,
                 self._mesh,
@@ -534,6 +536,6 @@ class Partitioner:
                 for i in moving
             ],
         )
-        for i, array in zip(moving, placed):
+        for i, array in zip(moving, placed, strict=True):
             leaves[i] = array
         return jtu.tree_unflatten(jtu.tree_structure(tree), leaves)

@@ -78,7 +78,7 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
                 "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`."
             )
     regexes = _compile([pattern for pattern, _ in rules], caller, "rule")
-    return [(regex, spec) for regex, (_, spec) in zip(regexes, rules)]
+    return [(regex, spec) for regex, (_, spec) in zip(regexes, rules, strict=True)]
 
 
 # ---------------------------------------------------------------- matching
@@ -125,7 +125,7 @@ def _match_leaves(
     return _Matches(treedef, leaves, names, rules)
 
 
-def _resolve(
+def _strict_spec(
     rule: int, rank: int, compiled: Compiled
 ) -> tuple[PartitionSpec | None, str | None]:
     """The spec an array gets under `strict=True`, and what is wrong with it if
@@ -241,12 +241,14 @@ def match_partition_rules(
     matches = _match_leaves(compiled, tree, min_size, sep, "match_partition_rules")
     specs: list[PartitionSpec | None] = []
     bad = []
-    for leaf, name, rule in zip(matches.leaves, matches.names, matches.rules):
+    for leaf, name, rule in zip(
+        matches.leaves, matches.names, matches.rules, strict=True
+    ):
         if rule is None:
             specs.append(None)
             continue
         rank = len(leaf.shape)
-        spec, problem = _resolve(rule, rank, compiled)
+        spec, problem = _strict_spec(rule, rank, compiled)
         if problem is not None:
             if strict:
                 bad.append((name, tuple(leaf.shape), problem))
@@ -287,7 +289,9 @@ class RulesReportRow:
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        "  ".join(
+            cell.ljust(width) for cell, width in zip(row, widths, strict=True)
+        ).rstrip()
         for row in [header, *body]
     ]
 
@@ -341,7 +345,9 @@ class RulesReport:
                 str(count),
                 "dead: matched nothing" if count == 0 else "",
             )
-            for i, ((pattern, spec), count) in enumerate(zip(self.rules, counts))
+            for i, ((pattern, spec), count) in enumerate(
+                zip(self.rules, counts, strict=True)
+            )
         ]
         return "\n".join(
             [
@@ -402,10 +408,12 @@ def explain_partition_rules(
     matches = _match_leaves(compiled, tree, min_size, sep, "explain_partition_rules")
     rows = []
     used = set()
-    for leaf, name, rule in zip(matches.leaves, matches.names, matches.rules):
+    for leaf, name, rule in zip(
+        matches.leaves, matches.names, matches.rules, strict=True
+    ):
         if rule is None:
             continue
-        spec, problem = _resolve(rule, len(leaf.shape), compiled)
+        spec, problem = _strict_spec(rule, len(leaf.shape), compiled)
         matched = rule >= 0
         if matched:
             used.add(rule)
@@ -499,7 +507,7 @@ class _PatternPartitionSpec:
     regexes: tuple[re.Pattern[str], ...] = dataclasses.field(repr=False, compare=False)
 
     def __call__(self, path: str, leaf: Any = None) -> PartitionSpec:
-        for regex, (_, spec) in zip(self.regexes, self.rules):
+        for regex, (_, spec) in zip(self.regexes, self.rules, strict=True):
             if regex.search(path) is not None:
                 return spec
         return self.default

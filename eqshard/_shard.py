@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._mesh import _require_mesh, current_mesh
+from ._mesh import current_mesh, require_mesh
 from ._multiprocess import (
     check_processes_agree,
     from_host_copies,
@@ -56,7 +56,7 @@ from ._specs import (
     named_sharding,
     spec_error_message,
 )
-from ._tree import _collision_message, is_array, path_name, path_str
+from ._tree import collision_message, is_array, path_name, path_str
 from ._typing import KeyPath, typecheck
 
 
@@ -66,7 +66,7 @@ from ._typing import KeyPath, typecheck
 
 
 def _concrete_mesh(mesh: Mesh | AbstractMesh | None, caller: str) -> Mesh:
-    mesh = _require_mesh(mesh, caller=caller)
+    mesh = require_mesh(mesh, caller=caller)
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"eqshard.{caller}: moves data, so it needs a concrete `Mesh` of devices, "
@@ -116,14 +116,14 @@ def _check_movable(
     abstract mesh."""
     abstract = [
         path
-        for (path, _), leaf in zip(pairs, leaves)
+        for (path, _), leaf in zip(pairs, leaves, strict=True)
         if isinstance(leaf, jax.ShapeDtypeStruct)
     ]
     if abstract:
         raise _abstract_leaf_error(caller, abstract)
     untyped = [
         (path, leaf.dtype)
-        for (path, spec), leaf in zip(pairs, leaves)
+        for (path, spec), leaf in zip(pairs, leaves, strict=True)
         if spec is not None
         and isinstance(leaf, np.ndarray)
         and (leaf.dtype.kind == "O" or leaf.dtype.type is np.void)
@@ -132,7 +132,7 @@ def _check_movable(
         raise _untyped_leaf_error(caller, untyped)
     unbound = [
         path
-        for (path, spec), leaf in zip(pairs, leaves)
+        for (path, spec), leaf in zip(pairs, leaves, strict=True)
         if isinstance(spec, NamedSharding)
         and not isinstance(spec.mesh, Mesh)
         and is_array(leaf)
@@ -173,12 +173,12 @@ def _match(
     _check_movable(caller, pairs, leaves)
     if any(
         isinstance(spec, PartitionSpec) and is_array(leaf)
-        for (_, spec), leaf in zip(pairs, leaves)
+        for (_, spec), leaf in zip(pairs, leaves, strict=True)
     ):
         mesh = _concrete_mesh(mesh, caller)
     matched = []
     problems = []
-    for (path, spec), leaf in zip(pairs, leaves):
+    for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if spec is None or not is_array(leaf):
             matched.append((path, leaf, None))
             continue
@@ -230,7 +230,7 @@ def _place(
         )
     else:
         placed = [_to_global(out[i], matched[i][2], host_local) for i in moving]
-    for i, array in zip(moving, placed):
+    for i, array in zip(moving, placed, strict=True):
         out[i] = array
     return out
 
@@ -312,10 +312,10 @@ def shard(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    return _shard(tree, specs, mesh, dtype=dtype, caller="shard")
+    return shard_tree(tree, specs, mesh, dtype=dtype, caller="shard")
 
 
-def _shard(
+def shard_tree(
     tree: PyTree,
     specs: PyTree,
     mesh: Mesh | None,
@@ -444,7 +444,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
         if isinstance(x, jax.Array) and x.is_fully_addressable
     ]
     out = list(leaves)
-    for i, value in zip(local, jax.device_get([_uncached(leaves[i]) for i in local])):
+    for i, value in zip(
+        local, jax.device_get([_uncached(leaves[i]) for i in local]), strict=True
+    ):
         out[i] = value
     for i, x in enumerate(leaves):
         if is_global(x):
@@ -493,7 +495,7 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
         if is_array(leaf):
             name = path_name(path, sep)
             if name in owner:  # a checkpoint would silently keep one of them
-                message = _collision_message(name, owner[name], path)
+                message = collision_message(name, owner[name], path)
                 raise ValueError(f"eqshard.iter_gather: {message}")
             owner[name] = path
             named.append((name, leaf))
@@ -508,10 +510,6 @@ def _iter_host(named: list[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]
 # ---------------------------------------------------------------------------------
 # Shardings and per-leaf functions, for code that places leaves itself.
 # ---------------------------------------------------------------------------------
-
-
-def _spec_paths(specs: PyTree) -> list[tuple[KeyPath, Any]]:
-    return jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]
 
 
 @typecheck
@@ -603,7 +601,12 @@ def make_shard_and_gather_fns(
             continue
         shard_fns.append(
             ft.partial(
-                _shard, specs=spec, mesh=mesh, dtype=dtype, caller="shard", root=path
+                shard_tree,
+                specs=spec,
+                mesh=mesh,
+                dtype=dtype,
+                caller="shard",
+                root=path,
             )
         )
         gather_fns.append(gather_fn)
@@ -623,7 +626,7 @@ def _constraint_kind(
     """Whether `spec` constrains Auto axes (`with_sharding_constraint`) or Explicit
     ones (`reshard`) of `mesh`. Inside `shard_map` the axes it maps over are Manual:
     a spec cannot name them, and a replicated spec follows the other axes."""
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     used = {types[axis] for entry in spec for axis in entry_axes(entry)}
     if not used:  # a replicated spec: follow the mesh (outside `shard_map`)
         used = set(mesh.axis_types) - {AxisType.Manual} or {AxisType.Auto}
@@ -726,7 +729,11 @@ def with_sharding_constraint(
         "explicit": ([], []),
     }
     for i, ((path, spec), leaf) in enumerate(
-        zip(leaf_specs(specs, tree, caller=caller, logical=True, rules=rules), leaves)
+        zip(
+            leaf_specs(specs, tree, caller=caller, logical=True, rules=rules),
+            leaves,
+            strict=True,
+        )
     ):
         if spec is None or not is_array(leaf):
             continue
@@ -756,6 +763,6 @@ def with_sharding_constraint(
     for kind, (indices, shardings) in batches.items():
         if indices:
             constrained = apply[kind]([out[i] for i in indices], shardings)
-            for i, leaf in zip(indices, constrained):
+            for i, leaf in zip(indices, constrained, strict=True):
                 out[i] = leaf
     return jtu.tree_unflatten(treedef, out)

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._logical import _resolve, _rules_or_context, AxisNames
+from ._logical import AxisNames, logical_to_spec, rules_or_context
 from ._tree import broadcast_prefix, path_str
 from ._typing import KeyPath, SpecLeaf, typecheck
 
@@ -43,14 +43,14 @@ def leaf_specs(
     )
     # The rules: checked now if given, read from the context at the first
     # `AxisNames` otherwise (most trees have none).
-    table = None if rules is None else _rules_or_context(rules, caller)
+    table = None if rules is None else rules_or_context(rules, caller)
     resolved: dict[AxisNames, PartitionSpec] = {}  # each distinct layout once
     for i, (path, spec) in enumerate(pairs):
         if logical and isinstance(spec, AxisNames):
             if spec not in resolved:
                 if table is None:
-                    table = _rules_or_context(rules, caller)
-                resolved[spec] = _resolve(spec, table, caller=caller, path=path)
+                    table = rules_or_context(rules, caller)
+                resolved[spec] = logical_to_spec(spec, table, caller=caller, path=path)
             pairs[i] = (path, resolved[spec])
         elif not is_spec_leaf(spec):
             raise TypeError(bad_spec_leaf_message(caller, path, spec, logical=logical))
@@ -134,7 +134,7 @@ def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _axes_repr(axes: Sequence[str]) -> str:
+def axes_repr(axes: Sequence[str]) -> str:
     return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
@@ -175,7 +175,7 @@ def check_spec(
         if shape[dim] % size:
             reasons.append(
                 f"dimension {dim} (size {shape[dim]}) is not divisible by "
-                f"{_axes_repr(kept)} (size {size})"
+                f"{axes_repr(kept)} (size {size})"
             )
             divisible: list[str] = []
             size = 1

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ._mesh import _resolve_devices, create_hybrid_mesh
+from ._mesh import create_hybrid_mesh, resolve_devices
 from ._typing import typecheck
 
 
@@ -66,7 +66,7 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _describe(devices: Sequence[Any], bounds: HardwareMesh) -> str:
+def _describe_platform(devices: Sequence[Any], bounds: HardwareMesh) -> str:
     """Platform, device kind and bounds, for messages."""
     last = devices[-1]
     return (
@@ -169,8 +169,6 @@ def bounds_from_last_device(
 
     A tuple of ints.
 
-    **Raises:** nothing.
-
     !!! Example
 
         ```python
@@ -190,7 +188,7 @@ def _place(
     caller: str, devices: Sequence[Any], coords: dict[Any, HardwareMesh]
 ) -> np.ndarray:
     """An object array of shape `bounds` with each device at its coordinates."""
-    bounds = tuple(c + 1 for c in map(max, zip(*coords.values())))
+    bounds = tuple(c + 1 for c in map(max, zip(*coords.values(), strict=True)))
     array = np.full(bounds, None, dtype=object)
     for d in devices:
         if array[coords[d]] is not None:
@@ -203,7 +201,7 @@ def _place(
     if holes:
         raise ValueError(
             f"eqshard.{caller}: the {len(devices)} devices do not fill the "
-            f"hardware mesh {bounds} ({_describe(devices, bounds)}); nothing "
+            f"hardware mesh {bounds} ({_describe_platform(devices, bounds)}); nothing "
             f"sits at {holes[:4]}. Pass every device of the slice (or of every "
             "process), with the same number of devices per process."
         )
@@ -258,7 +256,7 @@ def _tile_by_host(
 ) -> np.ndarray:
     """Arrange `array` as (data hosts, data devices, model hosts, model devices)."""
     split = []
-    for g, m, l in zip(bounds, submesh, local):
+    for g, m, l in zip(bounds, submesh, local, strict=True):
         if (m >= l and m % l) or (m < l and l % m):
             raise ValueError(
                 f"eqshard.get_mesh: to tile the mesh by hosts, each entry of the "
@@ -285,14 +283,14 @@ def _check_submesh(
             f"eqshard.get_mesh: the model-parallel submesh {submesh} must have "
             f"{len(bounds)} positive entries {names} for {describe}."
         )
-    if any(g % m for g, m in zip(bounds, submesh)):
+    if any(g % m for g, m in zip(bounds, submesh, strict=True)):
         options = ", ".join(f"{_divisors(g)}" for g in bounds)
         raise ValueError(
             f"eqshard.get_mesh: each entry of the model-parallel submesh {submesh} "
             f"must divide the hardware mesh bounds ({describe}); the entries "
             f"{names} can be {options}."
         )
-    if any(g % l for g, l in zip(bounds, local)):
+    if any(g % l for g, l in zip(bounds, local, strict=True)):
         raise ValueError(
             f"eqshard.get_mesh: the local devices span the hardware mesh {local}, "
             f"which does not tile the bounds ({describe}); pass the devices of "
@@ -353,7 +351,7 @@ def get_mesh(
         dict(mesh.shape)  # {"data": 4, "model": 2}
         ```
     """
-    devs = _resolve_devices("get_mesh", devices, backend)
+    devs = resolve_devices("get_mesh", devices, backend)
     submesh = tuple(model_parallel_submesh)
     coords = _coords_table(devs)
     ordered = sorted(devs, key=coords.__getitem__)
@@ -371,7 +369,7 @@ def get_mesh(
         local = bounds_from_last_device(max(local_devices, key=local_coords.get))
     else:
         local = bounds  # As t5x: off TPU the bounds ignore the device.
-    describe = _describe(ordered, bounds)
+    describe = _describe_platform(ordered, bounds)
     _check_submesh(submesh, bounds, local, describe)
     array = _place("get_mesh", devs, coords)
     tile = tile_by_host_if_needed
@@ -383,7 +381,7 @@ def get_mesh(
     if tile:
         array = _tile_by_host(array, bounds, submesh, local, describe)
     else:
-        split = [s for g, m in zip(bounds, submesh) for s in (g // m, m)]
+        split = [s for g, m in zip(bounds, submesh, strict=True) for s in (g // m, m)]
         n = len(bounds)
         array = array.reshape(split).transpose(
             [*range(0, 2 * n, 2), *range(1, 2 * n, 2)]
@@ -428,7 +426,7 @@ def get_cpu_mesh(*, devices: Sequence[Any] | None = None) -> Mesh:
         dict(mesh.shape)  # {"data": 1, "model": 8}
         ```
     """
-    devs = _resolve_devices("get_cpu_mesh", devices, None)
+    devs = resolve_devices("get_cpu_mesh", devices, None)
     _per_process_count("get_cpu_mesh", devs)
     return _mesh(_place("get_cpu_mesh", devs, _host_coords(devs)))
 
@@ -463,7 +461,7 @@ def get_gpu_mesh(num_partitions: int, *, devices: Sequence[Any] | None = None) -
         dict(mesh.shape)  # {"data": 4, "model": 2}
         ```
     """
-    devs = _resolve_devices("get_gpu_mesh", devices, None)
+    devs = resolve_devices("get_gpu_mesh", devices, None)
     processes, local = _per_process_count("get_gpu_mesh", devs)
     nvlink_mp = min(num_partitions, local)
     if (
@@ -477,7 +475,7 @@ def get_gpu_mesh(num_partitions: int, *, devices: Sequence[Any] | None = None) -
         )
         raise ValueError(
             f"eqshard.get_gpu_mesh: cannot split {processes} process(es) of "
-            f"{local} device(s) ({_describe(devs, (processes, local))}) into "
+            f"{local} device(s) ({_describe_platform(devs, (processes, local))}) into "
             f"num_partitions={num_partitions}: it must divide {local}, or be "
             f"{local} times a divisor of {processes}. Use one of {working}."
         )
@@ -545,7 +543,7 @@ def default_mesh(
         dict(mesh.shape)  # {"data": 1, "model": 8}
         ```
     """
-    devs = _resolve_devices("default_mesh", devices, backend)
+    devs = resolve_devices("default_mesh", devices, backend)
     if (ici_mesh_shape is None) != (dcn_mesh_shape is None):
         raise ValueError(
             "eqshard.default_mesh: give both ici_mesh_shape and dcn_mesh_shape "
@@ -578,11 +576,11 @@ def default_mesh(
             n
             for n in _V2_V3_SUBMESH
             if (s := _table_submesh(last.device_kind, n, bounds)) is not None
-            and not any(g % m for g, m in zip(bounds, s))
+            and not any(g % m for g, m in zip(bounds, s, strict=True))
         ]
         raise ValueError(
             f"eqshard.default_mesh: no default mesh for num_partitions="
-            f"{num_partitions} on {_describe([last], bounds)}. "
+            f"{num_partitions} on {_describe_platform([last], bounds)}. "
             + (f"num_partitions can be one of {working}, or " if working else "")
             + "pass model_parallel_submesh= explicitly, one entry per hardware "
             "dimension, each dividing the bounds."

@@ -90,7 +90,7 @@ def path_str(path: KeyPath) -> str:
     return "/".join(map(_key_to_string, path)) or "<root>"
 
 
-def _collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
+def collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
     return (
         f"Two leaves flatten to the same name {name!r}: {jtu.keystr(first)} and "
         f"{jtu.keystr(second)}. Names must be unique; use another `sep`, or rename "
@@ -107,7 +107,7 @@ def _flatten_with_names(
     for path, leaf in path_leaves:
         name = path_name(path, sep)
         if name in owner:
-            message = _collision_message(name, owner[name], path)
+            message = collision_message(name, owner[name], path)
             raise ValueError(f"eqshard.{caller}: {message}")
         owner[name] = path
         flat[name] = leaf
@@ -213,7 +213,7 @@ def _children(x: Any) -> tuple[list[tuple[KeyPath, Any]], jtu.PyTreeDef]:
     return jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
 
 
-def _describe(x: Any) -> str:
+def _describe_value(x: Any) -> str:
     if is_array(x):
         return f"an array of shape {tuple(x.shape)}"
     if x is None:
@@ -239,18 +239,20 @@ def _first_mismatch(
     # `None` and empty containers are nodes without children: compared below.
     full_children, full_def = _children(full)
     if prefix_def != full_def:
-        mine, theirs = _describe(prefix), _describe(full)
+        mine, theirs = _describe_value(prefix), _describe_value(full)
         if mine == theirs:  # same type, different pytree metadata (static fields)
             mine, theirs = f"{mine} ({prefix_def})", f"{theirs} ({full_def})"
         return path, mine, theirs
-    for (key, p_child), (_, f_child) in zip(prefix_children, full_children):
+    for (key, p_child), (_, f_child) in zip(
+        prefix_children, full_children, strict=True
+    ):
         found = _first_mismatch(p_child, f_child, is_leaf, path + key)
         if found is not None:
             return found
     return None
 
 
-def _mismatch_message(
+def mismatch_message(
     prefix: Any, full: Any, is_leaf: Callable[[Any], bool], name: str, other: str
 ) -> str:
     found = _first_mismatch(prefix, full, is_leaf)
@@ -271,7 +273,7 @@ def prefix_error(
 ) -> ValueError:
     """The error for a `prefix` argument that is not a prefix of `tree`."""
     return ValueError(
-        f"eqshard.{caller}: {_mismatch_message(prefix, tree, is_leaf, name, 'tree')} "
+        f"eqshard.{caller}: {mismatch_message(prefix, tree, is_leaf, name, 'tree')} "
         f"`{name}` must have the structure of `tree`, or of a prefix of it (one entry "
         "standing for a whole subtree)."
     )
@@ -307,7 +309,7 @@ def broadcast_prefix(
         prefix, tree, is_leaf=is_leaf, name=name, caller=caller
     )
     out = []
-    for path, leaf, subtree in zip(paths, leaves, subtrees):
+    for path, leaf, subtree in zip(paths, leaves, subtrees, strict=True):
         for sub_path, _ in jtu.tree_flatten_with_path(subtree)[0]:
             out.append((path + sub_path, leaf))
     return out
@@ -358,7 +360,7 @@ def named_tree_map(
             raise _rest_error(tree, other, is_leaf, i) from None
     out = [
         f(path_name(path, sep), leaf, *others)
-        for (path, leaf), *others in zip(path_leaves, *rest_leaves)
+        for (path, leaf), *others in zip(path_leaves, *rest_leaves, strict=True)
     ]
     return jtu.tree_unflatten(treedef, out)
 
@@ -367,7 +369,7 @@ def _rest_error(tree: Any, other: Any, is_leaf: IsLeaf, i: int) -> ValueError:
     def leaf(x):
         return (is_leaf is not None and is_leaf(x)) or jtu.all_leaves([x])
 
-    message = _mismatch_message(tree, other, leaf, "tree", f"rest[{i}]")
+    message = mismatch_message(tree, other, leaf, "tree", f"rest[{i}]")
     return ValueError(f"eqshard.named_tree_map: {message}")
 
 
@@ -411,13 +413,15 @@ def tree_apply(fns: PyTree, tree: PyTree) -> PyTree:
     paths, leaves, subtrees, fns_def = flatten_up_to(
         fns, tree, is_leaf=_is_fn_leaf, name="fns", caller="tree_apply"
     )
-    for path, fn in zip(paths, leaves):
+    for path, fn in zip(paths, leaves, strict=True):
         if not _is_fn_leaf(fn):
             raise TypeError(
                 f"eqshard.tree_apply: `fns` has {fn!r} at '{path_str(path)}', which is "
                 "not callable. Every leaf of `fns` must be a function or `None`."
             )
-    out = [sub if fn is None else fn(sub) for fn, sub in zip(leaves, subtrees)]
+    out = [
+        sub if fn is None else fn(sub) for fn, sub in zip(leaves, subtrees, strict=True)
+    ]
     return jtu.tree_unflatten(fns_def, out)
 
 

@@ -8,7 +8,7 @@ from fakes import HostDevice, TpuDevice
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import eqshard
-from eqshard._mesh import _require_mesh
+from eqshard._mesh import require_mesh
 
 
 def _ids(mesh: Mesh) -> list:
@@ -216,11 +216,11 @@ def test_deprecated_with_mesh_is_not_seen(mesh24):
 
 
 def test_require_mesh(mesh24):
-    assert _require_mesh(mesh24, caller="shard") is mesh24
+    assert require_mesh(mesh24, caller="shard") is mesh24
     with pytest.raises(ValueError, match=r"eqshard.shard: no mesh given and none"):
-        _require_mesh(None, caller="shard")
+        require_mesh(None, caller="shard")
     with jax.set_mesh(mesh24):
-        assert _require_mesh(None, caller="shard") == mesh24
+        assert require_mesh(None, caller="shard") == mesh24
 
 
 def test_names_in_current_mesh(mesh24):
