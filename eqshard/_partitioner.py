@@ -11,14 +11,12 @@ which part of them a process holds comes from [`eqshard.LocalChunker`][]
 (`_chunking.py`).
 """
 
-import collections
 import math
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
@@ -32,7 +30,7 @@ from ._logical import (
 )
 from ._mesh import mesh_repr
 from ._partitioned import PartitionedFn, to_shardings
-from ._shard import _match, shard_tree
+from ._shard import shard_tree
 from ._specs import entry_axes
 from ._topology import default_mesh
 from ._typing import typecheck
@@ -514,28 +512,13 @@ class Partitioner:
         shardings = to_shardings(
             specs, self._mesh, self._rules, name="specs", caller=caller
         )
-        if jax.process_count() > 1:
-            return shard_tree(
-                tree,
-                shardings,
-                self._mesh,
-                dtype=None,
-                caller=caller,
-                host_local=host_local,
-            )
-        matched = _match(tree, shardings, self._mesh, caller=caller)
-        leaves = [leaf for _, leaf, _ in matched]
-        moving = [i for i, (_, _, sharding) in enumerate(matched) if sharding]
-        uses = collections.Counter(id(leaf) for leaf in leaves)
-        placed = jax.device_put(
-            [leaves[i] for i in moving],
-            [matched[i][2] for i in moving],
-            # An array that stands at several leaves cannot give its buffer twice.
-            donate=[
-                isinstance(leaves[i], jax.Array) and uses[id(leaves[i])] == 1
-                for i in moving
-            ],
+        return shard_tree(
+            tree,
+            shardings,
+            self._mesh,
+            dtype=None,
+            caller=caller,
+            # In one process a host-local block is the whole array.
+            host_local=host_local and jax.process_count() > 1,
+            donate=True,
         )
-        for i, array in zip(moving, placed, strict=True):
-            leaves[i] = array
-        return jtu.tree_unflatten(jtu.tree_structure(tree), leaves)

@@ -26,6 +26,7 @@ and `with_sharding_constraint`, which moves nothing itself: it tells `jit` where
 arrays should live, and corrects a spec that cannot apply where `shard` raises.
 """
 
+import collections
 import functools as ft
 import warnings
 from collections.abc import Iterator, Sequence
@@ -217,17 +218,31 @@ def _place(
     dtype: Any,
     *,
     host_local: bool = False,
+    donate: bool = False,
 ) -> list[Any]:
-    """The leaves of `matched`, the arrays among them moved to their shardings."""
+    """The leaves of `matched`, the arrays among them moved to their shardings.
+    With `donate`, in one process, JAX arrays give up their old buffers."""
     out = [
         leaf if sharding is None else _cast(leaf, dtype)
         for _, leaf, sharding in matched
     ]
     moving = [i for i, (_, _, sharding) in enumerate(matched) if sharding is not None]
     if jax.process_count() == 1:
-        placed = jax.device_put(
-            [out[i] for i in moving], [matched[i][2] for i in moving]
-        )
+        leaves = [out[i] for i in moving]
+        shardings = [matched[i][2] for i in moving]
+        if donate:
+            # An array that stands at several leaves cannot give its buffer twice.
+            uses = collections.Counter(id(leaf) for leaf in leaves)
+            placed = jax.device_put(
+                leaves,
+                shardings,
+                donate=[
+                    isinstance(leaf, jax.Array) and uses[id(leaf)] == 1
+                    for leaf in leaves
+                ],
+            )
+        else:
+            placed = jax.device_put(leaves, shardings)
     else:
         placed = [_to_global(out[i], matched[i][2], host_local) for i in moving]
     for i, array in zip(moving, placed, strict=True):
@@ -324,10 +339,11 @@ def shard_tree(
     caller: str,
     root: KeyPath = (),
     host_local: bool = False,
+    donate: bool = False,
 ) -> PyTree:
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
-    `make_shard_and_gather_fns`) and for host-local blocks (`host_local`, for
-    `Partitioner.move_to_devices`)."""
+    `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
+    blocks (`host_local`) and, in one process, donated buffers (`donate`)."""
     if jax.process_count() > 1:
         # All processes compare their trees first: a process whose tree differs
         # could otherwise fail validation alone and leave the others waiting in a
@@ -336,7 +352,7 @@ def shard_tree(
             caller, tree, specs, mesh, root=root, host_local=host_local
         )
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
-    placed = _place(matched, dtype, host_local=host_local)
+    placed = _place(matched, dtype, host_local=host_local, donate=donate)
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
