@@ -7,6 +7,10 @@ from ._chunking import (
     LocalChunker as LocalChunker,
     LocalChunkInfo as LocalChunkInfo,
 )
+from ._constraint import (
+    corrected_spec as corrected_spec,
+    with_sharding_constraint as with_sharding_constraint,
+)
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
     extract_sharding_structure as extract_sharding_structure,
@@ -60,9 +64,7 @@ from ._shard import (
     make_shard_and_gather_fns as make_shard_and_gather_fns,
     named_shardings as named_shardings,
     shard as shard,
-    with_sharding_constraint as with_sharding_constraint,
 )
-from ._specs import corrected_spec as corrected_spec
 from ._topology import (
     bounds_from_last_device as bounds_from_last_device,
     default_mesh as default_mesh,

@@ -21,25 +21,23 @@ How data moves, in the order of this file:
    at a time: no device ever holds a full replica.
 
 After these come `named_shardings` and `make_shard_and_gather_fns`, for code that
-moves a tree piece by piece (their functions run steps 1-4 on one subtree each),
-and `with_sharding_constraint`, which moves nothing itself: it tells `jit` where
-arrays should live, and corrects a spec that cannot apply where `shard` raises.
+moves a tree piece by piece (their functions run steps 1-4 on one subtree each).
+`with_sharding_constraint`, which moves nothing itself, is in `_constraint.py`.
 """
 
 import collections
 import functools as ft
-import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._mesh import current_mesh, require_mesh
+from ._mesh import require_mesh
 from ._multiprocess import (
     check_processes_agree,
     from_host_copies,
@@ -51,7 +49,6 @@ from ._multiprocess import (
 from ._specs import (
     bad_spec_leaf_message,
     check_spec,
-    entry_axes,
     is_spec_leaf,
     leaf_specs,
     named_sharding,
@@ -78,7 +75,7 @@ def _concrete_mesh(mesh: Mesh | AbstractMesh | None, caller: str) -> Mesh:
     return mesh
 
 
-def _abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
+def abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
     where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return TypeError(
         f"eqshard.{caller}: `tree` holds `jax.ShapeDtypeStruct` leaves at {where}, "
@@ -121,7 +118,7 @@ def _check_movable(
         if isinstance(leaf, jax.ShapeDtypeStruct)
     ]
     if abstract:
-        raise _abstract_leaf_error(caller, abstract)
+        raise abstract_leaf_error(caller, abstract)
     untyped = [
         (path, leaf.dtype)
         for (path, spec), leaf in zip(pairs, leaves, strict=True)
@@ -402,7 +399,7 @@ def _host_leaves(
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)
     abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
-        raise _abstract_leaf_error(caller, abstract)
+        raise abstract_leaf_error(caller, abstract)
     elsewhere = [
         (p, x)
         for p, x in path_leaves
@@ -629,156 +626,3 @@ def make_shard_and_gather_fns(
     return jtu.tree_unflatten(treedef, shard_fns), jtu.tree_unflatten(
         treedef, gather_fns
     )
-
-
-# ---------------------------------------------------------------------------------
-# Constraints inside (and outside) jit.
-# ---------------------------------------------------------------------------------
-
-
-def _constraint_kind(
-    spec: PartitionSpec, mesh: Mesh | AbstractMesh, path: KeyPath
-) -> str:
-    """Whether `spec` constrains Auto axes (`with_sharding_constraint`) or Explicit
-    ones (`reshard`) of `mesh`. Inside `shard_map` the axes it maps over are Manual:
-    a spec cannot name them, and a replicated spec follows the other axes."""
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    used = {types[axis] for entry in spec for axis in entry_axes(entry)}
-    if not used:  # a replicated spec: follow the mesh (outside `shard_map`)
-        used = set(mesh.axis_types) - {AxisType.Manual} or {AxisType.Auto}
-    if used <= {AxisType.Auto}:
-        return "auto"
-    if used <= {AxisType.Explicit}:
-        return "explicit"
-    where = f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}'"
-    if AxisType.Manual in used:
-        manual = [a for e in spec for a in entry_axes(e) if types[a] == AxisType.Manual]
-        raise ValueError(
-            f"{where} names {', '.join(map(repr, manual))}, which `shard_map` maps "
-            f"over here (Manual axes of mesh {dict(mesh.shape)}), so no sharding "
-            "constraint can name them. Leave them out of the spec: inside "
-            "`shard_map` every device already holds its own block along them."
-        )
-    raise ValueError(
-        f"{where} mixes mesh axes of types {sorted(map(str, used))} (mesh {mesh}). "
-        "A spec can constrain Auto axes (`with_sharding_constraint`) or reshard "
-        "Explicit ones (`reshard`), not both: build the mesh with one axis type, "
-        "e.g. `eqshard.create_mesh(..., axis_types=...)`."
-    )
-
-
-_ON_INVALID = ("warn", "raise", "ignore")
-
-
-@typecheck
-def with_sharding_constraint(
-    tree: PyTree,
-    specs: PyTree,
-    *,
-    mesh: Mesh | AbstractMesh | None = None,
-    on_invalid: Literal["warn", "raise", "ignore"] = "warn",
-    rules: Sequence[Any] | None = None,
-) -> PyTree:
-    """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
-
-    Array leaves get their spec; everything else is returned untouched, so it works
-    on whole Equinox modules inside `eqx.filter_jit`. On mesh axes of type `Auto`
-    this is `jax.lax.with_sharding_constraint`; on `Explicit` axes (the default of
-    `jax.make_mesh`) it is `jax.sharding.reshard`. With no mesh given or set, specs
-    that are `PartitionSpec`s are ignored, so the same code runs on one device.
-
-    A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
-    divide, more entries than the array's rank, an axis used twice) is corrected to
-    the nearest one that can (see [`eqshard.corrected_spec`][]), or raises, as
-    `on_invalid` says.
-
-    **Arguments:**
-
-    - `tree`: any pytree.
-    - `specs`: a spec tree for `tree`, or a prefix of one. Its leaves may also be
-      [`eqshard.AxisNames`][] (logical axis names), resolved by `rules`.
-    - `mesh`: defaults to the mesh set by `jax.set_mesh` (the abstract mesh inside
-      `jit`).
-    - `on_invalid`: `"warn"` corrects and warns, naming each leaf; `"raise"` raises
-      a `ValueError` naming them all; `"ignore"` corrects silently.
-    - `rules`: logical axis rules for `AxisNames` leaves; defaults to the rules set
-      by [`eqshard.logical_axis_rules`][] (as inside a
-      [`eqshard.Partitioner`][]-partitioned function).
-
-    **Returns:**
-
-    A pytree of the structure of `tree`.
-
-    **Raises:**
-
-    - `ValueError` as `on_invalid="raise"` says, if `specs` is not a prefix of
-      `tree`, if a spec mixes Auto and Explicit mesh axes, or if it names an axis
-      that an enclosing `shard_map` maps over.
-    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
-
-    !!! Example
-
-        ```python
-        @eqx.filter_jit
-        def step(model, batch):
-            batch = eqshard.with_sharding_constraint(batch, P("dp"))
-            model = eqshard.with_sharding_constraint(model, specs)
-            ...
-        ```
-    """
-    if on_invalid not in _ON_INVALID:  # also when type checks are switched off
-        raise ValueError(
-            f"eqshard.with_sharding_constraint: `on_invalid` must be one of "
-            f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
-        )
-    if mesh is None:
-        mesh = current_mesh()
-    caller = "with_sharding_constraint"
-    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in path_leaves]
-    abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
-    if abstract:
-        raise _abstract_leaf_error(caller, abstract)
-    problems = []
-    batches: dict[str, tuple[list[int], list[Any]]] = {
-        "auto": ([], []),
-        "explicit": ([], []),
-    }
-    for i, ((path, spec), leaf) in enumerate(
-        zip(
-            leaf_specs(specs, tree, caller=caller, logical=True, rules=rules),
-            leaves,
-            strict=True,
-        )
-    ):
-        if spec is None or not is_array(leaf):
-            continue
-        if isinstance(spec, NamedSharding):
-            spec, spec_mesh = spec.spec, spec.mesh
-        elif mesh is None:
-            continue
-        else:
-            spec_mesh = mesh
-        shape = tuple(np.shape(leaf))
-        fixed, reasons = check_spec(shape, spec, dict(spec_mesh.shape))
-        if reasons:
-            problems.append((path, shape, spec, fixed, reasons, spec_mesh))
-        indices, shardings = batches[_constraint_kind(fixed, spec_mesh, path)]
-        indices.append(i)
-        shardings.append(
-            NamedSharding(spec_mesh, fixed) if isinstance(spec_mesh, Mesh) else fixed
-        )
-    if problems and on_invalid == "raise":
-        raise ValueError(spec_error_message(caller, problems))
-    if problems and on_invalid == "warn":
-        warnings.warn(
-            spec_error_message(caller, problems, corrected=True), stacklevel=2
-        )
-    out = list(leaves)
-    apply = {"auto": jax.lax.with_sharding_constraint, "explicit": jax.sharding.reshard}
-    for kind, (indices, shardings) in batches.items():
-        if indices:
-            constrained = apply[kind]([out[i] for i in indices], shardings)
-            for i, leaf in zip(indices, constrained, strict=True):
-                out[i] = leaf
-    return jtu.tree_unflatten(treedef, out)

@@ -1,10 +1,10 @@
 """Checking a `PartitionSpec` against an array shape and a mesh.
 
 One function, `check_spec`, finds everything wrong with a spec for one leaf and
-the nearest spec that is right. `shard` raises with its findings,
-`with_sharding_constraint` corrects with them, and `corrected_spec` exposes the
-correction. The messages for many leaves are built in one place,
-`spec_error_message`, so every caller reports the same way.
+the nearest spec that is right. `shard` raises with its findings;
+`with_sharding_constraint` corrects with them and `corrected_spec` exposes the
+correction (both in `_constraint.py`). The messages for many leaves are built in
+one place, `spec_error_message`, so every caller reports the same way.
 """
 
 from collections.abc import Mapping, Sequence
@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from ._logical import AxisNames, logical_to_spec, rules_or_context
 from ._tree import broadcast_prefix, path_str
-from ._typing import KeyPath, SpecLeaf, typecheck
+from ._typing import KeyPath, SpecLeaf
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -230,34 +230,3 @@ def spec_error_message(
             )
         )
     return "\n".join(lines)
-
-
-@typecheck
-def corrected_spec(
-    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh
-) -> PartitionSpec:
-    """The nearest spec to `spec` that can shard an array of `shape` on `mesh`.
-
-    This is the correction [`eqshard.with_sharding_constraint`][] applies: entries
-    beyond the array's rank are dropped, mesh axes that `mesh` does not have or that
-    are used twice are dropped, and of each dimension's axes only those that keep
-    the dimension divisible are kept, in order. A valid spec is returned unchanged.
-
-    **Arguments:**
-
-    - `shape`: the array's shape.
-    - `spec`: the `PartitionSpec` to correct.
-    - `mesh`: a `Mesh` or `AbstractMesh`.
-
-    **Returns:**
-
-    A `PartitionSpec` that fits.
-
-    !!! Example
-
-        ```python
-        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
-        eqshard.corrected_spec((3, 8, 5), P("dp", "tp", "sp"), mesh)  # P(None, 'tp')
-        ```
-    """
-    return check_spec(shape, spec, dict(mesh.shape))[0]
