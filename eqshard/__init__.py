@@ -16,7 +16,6 @@ from ._inspect import (
     extract_sharding_structure as extract_sharding_structure,
     extract_shardings as extract_shardings,
     get_partition_spec as get_partition_spec,
-    ShardingProblem as ShardingProblem,
     ShardingReport as ShardingReport,
     ShardingRow as ShardingRow,
 )
@@ -65,6 +64,7 @@ from ._shard import (
     named_shardings as named_shardings,
     shard as shard,
 )
+from ._specs import ShardingProblem as ShardingProblem
 from ._topology import (
     bounds_from_last_device as bounds_from_last_device,
     default_mesh as default_mesh,

@@ -13,13 +13,19 @@ from typing import Any, Literal
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh
 from ._shard import abstract_leaf_error
-from ._specs import check_spec, entry_axes, leaf_specs, spec_error_message
+from ._specs import (
+    check_leaf,
+    check_spec,
+    entry_axes,
+    leaf_specs,
+    ShardingProblem,
+    spec_error_message,
+)
 from ._tree import is_array, path_str
 from ._typing import KeyPath, typecheck
 
@@ -133,7 +139,7 @@ def with_sharding_constraint(
     abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
         raise abstract_leaf_error(caller, abstract)
-    problems = []
+    problems: list[ShardingProblem] = []
     batches: dict[AxisType, tuple[list[int], list[Any]]] = {
         AxisType.Auto: ([], []),
         AxisType.Explicit: ([], []),
@@ -147,16 +153,11 @@ def with_sharding_constraint(
     ):
         if spec is None or not is_array(leaf):
             continue
-        if isinstance(spec, NamedSharding):
-            spec, spec_mesh = spec.spec, spec.mesh
-        elif mesh is None:
+        if mesh is None and not isinstance(spec, NamedSharding):
             continue
-        else:
-            spec_mesh = mesh
-        shape = tuple(np.shape(leaf))
-        fixed, reasons = check_spec(shape, spec, dict(spec_mesh.shape))
-        if reasons:
-            problems.append((path, shape, spec, fixed, reasons, spec_mesh))
+        spec, spec_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
+        if problem is not None:
+            problems.append(problem)
         indices, shardings = batches[_constraint_kind(fixed, spec_mesh, path)]
         indices.append(i)
         shardings.append(

@@ -9,7 +9,6 @@ plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -19,7 +18,13 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh, require_mesh
-from ._specs import check_spec, entry_axes, leaf_specs, spec_error_message
+from ._specs import (
+    check_leaf,
+    entry_axes,
+    leaf_specs,
+    ShardingProblem,
+    spec_error_message,
+)
 from ._tree import is_array, path_str
 from ._typing import KeyPath, typecheck
 
@@ -291,35 +296,6 @@ class ShardingRow:
         return self.placed and self.num_shards == 1
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardingProblem:
-    """A leaf whose spec cannot apply, in a [`eqshard.ShardingReport`][].
-
-    **Fields:**
-
-    - `path`, `shape`, `spec`: the leaf and the spec asked for.
-    - `suggestion`: the nearest spec that applies (see [`eqshard.corrected_spec`][]),
-      which the report uses for this leaf.
-    - `reasons`: what is wrong with `spec`.
-    - `mesh`: the mesh the spec was checked against.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    spec: PartitionSpec
-    suggestion: PartitionSpec
-    reasons: tuple[str, ...]
-    mesh: Mesh | AbstractMesh
-
-
-def _problem_tuples(problems: Sequence[ShardingProblem]) -> list[Any]:
-    """`problems` in the form `spec_error_message` reads (paths as one-key paths)."""
-    return [
-        ((p.path,), p.shape, p.spec, p.suggestion, list(p.reasons), p.mesh)
-        for p in problems
-    ]
-
-
 def _flag(row: ShardingRow) -> str:
     if not row.valid:
         return "invalid"
@@ -460,7 +436,7 @@ class ShardingReport:
             lines.append(
                 spec_error_message(
                     "analyze_sharding_strategy",
-                    _problem_tuples(self.problems),
+                    self.problems,
                     corrected=True,
                 )
             )
@@ -639,16 +615,13 @@ def analyze_sharding_strategy(
             )
             continue
         if isinstance(spec, NamedSharding):
-            spec, leaf_mesh = spec.spec, spec.mesh
-            devices = _device_rows(leaf_mesh, mesh, index, path)
+            devices = _device_rows(spec.mesh, mesh, index, path)
         else:
-            leaf_mesh, devices = mesh, slice(None)
+            devices = slice(None)
+        spec, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
+        if problem is not None:
+            problems.append(problem)
         sizes = dict(leaf_mesh.shape)
-        fixed, reasons = check_spec(shape, spec, sizes)
-        if reasons:
-            problems.append(
-                ShardingProblem(name, shape, spec, fixed, tuple(reasons), leaf_mesh)
-            )
         # `fixed` divides every dimension evenly, so every device holds as much.
         splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
         piece = math.prod(
@@ -665,11 +638,11 @@ def analyze_sharding_strategy(
                 piece * itemsize,
                 math.prod(splits),
                 math.prod(leaf_mesh.axis_sizes),
-                not reasons,
+                problem is None,
             )
         )
     if problems and on_invalid == "raise":
-        raise ValueError(spec_error_message(caller, _problem_tuples(problems)))
+        raise ValueError(spec_error_message(caller, problems))
     return ShardingReport(
         mesh=mesh,
         rows=tuple(rows),

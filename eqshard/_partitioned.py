@@ -34,7 +34,7 @@ from ._logical import (
 from ._mesh import mesh_repr
 from ._specs import (
     bad_spec_leaf_message,
-    check_spec,
+    check_leaves,
     is_spec_leaf,
     named_sharding,
     spec_error_message,
@@ -89,14 +89,7 @@ def _check_shapes(
     caller: str,
 ) -> None:
     """Raises the eqshard message for every array whose sharding cannot apply."""
-    problems = []
-    for path, leaf, sharding in zip(paths, leaves, shardings, strict=True):
-        if sharding is None or not is_array(leaf):
-            continue
-        shape = tuple(leaf.shape)
-        fixed, reasons = check_spec(shape, sharding.spec, dict(sharding.mesh.shape))
-        if reasons:
-            problems.append((path, shape, sharding.spec, fixed, reasons, sharding.mesh))
+    problems = check_leaves(list(zip(paths, shardings, strict=True)), leaves, None)
     if problems:
         raise ValueError(spec_error_message(caller, problems))
 

@@ -48,7 +48,9 @@ from ._multiprocess import (
 )
 from ._specs import (
     bad_spec_leaf_message,
+    check_leaves,
     check_spec,
+    check_spec_on_mesh,
     is_spec_leaf,
     leaf_specs,
     named_sharding,
@@ -140,10 +142,13 @@ def _check_movable(
 
 
 def _check_block(
-    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh, leaf: Any
 ) -> tuple[PartitionSpec, list[str]]:
-    """`check_spec` for one process's block of a global array: each process's
-    devices must hold one slice of the array, and the array must fit `spec`."""
+    """`check_spec` for one process's block of a global array (a host array with
+    `host_local`): each process's devices must hold one slice of the array, and the
+    array must fit `spec`."""
+    if is_global(leaf) or not isinstance(mesh, Mesh):
+        return check_spec(shape, spec, dict(mesh.shape))
     full, block_reasons, block_fixed = host_local_shape(shape, spec, mesh)
     fixed, reasons = check_spec(full, spec, dict(mesh.shape))
     if reasons and full != shape:
@@ -174,27 +179,19 @@ def _match(
         for (_, spec), leaf in zip(pairs, leaves, strict=True)
     ):
         mesh = _concrete_mesh(mesh, caller)
+    problems = check_leaves(
+        pairs, leaves, mesh, check=_check_block if host_local else check_spec_on_mesh
+    )
+    if problems:
+        raise ValueError(spec_error_message(caller, problems))
     matched = []
-    problems = []
     for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if spec is None or not is_array(leaf):
             matched.append((path, leaf, None))
-            continue
-        if isinstance(spec, NamedSharding):
-            spec, spec_mesh = spec.spec, spec.mesh
+        elif isinstance(spec, NamedSharding):
+            matched.append((path, leaf, NamedSharding(spec.mesh, spec.spec)))
         else:
-            spec_mesh = mesh
-        shape = tuple(np.shape(leaf))
-        if host_local and not is_global(leaf):
-            fixed, reasons = _check_block(shape, spec, spec_mesh)
-        else:
-            fixed, reasons = check_spec(shape, spec, dict(spec_mesh.shape))
-        if reasons:
-            problems.append((path, shape, spec, fixed, reasons, spec_mesh))
-        else:
-            matched.append((path, leaf, NamedSharding(spec_mesh, spec)))
-    if problems:
-        raise ValueError(spec_error_message(caller, problems))
+            matched.append((path, leaf, NamedSharding(mesh, spec)))
     return matched
 
 

@@ -7,7 +7,9 @@ correction (both in `_constraint.py`). The messages for many leaves are built in
 one place, `spec_error_message`, so every caller reports the same way.
 """
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
@@ -15,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._logical import AxisNames, logical_to_spec, rules_or_context
-from ._tree import broadcast_prefix, path_str
+from ._tree import broadcast_prefix, is_array, path_str
 from ._typing import KeyPath, SpecLeaf
 
 
@@ -194,23 +196,96 @@ def check_spec(
     return PartitionSpec(*fixed), reasons
 
 
-Problem = tuple[
-    KeyPath,
-    tuple[int, ...],
-    PartitionSpec,
-    PartitionSpec,
-    list[str],
-    Mesh | AbstractMesh,
+@dataclasses.dataclass(frozen=True)
+class ShardingProblem:
+    """A leaf whose spec cannot apply, in a [`eqshard.ShardingReport`][].
+
+    **Fields:**
+
+    - `path`, `shape`, `spec`: the leaf and the spec asked for.
+    - `suggestion`: the nearest spec that applies (see [`eqshard.corrected_spec`][]),
+      which the report uses for this leaf.
+    - `reasons`: what is wrong with `spec`.
+    - `mesh`: the mesh the spec was checked against.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    spec: PartitionSpec
+    suggestion: PartitionSpec
+    reasons: tuple[str, ...]
+    mesh: Mesh | AbstractMesh
+
+
+# How a leaf's spec is checked: `(shape, spec, mesh, leaf) -> (fixed, reasons)`.
+SpecCheck = Callable[
+    [tuple[int, ...], PartitionSpec, Mesh | AbstractMesh, Any],
+    tuple[PartitionSpec, list[str]],
 ]
 
 
+def check_spec_on_mesh(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh, leaf: Any
+) -> tuple[PartitionSpec, list[str]]:
+    """`check_spec` against `mesh`: the `SpecCheck` of most callers."""
+    return check_spec(shape, spec, dict(mesh.shape))
+
+
+def check_leaf(
+    path: KeyPath,
+    spec: Any,
+    leaf: Any,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    check: SpecCheck = check_spec_on_mesh,
+) -> tuple[PartitionSpec, Mesh | AbstractMesh, PartitionSpec, ShardingProblem | None]:
+    """One array leaf's spec checked: `(spec, mesh, fixed, problem)`, with the
+    spec and mesh of a `NamedSharding` unpacked (a `PartitionSpec` is on `mesh`),
+    the nearest spec that fits, and what is wrong if it does not fit (`None` if it
+    does). The caller passes only arrays with a spec, and a mesh for a
+    `PartitionSpec`."""
+    if isinstance(spec, NamedSharding):
+        spec, mesh = spec.spec, spec.mesh
+    # The caller passes a mesh with every `PartitionSpec`.
+    mesh = typing.cast(Mesh | AbstractMesh, mesh)
+    shape = tuple(int(n) for n in leaf.shape)
+    fixed, reasons = check(shape, spec, mesh, leaf)
+    if not reasons:
+        return spec, mesh, fixed, None
+    problem = ShardingProblem(path_str(path), shape, spec, fixed, tuple(reasons), mesh)
+    return spec, mesh, fixed, problem
+
+
+def check_leaves(
+    pairs: Sequence[tuple[KeyPath, Any]],
+    leaves: Sequence[Any],
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    check: SpecCheck = check_spec_on_mesh,
+) -> list[ShardingProblem]:
+    """The problems of every array leaf whose spec cannot apply, in leaf order.
+    `pairs` are the `(path, spec)` of the leaves; leaves that stay where they are
+    (non-arrays, `None` specs, and `PartitionSpec`s when `mesh` is `None`) are
+    skipped."""
+    problems = []
+    for (path, spec), leaf in zip(pairs, leaves, strict=True):
+        if spec is None or not is_array(leaf):
+            continue
+        if mesh is None and not isinstance(spec, NamedSharding):
+            continue
+        problem = check_leaf(path, spec, leaf, mesh, check=check)[3]
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
 def spec_error_message(
-    caller: str, problems: Sequence[Problem], *, corrected: bool = False
+    caller: str, problems: Sequence[ShardingProblem], *, corrected: bool = False
 ) -> str:
     """The message for leaves whose specs do not fit: one line per leaf with its path,
     shape, spec, what is wrong, and the nearest spec that fits (which is used
     instead if `corrected`)."""
-    meshes = {str(dict(p[-1].shape)) for p in problems}
+    meshes = {str(dict(p.mesh.shape)) for p in problems}
     count = (
         "1 leaf has a spec"
         if len(problems) == 1
@@ -218,15 +293,16 @@ def spec_error_message(
     )
     on = f" on mesh {meshes.pop()}" if len(meshes) == 1 else ""
     lines = [f"eqshard.{caller}: {count} that cannot apply{on}:"]
-    for path, shape, spec, fixed, reasons, mesh in problems:
-        mesh_note = "" if on else f" on mesh {dict(mesh.shape)}"
+    for p in problems:
+        mesh_note = "" if on else f" on mesh {dict(p.mesh.shape)}"
         lines.append(
-            f"  - '{path_str(path)}' (shape {shape}), spec {spec}{mesh_note}: "
-            f"{'; '.join(reasons)}. "
+            f"  - '{p.path}' (shape {p.shape}), spec {p.spec}{mesh_note}: "
+            f"{'; '.join(p.reasons)}. "
             + (
-                f"Using {fixed} instead."
+                f"Using {p.suggestion} instead."
                 if corrected
-                else f"Use {fixed} for this leaf, or change the array or the mesh."
+                else f"Use {p.suggestion} for this leaf, or change the array or "
+                "the mesh."
             )
         )
     return "\n".join(lines)
