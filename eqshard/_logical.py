@@ -11,7 +11,7 @@ the one piece of module state in eqshard.
 """
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax.tree_util as jtu
@@ -273,6 +273,28 @@ def logical_to_spec(
     return PartitionSpec(*(None if r is _UNASSIGNED else r for r in result))
 
 
+def axis_names_resolver(
+    rules: LogicalRules | None, *, caller: str
+) -> Callable[[AxisNames, KeyPath], PartitionSpec]:
+    """`(axes, path) -> PartitionSpec` for the `AxisNames` of one tree, by
+    already-validated `rules` (`None`: the rules of the current context, read at
+    the first call). Models repeat a few layouts many times: each distinct one is
+    resolved once."""
+    resolved: dict[AxisNames, PartitionSpec] = {}
+
+    def resolve(axes: AxisNames, path: KeyPath) -> PartitionSpec:
+        nonlocal rules
+        spec = resolved.get(axes)
+        if spec is None:
+            if rules is None:
+                rules = _state.rules
+            spec = logical_to_spec(axes, rules, caller=caller, path=path)
+            resolved[axes] = spec
+        return spec
+
+    return resolve
+
+
 # --------------------------------------------------------------------------------
 # The rules context: thread-local, nestable.
 
@@ -409,7 +431,7 @@ def get_logical_axis_rules() -> LogicalRules:
     return _state.rules
 
 
-def rules_or_context(rules: Any, caller: str) -> LogicalRules:
+def _rules_or_context(rules: Any, caller: str) -> LogicalRules:
     return _state.rules if rules is None else normalize_rules(rules, caller=caller)
 
 
@@ -525,7 +547,7 @@ def logical_to_mesh_axes(
         eqshard.logical_to_mesh_axes(("length", None), rules)  # P(None, None)
         ```
     """
-    table = rules_or_context(rules, "logical_to_mesh_axes")
+    table = _rules_or_context(rules, "logical_to_mesh_axes")
     return logical_to_spec(axes, table, caller="logical_to_mesh_axes")
 
 
@@ -573,20 +595,12 @@ def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> P
         specs  # {"w": P(None, "model"), "step": None}
         ```
     """
-    table = rules_or_context(rules, "logical_to_mesh_specs")
-
-    # Models repeat a few layouts many times: resolve each distinct one once.
-    resolved: dict[AxisNames, PartitionSpec] = {}
+    caller = "logical_to_mesh_specs"
+    resolve = axis_names_resolver(_rules_or_context(rules, caller), caller=caller)
 
     def convert(path: KeyPath, leaf: Any) -> Any:
         if isinstance(leaf, AxisNames):
-            spec = resolved.get(leaf)
-            if spec is None:
-                spec = logical_to_spec(
-                    leaf, table, caller="logical_to_mesh_specs", path=path
-                )
-                resolved[leaf] = spec
-            return spec
+            return resolve(leaf, path)
         if _is_spec(leaf):
             return leaf
         raise TypeError(_leaf_message(path, leaf))

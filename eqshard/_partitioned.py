@@ -26,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._logical import (
+    axis_names_resolver,
     AxisNames,
-    logical_to_spec,
     LogicalRules,
     RulesContext,
 )
@@ -57,18 +57,13 @@ def to_shardings(
 ) -> PyTree:
     """A spec tree with `AxisNames` resolved by `rules` and every `PartitionSpec`
     made a `NamedSharding` on `mesh`; `None` and `NamedSharding` leaves are kept."""
-    resolved: dict[AxisNames, PartitionSpec] = {}
+    resolve = axis_names_resolver(rules, caller=caller)
 
     def convert(path: KeyPath, leaf: Any) -> NamedSharding | None:
         if leaf is None or isinstance(leaf, NamedSharding):
             return leaf
         if isinstance(leaf, AxisNames):
-            spec = resolved.get(leaf)
-            if spec is None:
-                spec = resolved[leaf] = logical_to_spec(
-                    leaf, rules, caller=caller, path=path
-                )
-            leaf = spec
+            leaf = resolve(leaf, path)
         if not isinstance(leaf, PartitionSpec):
             raise TypeError(
                 bad_spec_leaf_message(caller, path, leaf, logical=True, argname=name)

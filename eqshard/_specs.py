@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._logical import AxisNames, logical_to_spec, rules_or_context
+from ._logical import axis_names_resolver, AxisNames, normalize_rules
 from ._tree import broadcast_prefix, is_array, path_str
 from ._typing import KeyPath, SpecLeaf
 
@@ -45,15 +45,12 @@ def leaf_specs(
     )
     # The rules: checked now if given, read from the context at the first
     # `AxisNames` otherwise (most trees have none).
-    table = None if rules is None else rules_or_context(rules, caller)
-    resolved: dict[AxisNames, PartitionSpec] = {}  # each distinct layout once
+    resolve = axis_names_resolver(
+        None if rules is None else normalize_rules(rules, caller=caller), caller=caller
+    )
     for i, (path, spec) in enumerate(pairs):
         if logical and isinstance(spec, AxisNames):
-            if spec not in resolved:
-                if table is None:
-                    table = rules_or_context(rules, caller)
-                resolved[spec] = logical_to_spec(spec, table, caller=caller, path=path)
-            pairs[i] = (path, resolved[spec])
+            pairs[i] = (path, resolve(spec, path))
         elif not is_spec_leaf(spec):
             raise TypeError(bad_spec_leaf_message(caller, path, spec, logical=logical))
     return pairs
