@@ -19,6 +19,7 @@ from ._inspect import (
     ShardingReport as ShardingReport,
     ShardingRow as ShardingRow,
 )
+from ._layout import check_layout as check_layout
 from ._logical import (
     AxisNames as AxisNames,
     composite_rules as composite_rules,

@@ -14,7 +14,13 @@ from typing import Any, Literal
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import (
+    AbstractMesh,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    SingleDeviceSharding,
+)
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh, require_mesh
@@ -43,6 +49,11 @@ def _traced_error(caller: str, path: KeyPath) -> TypeError:
     )
 
 
+def is_single_device(sharding: Any) -> bool:
+    """Whether `sharding` puts its array on one device, outside any mesh."""
+    return isinstance(sharding, SingleDeviceSharding)
+
+
 def _array_shardings(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:
     """For each leaf of `tree`: `None` if it is not an array, else its sharding
     (`None` for NumPy arrays and for structs without one)."""
@@ -66,12 +77,15 @@ def get_partition_spec(tree: PyTree) -> PyTree:
 
     The result is a spec tree for `tree` (see [`eqshard.shard`][]): an array with a
     `NamedSharding` (a `jax.Array`, or a `jax.ShapeDtypeStruct` that carries one)
-    gives its spec; an array that is not partitioned gives `P()`: a NumPy array, an
-    array on a single device, a fully replicated array, a struct without a sharding.
-    Leaves that are not arrays give `None`, Python scalars included (they are not
-    arrays, as in Equinox; eformer gives them `P()`). So
+    gives its spec; a NumPy array, a struct without a sharding, or an array
+    replicated by another kind of sharding gives `P()`. A `jax.Array` on a single
+    device (a `SingleDeviceSharding`, as `jnp.zeros` makes) gives `None`: it is on
+    no mesh, and JAX calling it "fully replicated" would hide a tree wrongly left
+    on device 0. Leaves that are not arrays give `None`, Python scalars included
+    (they are not arrays, as in Equinox; eformer gives them `P()`). So
     `eqshard.shard(other, eqshard.get_partition_spec(tree), mesh)` lays `other` out
-    as `tree` is.
+    as `tree` is, and leaves where they are the leaves `tree` has on one device.
+    [`eqshard.check_layout`][] checks a whole tree against the specs asked for.
 
     **Arguments:**
 
@@ -91,8 +105,8 @@ def get_partition_spec(tree: PyTree) -> PyTree:
 
         ```python
         x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("dp")))
-        eqshard.get_partition_spec({"x": x, "y": np.ones(3), "n": 3})
-        # {"x": P('dp',), "y": P(), "n": None}
+        eqshard.get_partition_spec({"x": x, "y": np.ones(3), "z": jnp.ones(2), "n": 3})
+        # {"x": P('dp',), "y": P(), "z": None (one device), "n": None}
         ```
     """
     found, treedef = _array_shardings(tree, "get_partition_spec")
@@ -104,6 +118,8 @@ def get_partition_spec(tree: PyTree) -> PyTree:
         sharding, path = entry
         if isinstance(sharding, NamedSharding):
             out.append(sharding.spec)
+        elif is_single_device(sharding):
+            out.append(None)
         elif sharding is None or sharding.is_fully_replicated:
             out.append(PartitionSpec())
         else:
@@ -263,6 +279,9 @@ class ShardingRow:
     - `num_devices`: how many devices hold a piece.
     - `valid`: whether `spec` can apply; if not, the row describes the nearest spec
       that can (see `ShardingReport.problems`).
+    - `single_device`: whether the array is on one device outside any mesh (read
+      from the array itself, with `specs=None`); its `spec` is then `None`, and its
+      bytes count on that device only.
     """
 
     path: str
@@ -274,6 +293,7 @@ class ShardingRow:
     num_shards: int
     num_devices: int
     valid: bool = True
+    single_device: bool = False
 
     @property
     def size(self) -> int:
@@ -299,6 +319,8 @@ class ShardingRow:
 def _flag(row: ShardingRow) -> str:
     if not row.valid:
         return "invalid"
+    if row.single_device:
+        return "single device"
     if not row.placed:
         return "unplaced"
     return "replicated" if row.replicated else ""
@@ -347,6 +369,9 @@ class ShardingReport:
       every device of their mesh holds in full.
     - `unplaced_bytes`: the bytes of the arrays whose spec is `None`, counted on no
       device.
+    - `single_device_bytes`: the bytes of the arrays on one device outside any
+      mesh (only when the shardings are read from the arrays, `specs=None`),
+      counted on that device.
     """
 
     mesh: Mesh | AbstractMesh
@@ -358,6 +383,7 @@ class ShardingReport:
     total_bytes: int
     replicated_bytes: int
     unplaced_bytes: int
+    single_device_bytes: int = 0
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -416,6 +442,11 @@ class ShardingReport:
                 if self.unplaced_bytes
                 else ""
             )
+            + (
+                f", on a single device {format_bytes(self.single_device_bytes)}"
+                if self.single_device_bytes
+                else ""
+            )
         )
 
     def table(self) -> str:
@@ -468,7 +499,12 @@ class ShardingReport:
         table = Table(title="eqshard sharding plan", caption=self._totals())
         for header, right in zip(_HEADERS, _RIGHT, strict=True):
             table.add_column(header, justify="right" if right else "left")
-        styles = {"invalid": "red", "replicated": "yellow", "unplaced": "dim"}
+        styles = {
+            "invalid": "red",
+            "replicated": "yellow",
+            "unplaced": "dim",
+            "single device": "red",
+        }
         for row in self.rows:
             table.add_row(*_row_cells(row), style=styles.get(_flag(row)))
         return table
@@ -558,7 +594,9 @@ def analyze_sharding_strategy(
     - `tree`: any pytree; concrete or abstract.
     - `specs`: a spec tree for `tree` or a prefix of one, as for [`eqshard.shard`][].
       `NamedSharding`s may be on the analysed mesh or on a part of its devices
-      (e.g. one pipeline stage).
+      (e.g. one pipeline stage). `None` (the whole argument) reads the shardings
+      the arrays have: an array on a single device counts on that device and is
+      flagged `single device`; NumPy arrays are unplaced.
     - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
       (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
       by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
@@ -592,8 +630,40 @@ def analyze_sharding_strategy(
             f"eqshard.{caller}: `on_invalid` must be one of "
             f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
         )
-    pairs = leaf_specs(specs, tree, caller=caller)
-    mesh = _analysis_mesh(mesh, pairs)
+    if specs is None:
+        pairs = own_shardings(tree, caller)
+    else:
+        pairs = leaf_specs(specs, tree, caller=caller)
+    return analyze_pairs(
+        jtu.tree_leaves(tree), pairs, mesh, caller=caller, on_invalid=on_invalid
+    )
+
+
+def own_shardings(tree: PyTree, caller: str) -> list[tuple[KeyPath, Any]]:
+    """One `(path, sharding)` pair per leaf of `tree`, read from the arrays: their
+    `NamedSharding`, their `SingleDeviceSharding`, or `None` (NumPy arrays,
+    structs without a sharding, and leaves that are not arrays)."""
+    found, _ = _array_shardings(tree, caller)
+    pairs: list[tuple[KeyPath, Any]] = []
+    for (path, _), entry in zip(jtu.tree_flatten_with_path(tree)[0], found, strict=True):
+        sharding = None if entry is None else entry[0]
+        if not isinstance(sharding, NamedSharding) and not is_single_device(sharding):
+            sharding = None
+        pairs.append((path, sharding))
+    return pairs
+
+
+def analyze_pairs(
+    leaves: Sequence[Any],
+    pairs: Sequence[tuple[KeyPath, Any]],
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    caller: str,
+    on_invalid: str = "report",
+) -> ShardingReport:
+    """The report for `leaves`, with one `(path, spec)` pair each: a
+    `PartitionSpec`, a `NamedSharding`, a `SingleDeviceSharding` or `None`."""
+    mesh = _analysis_mesh(mesh, list(pairs))
     index = (
         {device.id: i for i, device in enumerate(mesh.devices.flat)}
         if isinstance(mesh, Mesh)
@@ -602,16 +672,25 @@ def analyze_sharding_strategy(
     per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
     rows: list[ShardingRow] = []
     problems: list[ShardingProblem] = []
-    for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree), strict=True):
+    for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if not is_array(leaf):
             continue
         shape = tuple(int(n) for n in leaf.shape)
         itemsize = int(leaf.dtype.itemsize)
         nbytes = math.prod(shape) * itemsize
         name = path_str(path)
+        dtype = str(leaf.dtype)
         if spec is None:
+            rows.append(ShardingRow(name, shape, dtype, None, nbytes, 0, 1, 0))
+            continue
+        if is_single_device(spec):
+            (device,) = spec.device_set
+            if index is not None and device.id in index:
+                per_device[index[device.id]] += nbytes
             rows.append(
-                ShardingRow(name, shape, str(leaf.dtype), None, nbytes, 0, 1, 0)
+                ShardingRow(
+                    name, shape, dtype, None, nbytes, nbytes, 1, 1, single_device=True
+                )
             )
             continue
         if isinstance(spec, NamedSharding):
@@ -632,7 +711,7 @@ def analyze_sharding_strategy(
             ShardingRow(
                 name,
                 shape,
-                str(leaf.dtype),
+                dtype,
                 spec,
                 nbytes,
                 piece * itemsize,
@@ -652,5 +731,8 @@ def analyze_sharding_strategy(
         sharded_parameters=sum(row.size for row in rows if row.sharded),
         total_bytes=sum(row.nbytes for row in rows),
         replicated_bytes=sum(row.nbytes for row in rows if row.replicated),
-        unplaced_bytes=sum(row.nbytes for row in rows if not row.placed),
+        unplaced_bytes=sum(
+            row.nbytes for row in rows if not row.placed and not row.single_device
+        ),
+        single_device_bytes=sum(row.nbytes for row in rows if row.single_device),
     )

@@ -53,7 +53,7 @@ def test_get_partition_spec_of_each_kind_of_leaf(mesh):
     assert eqshard.get_partition_spec(tree) == {
         "sharded": sharded.sharding.spec,
         "replicated": P(),
-        "single_device": P(),
+        "single_device": None,  # on no mesh: not the same as replicated
         "numpy": P(),
         "numpy_scalar": P(),
         "struct": P(),
@@ -573,3 +573,25 @@ def test_analyze_70b_plan_without_allocating(mesh):
     assert "16.1 GiB" in report.table().splitlines()[-1]
     assert not report.is_sufficiently_sharded(min_bytes=2 * d)  # the norms
     assert report.is_sufficiently_sharded(min_bytes=2 * d + 1)
+
+
+def test_analyze_with_no_specs_reads_the_arrays_own_shardings(mesh):
+    sharded = jax.device_put(
+        jnp.zeros((8, 16), jnp.float32), NamedSharding(mesh, P("dp", "tp"))
+    )
+    replicated = jax.device_put(jnp.zeros(4, jnp.float32), NamedSharding(mesh, P()))
+    one_device = jax.device_put(jnp.zeros(6, jnp.float32), mesh.devices.flat[2])
+    tree = {"s": sharded, "r": replicated, "one": one_device, "np": np.ones(5)}
+    report = eqshard.analyze_sharding_strategy(tree, None, mesh)
+    expected = {d.id: 0 for d in mesh.devices.flat}
+    for leaf in (sharded, replicated, one_device):
+        for shard in leaf.addressable_shards:
+            expected[shard.device.id] += shard.data.nbytes
+    assert report.bytes_per_device == tuple(
+        expected[d.id] for d in mesh.devices.flat
+    )
+    flags = {row.path: row.single_device for row in report.rows}
+    assert flags == {"s": False, "r": False, "one": True, "np": False}
+    assert report.single_device_bytes == 24
+    assert report.unplaced_bytes == 5 * 8
+    assert "single device" in report.table()
