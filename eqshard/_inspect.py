@@ -645,7 +645,9 @@ def own_shardings(tree: PyTree, caller: str) -> list[tuple[KeyPath, Any]]:
     structs without a sharding, and leaves that are not arrays)."""
     found, _ = _array_shardings(tree, caller)
     pairs: list[tuple[KeyPath, Any]] = []
-    for (path, _), entry in zip(jtu.tree_flatten_with_path(tree)[0], found, strict=True):
+    for (path, _), entry in zip(
+        jtu.tree_flatten_with_path(tree)[0], found, strict=True
+    ):
         sharding = None if entry is None else entry[0]
         if not isinstance(sharding, NamedSharding) and not is_single_device(sharding):
             sharding = None

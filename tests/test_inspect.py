@@ -587,9 +587,7 @@ def test_analyze_with_no_specs_reads_the_arrays_own_shardings(mesh):
     for leaf in (sharded, replicated, one_device):
         for shard in leaf.addressable_shards:
             expected[shard.device.id] += shard.data.nbytes
-    assert report.bytes_per_device == tuple(
-        expected[d.id] for d in mesh.devices.flat
-    )
+    assert report.bytes_per_device == tuple(expected[d.id] for d in mesh.devices.flat)
     flags = {row.path: row.single_device for row in report.rows}
     assert flags == {"s": False, "r": False, "one": True, "np": False}
     assert report.single_device_bytes == 24

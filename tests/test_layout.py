@@ -77,7 +77,9 @@ def test_host_memory_asked_for_is_checked(mesh):
 def test_abstract_arrays_are_checked_by_the_sharding_they_carry(mesh):
     abstract = mesh.abstract_mesh
     tree = {
-        "a": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(abstract, P("dp"))),
+        "a": jax.ShapeDtypeStruct(
+            (8,), jnp.float32, sharding=NamedSharding(abstract, P("dp"))
+        ),
         "b": jax.ShapeDtypeStruct((8,), jnp.float32),
     }
     eqshard.check_layout(tree, {"a": P("dp"), "b": None}, abstract)
