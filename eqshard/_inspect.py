@@ -9,6 +9,7 @@ plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
