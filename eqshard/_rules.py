@@ -1,8 +1,10 @@
 """Regex partition rules, pattern strings and weight-decay masks.
 
-A *rule* is a `(regex, PartitionSpec)` pair. Rules are tried in order against the
-path string of each array leaf (`re.search`), and the first match gives the leaf's
-spec. One private core, `_match_leaves`, does the matching for both
+A *rule* is a `(regex, value)` pair, where the value is a `PartitionSpec` or a
+callable of the leaf's shape returning one (such as `auto_fsdp`'s). Rules are
+tried in order against the path string of each array leaf (`re.search`), and the
+first match gives the leaf's spec; `rule_spec` is the one place a rule's value
+becomes a leaf's spec. One private core, `_match_leaves`, does the matching for both
 `match_partition_rules` and `explain_partition_rules`: each regex is compiled once
 per call and each path is built and matched once.
 """
@@ -17,6 +19,7 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
+from ._auto import AutoFSDP
 from ._tree import is_array, path_name
 from ._typing import typecheck
 
@@ -26,7 +29,9 @@ Pattern: TypeAlias = str | re.Pattern[str]
 # random item of a sequence, so a stricter annotation would reject a malformed
 # rule list on some calls and not others; `_compile_rules` checks every rule.
 Rules: TypeAlias = Sequence[Any]
-Compiled: TypeAlias = list[tuple[re.Pattern[str], PartitionSpec]]
+# A rule's value: a `PartitionSpec`, or a callable of the leaf's shape giving one.
+RuleValue: TypeAlias = PartitionSpec | Callable[[tuple[int, ...]], PartitionSpec]
+Compiled: TypeAlias = list[tuple[re.Pattern[str], RuleValue]]
 
 # What happened to an array leaf, when no rule index applies.
 _SCALAR, _SMALL, _UNMATCHED = -1, -2, -3
@@ -71,11 +76,13 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
         if not (
             isinstance(rule, tuple | list)
             and len(rule) == 2
-            and isinstance(rule[1], PartitionSpec)
+            and (isinstance(rule[1], PartitionSpec) or callable(rule[1]))
         ):
             raise TypeError(
                 f"eqshard.{caller}: rule {i} is {rule!r}; every rule must be a pair "
-                "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`."
+                "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`, "
+                "or `(regex, fn)` with `fn(shape) -> PartitionSpec`, such as "
+                "`eqshard.auto_fsdp('fsdp')`."
             )
     regexes = _compile([pattern for pattern, _ in rules], caller, "rule")
     return [(regex, spec) for regex, (_, spec) in zip(regexes, rules, strict=True)]
@@ -125,22 +132,54 @@ def _match_leaves(
     return _Matches(treedef, leaves, names, rules)
 
 
+def rule_spec(
+    value: RuleValue,
+    shape: tuple[int, ...],
+    *,
+    caller: str,
+    name: str | None,
+    rule: int,
+) -> tuple[PartitionSpec, str | None]:
+    """The spec a rule's value gives a leaf of `shape` at `name`, and a note on how
+    it was chosen (`None` for a `PartitionSpec`, which is as written)."""
+    if isinstance(value, PartitionSpec):
+        return value, None
+    if isinstance(value, AutoFSDP):
+        return value.choose(shape)
+    spec = value(shape)
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(
+            f"eqshard.{caller}: rule {rule}'s function {value!r} returned {spec!r} "
+            f"for {_show(name or '')} (shape {shape}); it must return a "
+            "PartitionSpec."
+        )
+    return spec, f"computed by {getattr(value, '__name__', repr(value))}"
+
+
 def _strict_spec(
-    rule: int, rank: int, compiled: Compiled
-) -> tuple[PartitionSpec | None, str | None]:
-    """The spec an array gets under `strict=True`, and what is wrong with it if
-    anything."""
+    rule: int,
+    shape: tuple[int, ...],
+    compiled: Compiled,
+    caller: str,
+    name: str | None,
+) -> tuple[PartitionSpec | None, str | None, str | None]:
+    """The spec an array gets under `strict=True`, what is wrong with it if
+    anything, and how a rule's function chose it."""
     if rule == _UNMATCHED:
-        return None, "no rule matches"
+        return None, "no rule matches", None
     if rule < 0:
-        return PartitionSpec(), None
-    spec = compiled[rule][1]
+        return PartitionSpec(), None, None
+    spec, note = rule_spec(
+        compiled[rule][1], shape, caller=caller, name=name, rule=rule
+    )
+    rank = len(shape)
     if len(spec) > rank:
-        return spec, (
+        problem = (
             f"spec {spec!r} of rule {rule} has {len(spec)} entries but the "
             f"array has rank {rank}"
         )
-    return spec, None
+        return spec, problem, note
+    return spec, None, note
 
 
 def _relax(spec: PartitionSpec | None, rank: int) -> PartitionSpec:
@@ -208,7 +247,9 @@ def match_partition_rules(
 
     **Arguments:**
 
-    - `rules`: `(regex, PartitionSpec)` pairs, in priority order. Regexes are
+    - `rules`: `(regex, value)` pairs, in priority order: the value is a
+      `PartitionSpec`, or a function of the leaf's shape returning one, such as
+      [`eqshard.auto_fsdp`][] (which chooses the dimension to shard). Regexes are
       strings or compiled patterns.
     - `tree`: any pytree.
     - `min_size`: arrays with fewer elements than this are replicated.
@@ -226,7 +267,8 @@ def match_partition_rules(
     - `ValueError` listing every bad leaf (path, shape, problem) and the rules
       tried, when `strict=True` (with `strict=False` no leaf is an error); or
       naming each rule whose regex is invalid.
-    - `TypeError` if a rule is not a `(regex, PartitionSpec)` pair.
+    - `TypeError` if a rule is not a `(regex, PartitionSpec)` or `(regex, fn)`
+      pair, or `fn` returns something else than a `PartitionSpec`.
 
     !!! Example
 
@@ -247,8 +289,11 @@ def match_partition_rules(
         if rule is None:
             specs.append(None)
             continue
-        rank = len(leaf.shape)
-        spec, problem = _strict_spec(rule, rank, compiled)
+        shape = tuple(leaf.shape)
+        rank = len(shape)
+        spec, problem, _ = _strict_spec(
+            rule, shape, compiled, "match_partition_rules", name
+        )
         if problem is not None:
             if strict:
                 bad.append((name, tuple(leaf.shape), problem))
@@ -275,6 +320,8 @@ class RulesReportRow:
       and small arrays; `None` if no rule matches.
     - `problem`: why `match_partition_rules(..., strict=True)` rejects this leaf,
       or `None` if it accepts it.
+    - `note`: for a rule whose value is a function (such as
+      [`eqshard.auto_fsdp`][]), how it chose `spec`; `None` otherwise.
     """
 
     path: str
@@ -284,6 +331,7 @@ class RulesReportRow:
     pattern: str | None
     spec: PartitionSpec | None
     problem: str | None
+    note: str | None = None
 
 
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
@@ -302,7 +350,7 @@ class RulesReport:
     [`eqshard.explain_partition_rules`][].
 
     - `rows`: one [`eqshard.RulesReportRow`][] per array leaf, in tree order.
-    - `rules`: the rules, as `(pattern string, PartitionSpec)` pairs.
+    - `rules`: the rules, as `(pattern string, value)` pairs.
     - `dead_rules`: indices of the rules that matched no leaf (often a typo, or a
       rule shadowed by an earlier one).
     - `min_size`: as given.
@@ -311,7 +359,7 @@ class RulesReport:
     """
 
     rows: tuple[RulesReportRow, ...]
-    rules: tuple[tuple[str, PartitionSpec], ...]
+    rules: tuple[tuple[str, RuleValue], ...]
     dead_rules: tuple[int, ...]
     min_size: int
 
@@ -329,7 +377,7 @@ class RulesReport:
                 str(row.shape),
                 "-" if row.rule is None else f"{row.rule} {row.pattern!r}",
                 "-" if row.spec is None else repr(row.spec),
-                row.problem or notes.get(row.reason, ""),
+                row.problem or row.note or notes.get(row.reason, ""),
             )
             for row in self.rows
         ]
@@ -378,7 +426,9 @@ def explain_partition_rules(
     for a bad leaf: each row says what `match_partition_rules` would do with the
     leaf, and why it would reject it. Rules that match no leaf are listed as dead:
     a dead rule is usually a typo in its regex, or shadowed by an earlier rule.
-    Scalars and arrays below `min_size` are not matched against the rules.
+    Scalars and arrays below `min_size` are not matched against the rules. For a
+    rule whose value is a function, such as [`eqshard.auto_fsdp`][], the row's
+    `spec` is the spec it chose and its `note` says why.
 
     **Arguments:**
 
@@ -413,7 +463,9 @@ def explain_partition_rules(
     ):
         if rule is None:
             continue
-        spec, problem = _strict_spec(rule, len(leaf.shape), compiled)
+        spec, problem, note = _strict_spec(
+            rule, tuple(leaf.shape), compiled, "explain_partition_rules", name
+        )
         matched = rule >= 0
         if matched:
             used.add(rule)
@@ -426,6 +478,7 @@ def explain_partition_rules(
                 pattern=compiled[rule][0].pattern if matched else None,
                 spec=spec,
                 problem=problem,
+                note=note,
             )
         )
     return RulesReport(
