@@ -15,6 +15,7 @@ from typing import Any, Literal
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import (
     AbstractMesh,
     Mesh,
@@ -33,7 +34,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import KeyPath, PyTreeDef, typecheck
 
 
 # ---------------------------------------------------------------------------------
@@ -55,13 +56,13 @@ def is_single_device(sharding: Any) -> bool:
     return isinstance(sharding, SingleDeviceSharding)
 
 
-def _array_shardings(tree: PyTree, caller: str) -> tuple[list[Any], jtu.PyTreeDef]:
+def _array_shardings(tree: PyTree, caller: str) -> tuple[list[Any], PyTreeDef]:
     """For each leaf of `tree`: `None` if it is not an array, else its sharding
     (`None` for NumPy arrays and for structs without one)."""
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)
     out: list[Any] = []
     for path, leaf in path_leaves:
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, Tracer):
             raise _traced_error(caller, path)
         if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
             out.append((leaf.sharding, path))
@@ -217,12 +218,12 @@ def extract_shardings(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
     found, treedef = _array_shardings(tree, "extract_shardings")
     out = []
     for entry in found:
-        sharding = None if entry is None else entry[0]
-        if not isinstance(sharding, NamedSharding):
+        if entry is None or not isinstance(entry[0], NamedSharding):
             out.append(None)
             continue
+        sharding, path = entry
         if isinstance(sharding.mesh, AbstractMesh):
-            sharding = _bind(sharding, mesh, entry[1])
+            sharding = _bind(sharding, mesh, path)
         out.append(sharding)
     return jtu.tree_unflatten(treedef, out)
 

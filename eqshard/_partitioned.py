@@ -40,7 +40,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import broadcast_prefix, is_array, path_str
-from ._typing import KeyPath
+from ._typing import KeyPath, PyTreeDef
 
 
 # ---------------------------------------------------------------------------------
@@ -125,9 +125,7 @@ class _OutStatics:
 
     __slots__ = ("treedef", "template", "array_index")
 
-    def __init__(
-        self, treedef: jtu.PyTreeDef, template: list[Any], array_index: list[int]
-    ):
+    def __init__(self, treedef: PyTreeDef, template: list[Any], array_index: list[int]):
         self.treedef = treedef
         self.template = template
         self.array_index = array_index
@@ -163,7 +161,7 @@ class _Layout:
 
     def __init__(
         self,
-        treedef: jtu.PyTreeDef,
+        treedef: PyTreeDef,
         paths: list[KeyPath],
         leaves: list[Any],
         donated_args: frozenset[int],
@@ -421,7 +419,7 @@ class PartitionedFn:
     def _new_layout(
         self,
         dynamic: tuple[Any, ...],
-        treedef: jtu.PyTreeDef,
+        treedef: PyTreeDef,
         leaves: list[Any],
         key: tuple[Any, ...],
     ) -> _Layout:
@@ -456,13 +454,15 @@ class PartitionedFn:
 
     def __call__(self, *args: Any) -> Any:
         # The common case first: every argument is an array of a type seen before.
+        direct = self._direct
         if (
-            self._get_dynamic is None
+            direct is not None
+            and self._get_dynamic is None
             and self._direct_count in (-1, len(args))
             and all(map(_DIRECT_TYPES.__contains__, map(type, args)))
         ):
             try:
-                out, statics = self._direct(*args)
+                out, statics = direct(*args)
             except ValueError as e:
                 self._diagnose(args, e)
                 raise

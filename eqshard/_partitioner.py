@@ -31,7 +31,7 @@ from ._logical import (
 from ._mesh import mesh_repr
 from ._partitioned import PartitionedFn, to_shardings
 from ._shard import shard_tree
-from ._specs import entry_axes
+from ._specs import axes_repr, entry_axes
 from ._topology import default_mesh
 from ._typing import typecheck
 
@@ -203,7 +203,7 @@ class Partitioner:
         if missing:
             raise _config_error(
                 f"the rules map the logical axis 'batch' (the data axes) to "
-                f"{data_axes if len(data_axes) > 1 else data_axes[0]!r}, but the mesh "
+                f"{axes_repr(data_axes)}, but the mesh "
                 f"{mesh_repr(mesh)} has no axis {', '.join(map(repr, missing))}.",
                 "Pass `logical_axis_rules` for this mesh, with a rule such as "
                 f"('batch', {mesh.axis_names[0]!r}).",

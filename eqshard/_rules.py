@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
 from ._tree import is_array, path_name
-from ._typing import typecheck
+from ._typing import PyTreeDef, typecheck
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
@@ -92,7 +92,7 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
 
 
 class _Matches(NamedTuple):
-    treedef: jtu.PyTreeDef
+    treedef: PyTreeDef
     leaves: list[Any]  # every leaf of the tree, in order
     names: list[str | None]  # the path string of each array; None for non-arrays
     rules: list[int | None]  # the first matching rule, or _SCALAR / _SMALL /

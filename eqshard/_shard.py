@@ -27,6 +27,7 @@ moves a tree piece by piece (their functions run steps 1-4 on one subtree each).
 
 import collections
 import functools as ft
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,7 +58,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import collision_message, is_array, path_name, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import KeyPath, PyTreeDef, typecheck
 
 
 # ---------------------------------------------------------------------------------
@@ -190,8 +191,8 @@ def _match(
             matched.append((path, leaf, None))
         elif isinstance(spec, NamedSharding):
             matched.append((path, leaf, NamedSharding(spec.mesh, spec.spec)))
-        else:
-            matched.append((path, leaf, NamedSharding(mesh, spec)))
+        else:  # a `PartitionSpec`, so `mesh` is the concrete mesh found above
+            matched.append((path, leaf, NamedSharding(typing.cast(Mesh, mesh), spec)))
     return matched
 
 
@@ -220,10 +221,10 @@ def _place(
         leaf if sharding is None else _cast(leaf, dtype)
         for _, leaf, sharding in matched
     ]
-    moving = [i for i, (_, _, sharding) in enumerate(matched) if sharding is not None]
+    moving = [(i, s) for i, (_, _, s) in enumerate(matched) if s is not None]
     if jax.process_count() == 1:
-        leaves = [out[i] for i in moving]
-        shardings = [matched[i][2] for i in moving]
+        leaves = [out[i] for i, _ in moving]
+        shardings = [sharding for _, sharding in moving]
         if donate:
             # An array that stands at several leaves cannot give its buffer twice.
             uses = collections.Counter(id(leaf) for leaf in leaves)
@@ -238,8 +239,8 @@ def _place(
         else:
             placed = jax.device_put(leaves, shardings)
     else:
-        placed = [_to_global(out[i], matched[i][2], host_local) for i in moving]
-    for i, array in zip(moving, placed, strict=True):
+        placed = [_to_global(out[i], s, host_local) for i, s in moving]
+    for (i, _), array in zip(moving, placed, strict=True):
         out[i] = array
     return out
 
@@ -390,7 +391,7 @@ def _elsewhere_error(caller: str, found: list[tuple[KeyPath, Any]]) -> ValueErro
 
 def _host_leaves(
     tree: PyTree, caller: str
-) -> tuple[list[tuple[KeyPath, Any]], jtu.PyTreeDef]:
+) -> tuple[list[tuple[KeyPath, Any]], PyTreeDef]:
     """The leaves of `tree` with their paths, checked before any of them moves:
     every array has data, and this process holds a shard of it."""
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)

@@ -366,7 +366,9 @@ def get_mesh(
         )
     if _is_tpu(ordered[-1]):
         local_coords = _coords_table(local_devices)
-        local = bounds_from_last_device(max(local_devices, key=local_coords.get))
+        local = bounds_from_last_device(
+            max(local_devices, key=local_coords.__getitem__)
+        )
     else:
         local = bounds  # As t5x: off TPU the bounds ignore the device.
     describe = _describe_platform(ordered, bounds)

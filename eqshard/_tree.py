@@ -9,7 +9,7 @@ that name the first path that differs.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.tree_util as jtu
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._typing import IsLeaf, KeyPath, typecheck
+from ._typing import IsLeaf, KeyPath, PyTreeDef, typecheck
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -78,6 +78,18 @@ def tree_path_to_string(path: KeyPath, sep: str | None = None) -> str | tuple[st
     return path_name(path, sep)
 
 
+@overload
+def path_name(path: KeyPath, sep: str) -> str: ...
+
+
+@overload
+def path_name(path: KeyPath, sep: None) -> tuple[str, ...]: ...
+
+
+@overload
+def path_name(path: KeyPath, sep: str | None) -> str | tuple[str, ...]: ...
+
+
 def path_name(path: KeyPath, sep: str | None) -> str | tuple[str, ...]:
     """[`eqshard.tree_path_to_string`][] without the runtime type check, which would
     cost ~5 us a leaf in eqshard's own loops."""
@@ -100,7 +112,7 @@ def collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
 
 def _flatten_with_names(
     tree: PyTree, is_leaf: IsLeaf, sep: str | None, caller: str
-) -> tuple[dict[Any, Any], jtu.PyTreeDef]:
+) -> tuple[dict[Any, Any], PyTreeDef]:
     path_leaves, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
     flat: dict[Any, Any] = {}
     owner: dict[Any, KeyPath] = {}
@@ -208,7 +220,7 @@ def unflatten_tree(
     return jtu.tree_unflatten(treedef, [flat[name] for name in names])
 
 
-def _children(x: Any) -> tuple[list[tuple[KeyPath, Any]], jtu.PyTreeDef]:
+def _children(x: Any) -> tuple[list[tuple[KeyPath, Any]], PyTreeDef]:
     """The direct children of the node `x`, with their one-key paths."""
     return jtu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
 
@@ -281,7 +293,7 @@ def prefix_error(
 
 def flatten_up_to(
     prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str, caller: str
-) -> tuple[list[KeyPath], list[Any], list[Any], jtu.PyTreeDef]:
+) -> tuple[list[KeyPath], list[Any], list[Any], PyTreeDef]:
     """Flattens `tree` up to the leaves of its prefix `prefix`.
 
     Returns the paths and leaves of `prefix`, the subtree of `tree` under each of

@@ -1,8 +1,9 @@
 """Type aliases and the one runtime type-checking decorator used by eqshard."""
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TYPE_CHECKING, TypeAlias
 
+import jax.tree_util as jtu
 from beartype import beartype
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import jaxtyped
@@ -21,3 +22,11 @@ KeyPath: TypeAlias = tuple[Any, ...]
 
 # The `is_leaf` argument of `jax.tree_util` functions.
 IsLeaf: TypeAlias = Callable[[Any], bool] | None
+
+# `jax.tree_util.PyTreeDef`, for annotations. jaxlib ships no type stubs for its
+# compiled `pytree` module, so to a type checker JAX's name is a variable of unknown
+# type, which an annotation cannot use.
+if TYPE_CHECKING:
+    PyTreeDef: TypeAlias = Any
+else:
+    PyTreeDef = jtu.PyTreeDef
