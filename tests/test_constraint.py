@@ -1,0 +1,138 @@
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqshard
+
+
+@pytest.mark.parametrize(
+    "shape, spec, expected",
+    [
+        ((8, 8), P("dp", "tp"), P("dp", "tp")),
+        ((3, 8, 5), P("dp", "tp", "sp"), P(None, "tp")),
+        ((8,), P("dp", "tp"), P("dp")),
+        ((8, 8), P("tp", "tp"), P("tp")),
+        ((4, 6), P(("dp", "tp"), None), P("dp")),  # 4 % 8 != 0, 4 % 2 == 0
+        ((8, 6), P(("tp", "dp")), P(("tp", "dp"))),
+        ((), P("dp"), P()),
+    ],
+)
+def test_corrected_spec(mesh, shape, spec, expected):
+    assert eqshard.corrected_spec(shape, spec, mesh) == expected
+
+
+def test_constraint_inside_jit_auto_axes(mesh):
+    # An Equinox module with a callable leaf and static fields, inside filter_jit.
+    linear = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    model = eqshard.shard((linear, jax.nn.gelu, None), P(), mesh)
+    specs = (
+        eqx.tree_at(lambda m: (m.weight, m.bias), linear, (P("dp", "tp"), P("tp"))),
+        None,
+        None,
+    )
+
+    @eqx.filter_jit
+    def f(m, x):
+        m = eqshard.with_sharding_constraint(m, specs)
+        x = eqshard.with_sharding_constraint(x, P("dp"))
+        return m, x * 2
+
+    with jax.set_mesh(mesh):
+        (out, act, none), x = f(model, jnp.ones((8, 2)))
+    assert out.weight.sharding.spec == P("dp", "tp")
+    assert out.bias.sharding.spec == P("tp")
+    assert out.in_features == 8 and act is jax.nn.gelu and none is None
+    assert x.sharding.spec == P("dp")
+
+
+def test_constraint_resolves_logical_axis_names(mesh):
+    rules = [("batch", "dp"), ("embed", "tp")]
+    tree = {"x": jnp.ones((8, 16)), "y": jnp.ones((8,)), "n": 3}
+    specs = {"x": eqshard.AxisNames("batch", "embed"), "y": P(), "n": None}
+    out = eqshard.with_sharding_constraint(tree, specs, mesh=mesh, rules=rules)
+    assert out["x"].sharding == NamedSharding(mesh, P("dp", "tp"))
+    assert out["y"].sharding == NamedSharding(mesh, P()) and out["n"] == 3
+
+    @jax.jit
+    def f(x):  # the rules context, as inside a Partitioner-partitioned function
+        return eqshard.with_sharding_constraint(x, eqshard.AxisNames(None, "batch"))
+
+    with jax.set_mesh(mesh), eqshard.logical_axis_rules(rules):
+        assert f(jnp.ones((2, 8))).sharding.spec == P(None, "dp")
+    with pytest.raises((TypeError, ValueError), match=r"rules"):
+        # Bad rules are an error even when no leaf needs them.
+        eqshard.with_sharding_constraint(tree, P(), mesh=mesh, rules=[("batch", 3)])
+    with pytest.raises(TypeError, match=r"'x'.*`eqshard.AxisNames`"):
+        eqshard.with_sharding_constraint(
+            tree, {"x": "batch", "y": P(), "n": None}, mesh=mesh
+        )
+
+
+def test_constraint_explicit_axes_reshards(explicit_mesh):
+    with jax.set_mesh(explicit_mesh):
+        x = jax.device_put(jnp.ones((4, 8)), NamedSharding(explicit_mesh, P()))
+        out = jax.jit(lambda t: eqshard.with_sharding_constraint(t, P("dp", "tp")))(x)
+    assert out.sharding == NamedSharding(explicit_mesh, P("dp", "tp"))
+
+
+def test_constraint_mixed_axis_types_raise():
+    types = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit)
+    mixed = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    with pytest.raises(ValueError, match=r"'w'.*mixes mesh axes"):
+        eqshard.with_sharding_constraint(
+            {"w": jnp.ones((4, 8))}, P("dp", "tp"), mesh=mixed
+        )
+
+
+def test_constraint_inside_shard_map(mesh):
+    # Inside `shard_map` over 'dp', 'dp' is a Manual axis: a replicated spec and
+    # specs over the other axes constrain as `jax.lax.with_sharding_constraint`
+    # does; naming 'dp' is an error.
+    def body(tree):
+        return eqshard.with_sharding_constraint(tree, {"a": P(), "b": P(None, "tp")})
+
+    def run(fn, axis_names):
+        mapped = jax.shard_map(
+            fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names=axis_names
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(mapped)({"a": jnp.ones((8, 4)), "b": jnp.ones((8, 4))})
+
+    out = run(body, {"dp"})
+    np.testing.assert_array_equal(out["a"], np.ones((8, 4)))
+    run(lambda t: eqshard.with_sharding_constraint(t, P()), {"dp", "tp"})
+    with pytest.raises(ValueError, match=r"P\('dp',\) at 'a' names 'dp'.*Manual"):
+        run(
+            lambda t: eqshard.with_sharding_constraint(t, {"a": P("dp"), "b": P()}),
+            {"dp"},
+        )
+
+
+def test_constraint_without_mesh_is_a_no_op():
+    x = jnp.ones(4)
+    assert eqshard.with_sharding_constraint({"x": x}, P("dp"))["x"] is x
+
+
+def test_constraint_on_invalid_modes(mesh):
+    tree = {"w": jnp.ones((3, 8)), "ok": jnp.ones(8)}
+    specs = {"w": P("dp", "tp"), "ok": P("dp")}
+    with pytest.warns(
+        UserWarning, match=r"'w' \(shape \(3, 8\)\).*Using P\(None, 'tp'\)"
+    ):
+        out = eqshard.with_sharding_constraint(tree, specs, mesh=mesh)
+    assert out["w"].sharding.spec == P(None, "tp") and out["ok"].sharding.spec == P(
+        "dp"
+    )
+    with pytest.raises(ValueError, match=r"'w' \(shape \(3, 8\)\)"):
+        eqshard.with_sharding_constraint(tree, specs, mesh=mesh, on_invalid="raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = eqshard.with_sharding_constraint(
+            tree, specs, mesh=mesh, on_invalid="ignore"
+        )
+    assert out["w"].sharding.spec == P(None, "tp")
