@@ -51,6 +51,7 @@ from ._misc import (
 )
 from ._partitioned import PartitionedFn as PartitionedFn
 from ._partitioner import Partitioner as Partitioner
+from ._plan import plan_training as plan_training, TrainingPlan as TrainingPlan
 from ._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     explain_partition_rules as explain_partition_rules,

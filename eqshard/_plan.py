@@ -1,0 +1,479 @@
+"""Training-memory plans: what parameters, gradients and optimizer state put on
+each device, against a per-device budget, before anything is allocated.
+
+The way through: the parameters' specs (given, or read from the arrays) ->
+abstract parameters in the dtype asked -> `jax.eval_shape(optimizer.init, ...)`
+for the optimizer state, whose specs follow the parameters they belong to ->
+one `ShardingReport` per part (`analyze_pairs`) -> their sum per device, the
+budget, and a per-device picture.
+"""
+
+import dataclasses
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._inspect import (
+    analyze_pairs,
+    format_bytes,
+    is_single_device,
+    own_shardings,
+    ShardingReport,
+    ShardingRow,
+)
+from ._specs import leaf_specs
+from ._tree import is_array
+from ._typing import KeyPath, typecheck
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_bytes(text: str | int, *, caller: str = "plan_training") -> int:
+    """A number of bytes: an int, or a string such as `"80GiB"`, `"16 GB"`,
+    `"1.5TiB"` (GiB = 2**30 bytes, GB = 10**9)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", text, re.I)
+        if match is None or match[2].upper() not in _BYTE_UNITS:
+            raise ValueError(
+                f"eqshard.{caller}: {text!r} is not an amount of memory; write a "
+                "number of bytes with an optional unit, e.g. 80GiB, 16GB, 512MiB."
+            )
+        value = round(float(match[1]) * _BYTE_UNITS[match[2].upper()])
+    if value <= 0:
+        raise ValueError(
+            f"eqshard.{caller}: the memory must be positive; got {text!r}."
+        )
+    return value
+
+
+def _is_trainable(leaf: Any) -> bool:
+    return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def _abstract(leaf: Any, dtype: Any) -> Any:
+    """`leaf` as a `ShapeDtypeStruct`, in `dtype` if it is a float array."""
+    if not is_array(leaf):
+        return leaf
+    if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jax.ShapeDtypeStruct(leaf.shape, dtype)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
+def _replicated_like(spec: Any) -> Any:
+    """The replicated spec on the mesh (or the device) `spec` places on."""
+    if isinstance(spec, NamedSharding):
+        return NamedSharding(spec.mesh, PartitionSpec(), memory_kind=spec.memory_kind)
+    if is_single_device(spec):
+        return spec
+    return PartitionSpec()
+
+
+def _without_dim(spec: Any, dim: int) -> Any:
+    """`spec` for the array with dimension `dim` reduced away (a factored moment)."""
+    inner = spec.spec if isinstance(spec, NamedSharding) else spec
+    if not isinstance(inner, PartitionSpec):
+        return spec
+    entries = list(inner)
+    if dim < len(entries):
+        del entries[dim]
+    reduced = PartitionSpec(*entries)
+    if isinstance(spec, NamedSharding):
+        return NamedSharding(spec.mesh, reduced, memory_kind=spec.memory_kind)
+    return reduced
+
+
+def state_pairs(
+    state: PyTree, param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]]
+) -> list[tuple[KeyPath, Any]]:
+    """A spec for each leaf of an optimizer state, following the parameter it
+    belongs to: the parameter whose path ends the leaf's path (optax's `mu`, `nu`
+    and the like mirror the parameter tree). A leaf of the parameter's shape takes
+    its spec; of its shape with one dimension reduced away (Adafactor's factored
+    moments), its spec without that entry; any other leaf (step counts) is
+    replicated on the parameters' mesh."""
+    default = PartitionSpec()
+    for _, spec in param_pairs.values():
+        if spec is not None:
+            default = _replicated_like(spec)
+            break
+    out = []
+    for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+        spec: Any = default
+        shape = tuple(getattr(leaf, "shape", ()))
+        for start in range(len(path)):
+            found = param_pairs.get(tuple(path[start:]))
+            if found is None:
+                continue
+            pshape, pspec = found
+            if pspec is None:
+                spec = None
+            elif shape == pshape:
+                spec = pspec
+            elif len(shape) == len(pshape) - 1:
+                spec = _replicated_like(pspec)
+                for dim in range(len(pshape)):
+                    if pshape[:dim] + pshape[dim + 1 :] == shape:
+                        spec = _without_dim(pspec, dim)
+                        break
+            else:
+                spec = _replicated_like(pspec)
+            break
+        out.append((path, spec))
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# The plan.
+# ---------------------------------------------------------------------------------
+
+
+_BAR = 32  # characters of a full bar
+_MAX_LINES = 16  # device groups shown before "..."
+
+
+def _device_groups(values: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive devices holding as much: `(first, last, bytes)`."""
+    groups: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if groups and groups[-1][2] == value:
+            groups[-1] = (groups[-1][0], i, value)
+        else:
+            groups.append((i, i, value))
+    return groups
+
+
+def _bar(value: int, scale: int) -> str:
+    filled = 0 if scale == 0 else round(_BAR * min(value, scale) / scale)
+    return "█" * filled + "░" * (_BAR - filled)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class TrainingPlan:
+    """What training a model puts on each device: parameters, gradients and
+    optimizer state; made by [`eqshard.plan_training`][].
+
+    `str(plan)` is the summary and the per-device view; `plan.show()` prints them
+    with `rich` when it is installed.
+
+    **Fields:**
+
+    - `mesh`: the mesh planned for.
+    - `params`, `grads`, `opt_state`: a [`eqshard.ShardingReport`][] for each part
+      (`grads` and `opt_state` are `None` when not planned).
+    - `bytes_per_device`: the bytes of all parts on each device, in
+      `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
+    - `device_memory`: the per-device budget in bytes, or `None`.
+    """
+
+    mesh: Mesh | AbstractMesh
+    params: ShardingReport
+    grads: ShardingReport | None
+    opt_state: ShardingReport | None
+    bytes_per_device: tuple[int, ...]
+    device_memory: int | None
+
+    @property
+    def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
+        """The planned parts, as `(name, report)` pairs."""
+        named = (
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.opt_state),
+        )
+        return tuple((name, report) for name, report in named if report is not None)
+
+    @property
+    def max_bytes_per_device(self) -> int:
+        """The most bytes any device holds."""
+        return max(self.bytes_per_device)
+
+    @property
+    def headroom(self) -> int | None:
+        """`device_memory - max_bytes_per_device`: negative by as much as the plan
+        does not fit; `None` without a budget."""
+        if self.device_memory is None:
+            return None
+        return self.device_memory - self.max_bytes_per_device
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device holds at most `device_memory` (`True` without a
+        budget)."""
+        headroom = self.headroom
+        return headroom is None or headroom >= 0
+
+    def largest_replicated(self, n: int = 5) -> tuple[tuple[str, ShardingRow], ...]:
+        """The `n` largest arrays of any part placed whole on every device (or on
+        a single device), largest first, as `(part, row)` pairs."""
+        rows = [
+            (name, row)
+            for name, report in self.parts
+            for row in report.rows
+            if row.replicated or row.single_device
+        ]
+        return tuple(sorted(rows, key=lambda item: -item[1].nbytes)[:n])
+
+    def summary(self) -> str:
+        """One line per part with its bytes on the fullest device, then the total
+        against the budget."""
+        lines = [
+            f"training memory on mesh {dict(self.mesh.shape)} "
+            f"({len(self.bytes_per_device)} devices), on the fullest device:"
+        ]
+        fullest = int(np.argmax(self.bytes_per_device))
+        for name, report in self.parts:
+            dtypes = sorted({row.dtype for row in report.rows})
+            lines.append(
+                f"  {name:<16} {format_bytes(report.bytes_per_device[fullest]):>10}"
+                f"   ({report.total_parameters:,} elements, {'/'.join(dtypes)})"
+            )
+        total = format_bytes(self.max_bytes_per_device)
+        line = f"  {'total':<16} {total:>10}"
+        headroom = self.headroom
+        if self.device_memory is not None and headroom is not None:
+            budget = format_bytes(self.device_memory)
+            if headroom >= 0:
+                line += f"   of {budget}: fits, {format_bytes(headroom)} to spare"
+            else:
+                line += f"   of {budget}: DOES NOT FIT, {format_bytes(-headroom)} over"
+        lines.append(line)
+        lines.append(
+            "  (activations, temporaries and the compiled program come on top)"
+        )
+        return "\n".join(lines)
+
+    def _view_rows(self) -> tuple[int, list[tuple[str, str, str, bool]]]:
+        values = self.bytes_per_device
+        scale = max(self.max_bytes_per_device, self.device_memory or 0)
+        rows = []
+        groups = _device_groups(values)
+        shown = groups[:_MAX_LINES]
+        for first, last, value in shown:
+            label = f"device {first}" if first == last else f"devices {first}-{last}"
+            over = self.device_memory is not None and value > self.device_memory
+            rows.append((label, _bar(value, scale), format_bytes(value), over))
+        if len(groups) > len(shown):
+            rest = values[shown[-1][1] + 1 :]
+            rows.append(
+                (
+                    f"... {len(groups) - len(shown)} more groups",
+                    "",
+                    f"{format_bytes(min(rest))}-{format_bytes(max(rest))}",
+                    False,
+                )
+            )
+        return scale, rows
+
+    def device_view(self, n: int = 5) -> str:
+        """A compact per-device picture: a bar per device (consecutive devices
+        holding as much share a line) scaled to the budget, then the `n` largest
+        replicated arrays."""
+        scale, rows = self._view_rows()
+        width = max(len(label) for label, *_ in rows)
+        budget = (
+            f", the bar's end is the budget {format_bytes(self.device_memory)}"
+            if self.device_memory is not None and scale == self.device_memory
+            else ""
+        )
+        lines = [f"bytes per device{budget}:"]
+        for label, bar, value, over in rows:
+            flag = "  over budget" if over else ""
+            lines.append(f"  {label:<{width}}  {bar}  {value}{flag}".rstrip())
+        largest = self.largest_replicated(n)
+        if largest:
+            lines.append("largest arrays placed whole on a device:")
+            for part, row in largest:
+                where = "single device" if row.single_device else "replicated"
+                lines.append(
+                    f"  {format_bytes(row.nbytes):>10}  {part}: {row.path} "
+                    f"{row.shape} {row.dtype} ({where})"
+                )
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The summary and the per-device view."""
+        return self.summary() + "\n\n" + self.device_view()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainingPlan(parts={[name for name, _ in self.parts]}, "
+            f"max_bytes_per_device={self.max_bytes_per_device}, "
+            f"device_memory={self.device_memory}, fits={self.fits}, "
+            f"mesh={dict(self.mesh.shape)})"
+        )
+
+    def show(self, file: TextIO | None = None) -> None:
+        """Prints the plan: with `rich` (coloured bars, red over budget) when it is
+        installed, as plain text otherwise."""
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            print(self.table(), file=file or sys.stdout)
+            return
+        console = Console(file=file)
+        console.print(self.summary())
+        _, rows = self._view_rows()
+        table = Table(title="bytes per device", show_header=False, box=None)
+        for label, bar, value, over in rows:
+            style = "red" if over else "green"
+            table.add_row(label, f"[{style}]{bar}[/{style}]", value)
+        console.print(table)
+        largest = self.largest_replicated()
+        if largest:
+            replicated = Table(title="largest arrays placed whole on a device")
+            for header in ("bytes", "part", "path", "shape", "dtype"):
+                replicated.add_column(header)
+            for part, row in largest:
+                replicated.add_row(
+                    format_bytes(row.nbytes), part, row.path, str(row.shape), row.dtype
+                )
+            console.print(replicated)
+
+
+@typecheck
+def plan_training(
+    params: PyTree,
+    specs: PyTree = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    optimizer: Any = None,
+    param_dtype: Any = None,
+    state_dtype: Any = None,
+    grad_dtype: Any = None,
+    gradients: bool = True,
+    device_memory: int | str | None = None,
+) -> TrainingPlan:
+    """Plans the memory of training: parameters, gradients and optimizer state on
+    each device, against a per-device budget, without allocating anything.
+
+    The parameters are the arrays of `params` (concrete or abstract:
+    `eqx.filter_eval_shape(Model, ..., key=key)` plans a 70B model on a laptop),
+    placed by `specs` as in [`eqshard.analyze_sharding_strategy`][], or where they
+    are if `specs` is `None`. Gradients are one per floating-point parameter, with
+    its spec. The optimizer state is `jax.eval_shape(optimizer.init, ...)` of the
+    floating-point parameters (so optax's own dtypes and shapes, e.g. Adafactor's
+    factored moments, count), and each of its arrays follows the parameter it
+    belongs to: the same spec for the same shape, the spec without the reduced
+    dimension for a factored moment, replicated for step counts and other
+    scalars. Activations, temporaries and the compiled program are not counted:
+    leave headroom for them.
+
+    **Arguments:**
+
+    - `params`: any pytree, such as an Equinox model; concrete or abstract.
+    - `specs`: a spec tree for `params` or a prefix of one, or `None` to read the
+      shardings the arrays have.
+    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have;
+      defaults to the mesh set by `jax.set_mesh`, then to the mesh of the
+      `NamedSharding`s.
+    - `optimizer`: an optax `GradientTransformation` (anything with `.init`), or
+      `None` for no optimizer state.
+    - `param_dtype`: the dtype of the floating-point parameters (e.g.
+      `jnp.bfloat16`); by default their own.
+    - `state_dtype`: the dtype of the optimizer state's floating-point arrays
+      (e.g. `jnp.float32` moments with bf16 parameters); by default what
+      `optimizer.init` makes of the parameters.
+    - `grad_dtype`: the dtype of the gradients; by default the parameters'.
+    - `gradients`: whether to count gradients.
+    - `device_memory`: the memory of one device, in bytes or as a string such as
+      `"80GiB"`; the plan then says whether it fits and by how much.
+
+    **Returns:**
+
+    A [`eqshard.TrainingPlan`][]: `plan.bytes_per_device`, `plan.fits`,
+    `plan.headroom`, and `print(plan)` for the summary and per-device view.
+
+    **Raises:**
+
+    `ValueError` as [`eqshard.analyze_sharding_strategy`][] does, or for a
+    `device_memory` that is not an amount of memory.
+
+    !!! Example
+
+        ```python
+        import optax
+
+        shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
+        specs = eqshard.match_partition_rules(rules, shapes)
+        mesh = jax.sharding.AbstractMesh((64,), ("fsdp",))
+        plan = eqshard.plan_training(
+            shapes, specs, mesh, optimizer=optax.adamw(1e-4),
+            param_dtype=jnp.bfloat16, state_dtype=jnp.float32,
+            device_memory="80GiB",
+        )
+        print(plan)  # per part, the total against 80 GiB, a bar per device
+        plan.fits, plan.headroom
+        ```
+    """
+    caller = "plan_training"
+    budget = None if device_memory is None else parse_bytes(device_memory)
+    if specs is None:
+        pairs = own_shardings(params, caller)
+    else:
+        pairs = leaf_specs(specs, params, caller=caller)
+    leaves = jtu.tree_leaves(params)
+    abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
+    param_report = analyze_pairs(abstract, pairs, mesh, caller=caller)
+    mesh = param_report.mesh
+    grad_report = None
+    if gradients:
+        grads = [
+            _abstract(leaf, grad_dtype) if _is_trainable(leaf) else None
+            for leaf in abstract
+        ]
+        grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
+    state_report = None
+    if optimizer is not None:
+        treedef = jtu.tree_structure(params)
+        trainable = jtu.tree_unflatten(
+            treedef, [leaf if _is_trainable(leaf) else None for leaf in abstract]
+        )
+        state = jax.eval_shape(optimizer.init, trainable)
+        if state_dtype is not None:
+            state = jtu.tree_map(lambda x: _abstract(x, state_dtype), state)
+        by_path = {
+            tuple(path): (tuple(leaf.shape), spec)
+            for (path, spec), leaf in zip(pairs, abstract, strict=True)
+            if _is_trainable(leaf)
+        }
+        state_report = analyze_pairs(
+            jtu.tree_leaves(state), state_pairs(state, by_path), mesh, caller=caller
+        )
+    total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
+    for report in (param_report, grad_report, state_report):
+        if report is not None:
+            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    return TrainingPlan(
+        mesh=mesh,
+        params=param_report,
+        grads=grad_report,
+        opt_state=state_report,
+        bytes_per_device=tuple(total.tolist()),
+        device_memory=budget,
+    )
