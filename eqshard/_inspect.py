@@ -88,6 +88,10 @@ def get_partition_spec(tree: PyTree) -> PyTree:
     `eqshard.shard(other, eqshard.get_partition_spec(tree), mesh)` lays `other` out
     as `tree` is, and leaves where they are the leaves `tree` has on one device.
     [`eqshard.check_layout`][] checks a whole tree against the specs asked for.
+    A spec says nothing of the memory an array is in (e.g. `"pinned_host"`, for
+    host offload): [`eqshard.extract_sharding_structure`][] and
+    [`eqshard.extract_shardings`][] give whole `NamedSharding`s, memory kind
+    included, and the rows of [`eqshard.analyze_sharding_strategy`][] name it.
 
     **Arguments:**
 
@@ -244,7 +248,7 @@ def _bind(sharding: NamedSharding, mesh: Mesh | None, path: KeyPath) -> NamedSha
             f"eqshard.extract_shardings: {where}, whose axes differ from those of the "
             f"mesh {dict(mesh.shape)}. Pass the mesh the tree was planned for."
         )
-    return NamedSharding(mesh, sharding.spec)
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 # ---------------------------------------------------------------------------------
@@ -284,6 +288,10 @@ class ShardingRow:
     - `single_device`: whether the array is on one device outside any mesh (read
       from the array itself, with `specs=None`); its `spec` is then `None`, and its
       bytes count on that device only.
+    - `memory_kind`: the memory the array is placed in when its sharding names one
+      (e.g. `"pinned_host"` for host offload, `"device"`); `None` for a
+      `PartitionSpec`, which places it in the device's default memory. Its bytes
+      count in `bytes_per_device` whatever the memory kind.
     """
 
     path: str
@@ -296,6 +304,7 @@ class ShardingRow:
     num_devices: int
     valid: bool = True
     single_device: bool = False
+    memory_kind: str | None = None
 
     @property
     def size(self) -> int:
@@ -325,7 +334,10 @@ def _flag(row: ShardingRow) -> str:
         return "single device"
     if not row.placed:
         return "unplaced"
-    return "replicated" if row.replicated else ""
+    flags = ["replicated"] if row.replicated else []
+    if row.memory_kind not in (None, "device"):
+        flags.append(row.memory_kind)
+    return ", ".join(flags)
 
 
 _HEADERS = ("path", "shape", "dtype", "spec", "size", "per device", "")
@@ -697,8 +709,10 @@ def analyze_pairs(
                 )
             )
             continue
+        memory_kind = None
         if isinstance(spec, NamedSharding):
             devices = _device_rows(spec.mesh, mesh, index, path)
+            memory_kind = spec.memory_kind
         else:
             devices = slice(None)
         spec, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
@@ -722,6 +736,7 @@ def analyze_pairs(
                 math.prod(splits),
                 math.prod(leaf_mesh.axis_sizes),
                 problem is None,
+                memory_kind=memory_kind,
             )
         )
     if problems and on_invalid == "raise":

@@ -189,8 +189,8 @@ def _match(
     for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if spec is None or not is_array(leaf):
             matched.append((path, leaf, None))
-        elif isinstance(spec, NamedSharding):
-            matched.append((path, leaf, NamedSharding(spec.mesh, spec.spec)))
+        elif isinstance(spec, NamedSharding):  # its memory kind included
+            matched.append((path, leaf, spec))
         else:  # a `PartitionSpec`, so `mesh` is the concrete mesh found above
             matched.append((path, leaf, NamedSharding(typing.cast(Mesh, mesh), spec)))
     return matched

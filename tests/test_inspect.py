@@ -593,3 +593,21 @@ def test_analyze_with_no_specs_reads_the_arrays_own_shardings(mesh):
     assert report.single_device_bytes == 24
     assert report.unplaced_bytes == 5 * 8
     assert "single device" in report.table()
+
+
+def test_memory_kind_reported_by_extract_shardings_and_rows(mesh):
+    pinned = NamedSharding(mesh, P("dp"), memory_kind="pinned_host")
+    tree = {"x": jax.device_put(np.zeros((8, 4), np.float32), pinned)}
+    assert eqshard.extract_sharding_structure(tree)["x"].memory_kind == "pinned_host"
+    assert eqshard.extract_shardings(tree)["x"].memory_kind == "pinned_host"
+    abstract = jax.ShapeDtypeStruct(
+        (8, 4), np.float32, sharding=NamedSharding(mesh.abstract_mesh, P("dp"))
+    )
+    bound = eqshard.extract_shardings({"x": abstract}, mesh)["x"]
+    assert bound == NamedSharding(mesh, P("dp"))
+    report = eqshard.analyze_sharding_strategy(tree, None)
+    (row,) = report.rows
+    assert row.memory_kind == "pinned_host"
+    assert "pinned_host" in report.table()
+    (row,) = eqshard.analyze_sharding_strategy(tree, P("dp"), mesh).rows
+    assert row.memory_kind is None

@@ -322,3 +322,28 @@ def test_round_trip_property(mesh, tree):
     assert jtu.tree_structure(back) == jtu.tree_structure(tree)
     for a, b in zip(jtu.tree_leaves(back), jtu.tree_leaves(tree)):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# Host offload: a `NamedSharding`'s memory kind is kept (the CPU backend has
+# "pinned_host" and "unpinned_host" memories besides "device").
+
+
+def _pinned(mesh, spec):
+    return NamedSharding(mesh, spec, memory_kind="pinned_host")
+
+
+def test_memory_kind_kept_by_shard_move_to_devices_and_shard_fns(mesh):
+    host = {"w": np.arange(32, dtype=np.float32).reshape(8, 4), "b": np.ones(4)}
+    specs = {"w": _pinned(mesh, P("dp", "tp")), "b": NamedSharding(mesh, P())}
+    placed = [
+        eqshard.shard(host, specs),
+        eqshard.Partitioner(
+            mesh=mesh, logical_axis_rules=[("batch", "dp")]
+        ).move_to_devices(host, specs),
+        eqshard.tree_apply(eqshard.make_shard_and_gather_fns(specs)[0], host),
+    ]
+    for out in placed:
+        assert out["w"].sharding == _pinned(mesh, P("dp", "tp"))
+        assert out["w"].sharding.memory_kind == "pinned_host"
+        assert out["b"].sharding.memory_kind == "device"
+        np.testing.assert_array_equal(eqshard.gather(out)["w"], host["w"])
