@@ -27,7 +27,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqshard
 
@@ -151,16 +151,14 @@ def check(ok: bool, what: str) -> None:
 def check_sharded(
     tree: object, specs: object, mesh: jax.sharding.Mesh, what: str
 ) -> None:
-    # `specs` has a P wherever `tree` has an array (None elsewhere), so their
-    # leaves line up one to one.
-    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    check(len(leaves) == len(spec_leaves), f"{what}: one spec per array")
-    for leaf, spec in zip(leaves, spec_leaves):
-        expected = NamedSharding(mesh, spec)
-        if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
-            check(False, f"{what}: {leaf.sharding} is not {expected}")
-    check(True, f"{what}: all {len(leaves)} arrays sharded as specified")
+    # One error listing every array laid out otherwise than `specs` asks (another
+    # spec, another mesh, a single device, host memory), or nothing.
+    try:
+        eqshard.check_layout(tree, specs, mesh)
+    except ValueError as error:
+        check(False, f"{what}: {error}")
+    count = len(jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+    check(True, f"{what}: all {count} arrays sharded as specified")
 
 
 def main() -> None:

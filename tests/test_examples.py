@@ -35,6 +35,7 @@ def _child_env() -> dict[str, str]:
     [
         ("train_step.py", "train_step example: OK"),
         ("checkpoint.py", "checkpoint example: OK"),
+        ("llama.py", "llama example: OK"),
     ],
 )
 def test_example_runs(name: str, success: str) -> None:
