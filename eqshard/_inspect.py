@@ -25,6 +25,7 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
+from ._host import placed_dtype
 from ._mesh import current_mesh, require_mesh
 from ._specs import (
     check_leaf,
@@ -594,7 +595,9 @@ def analyze_sharding_strategy(
     over the mesh axes the spec does not name. A replicated array counts in full on
     every device. Python scalars and other non-array leaves hold no device memory
     and are left out; arrays whose spec is `None` are listed but placed nowhere
-    (as [`eqshard.shard`][] leaves them where they are).
+    (as [`eqshard.shard`][] leaves them where they are). Placed NumPy arrays count
+    in the dtype `shard` places them in: 32-bit for 64-bit data while
+    `jax_enable_x64` is off.
 
     A spec that cannot apply (an unknown mesh axis, an axis used twice, more
     entries than the array's rank, a dimension its axes do not divide) is a
@@ -692,10 +695,16 @@ def analyze_pairs(
         if not is_array(leaf):
             continue
         shape = tuple(int(n) for n in leaf.shape)
-        itemsize = int(leaf.dtype.itemsize)
+        # NumPy data placed counts as `shard` places it (32-bit without x64).
+        dtype = (
+            placed_dtype(leaf.dtype)
+            if spec is not None and isinstance(leaf, np.ndarray | np.generic)
+            else leaf.dtype
+        )
+        itemsize = int(dtype.itemsize)
         nbytes = math.prod(shape) * itemsize
         name = path_str(path)
-        dtype = str(leaf.dtype)
+        dtype = str(dtype)
         if spec is None:
             rows.append(ShardingRow(name, shape, dtype, None, nbytes, 0, 1, 0))
             continue

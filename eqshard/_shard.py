@@ -32,12 +32,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._host import host_ready, leaf_casts, loss_error
 from ._mesh import require_mesh
 from ._multiprocess import (
     check_processes_agree,
@@ -98,14 +99,62 @@ def _abstract_mesh_error(caller: str, paths: list[KeyPath]) -> TypeError:
     )
 
 
-def _untyped_leaf_error(
-    caller: str, found: list[tuple[KeyPath, np.dtype]]
+def _unplaceable(dtype: np.dtype) -> str | None:
+    """Why no device can hold NumPy arrays of `dtype`, or `None` if one can (a
+    big-endian array is converted to native byte order, losslessly)."""
+    if dtype.kind == "O":
+        return "Python objects; make them numeric arrays"
+    if dtype.type is np.void:
+        return (
+            "raw bytes; a bfloat16 array saved with `np.save` loads as '|V2': "
+            "restore it with `.view(jnp.bfloat16)`"
+        )
+    if dtype.kind in "UST":
+        return (
+            "text or bytes; encode them as numbers first (e.g. token ids, or "
+            "`np.frombuffer(data, np.uint8)`)"
+        )
+    if dtype.kind in "Mm":
+        return (
+            "dates or durations; convert them to numbers first, e.g. "
+            "`.astype(np.int64)` for counts of their unit"
+        )
+    if (dtype.kind == "f" and dtype.itemsize > 8) or (
+        dtype.kind == "c" and dtype.itemsize > 16
+    ):
+        return "extended precision, which no device has; cast to float64 first"
+    return None
+
+
+def _unplaceable_error(
+    caller: str, found: list[tuple[KeyPath, np.dtype, str]]
 ) -> TypeError:
-    where = ", ".join(f"'{path_str(p)}' ({dtype})" for p, dtype in found[:10])
+    lines = [
+        f"  - '{path_str(p)}' ({dtype}): {reason}." for p, dtype, reason in found[:10]
+    ]
+    more = [f"  ... and {len(found) - 10} more."] if len(found) > 10 else []
     return TypeError(
-        f"eqshard.{caller}: NumPy arrays of object or raw-bytes dtype at {where} "
-        "cannot go to a device. A bfloat16 array saved with `np.save` loads as "
-        "'|V2': restore it with `.view(jnp.bfloat16)`."
+        "\n".join(
+            [
+                f"eqshard.{caller}: NumPy arrays of dtypes no device can hold:",
+                *lines,
+                *more,
+            ]
+        )
+    )
+
+
+def _is_deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+
+
+def _deleted_error(caller: str, paths: list[KeyPath]) -> ValueError:
+    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+    return ValueError(
+        f"eqshard.{caller}: the arrays at {where} have been deleted: donated to a "
+        "function (`donate_argnums`, `Partitioner.move_to_devices`) or freed with "
+        "`.delete()`. Use what that function returned in their place, or keep a "
+        "copy of them."
     )
 
 
@@ -122,15 +171,22 @@ def _check_movable(
     ]
     if abstract:
         raise abstract_leaf_error(caller, abstract)
+    deleted = [
+        path
+        for (path, spec), leaf in zip(pairs, leaves, strict=True)
+        if spec is not None and _is_deleted(leaf)
+    ]
+    if deleted:
+        raise _deleted_error(caller, deleted)
     untyped = [
-        (path, leaf.dtype)
+        (path, leaf.dtype, reason)
         for (path, spec), leaf in zip(pairs, leaves, strict=True)
         if spec is not None
-        and isinstance(leaf, np.ndarray)
-        and (leaf.dtype.kind == "O" or leaf.dtype.type is np.void)
+        and isinstance(leaf, np.ndarray | np.generic)
+        and (reason := _unplaceable(leaf.dtype)) is not None
     ]
     if untyped:
-        raise _untyped_leaf_error(caller, untyped)
+        raise _unplaceable_error(caller, untyped)
     unbound = [
         path
         for (path, spec), leaf in zip(pairs, leaves, strict=True)
@@ -201,47 +257,67 @@ def _match(
 # ---------------------------------------------------------------------------------
 
 
-def _cast(leaf: Any, dtype: Any) -> Any:
-    """`leaf` cast to `dtype` if it is floating (on host for NumPy arrays)."""
-    if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
-        return leaf
-    return leaf.astype(dtype)
-
-
 def _place(
     matched: list[tuple[KeyPath, Any, NamedSharding | None]],
-    dtype: Any,
+    casts: list[np.dtype | None],
     *,
+    caller: str,
     host_local: bool = False,
     donate: bool = False,
 ) -> list[Any]:
-    """The leaves of `matched`, the arrays among them moved to their shardings.
-    With `donate`, in one process, JAX arrays give up their old buffers."""
-    out = [
-        leaf if sharding is None else _cast(leaf, dtype)
-        for _, leaf, sharding in matched
-    ]
-    moving = [(i, s) for i, (_, _, s) in enumerate(matched) if s is not None]
+    """The leaves of `matched`, the arrays among them moved to their shardings and
+    cast as `casts` says (see `_host.py`). An array that stands at several leaves
+    with one sharding is placed once, and the result stands at all of them. With
+    `donate`, in one process, JAX arrays give up their old buffers. Raises, before
+    anything moves, if NumPy data would lose values."""
+    out = [leaf for _, leaf, _ in matched]
+    first: dict[tuple[int, NamedSharding, Any], int] = {}
+    unique: list[int] = []  # the leaves to place, one per distinct array
+    slots: list[tuple[int, int]] = []  # (leaf, its entry of `unique`)
+    for i, (_, leaf, sharding) in enumerate(matched):
+        if sharding is None:
+            continue
+        key = (id(leaf), sharding, casts[i])
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(i)
+        slots.append((i, first[key]))
+    ready: list[Any] = []
+    lost = []
+    for i in unique:
+        path, leaf, sharding = matched[i]
+        if isinstance(leaf, jax.Array):
+            cast = casts[i]
+            ready.append(leaf if cast is None else leaf.astype(cast))
+            continue
+        array, what, asked = host_ready(leaf, casts[i], sharding)
+        if what is not None:
+            lost.append((path, np.asarray(leaf).dtype, array.dtype, what, asked))
+        ready.append(array)
+    if lost:
+        raise loss_error(caller, lost)
+    shardings = [matched[i][2] for i in unique]
     if jax.process_count() == 1:
-        leaves = [out[i] for i, _ in moving]
-        shardings = [sharding for _, sharding in moving]
         if donate:
             # An array that stands at several leaves cannot give its buffer twice.
-            uses = collections.Counter(id(leaf) for leaf in leaves)
+            uses = collections.Counter(id(matched[i][1]) for i in unique)
             placed = jax.device_put(
-                leaves,
+                ready,
                 shardings,
                 donate=[
-                    isinstance(leaf, jax.Array) and uses[id(leaf)] == 1
-                    for leaf in leaves
+                    isinstance(x, jax.Array) and uses[id(matched[i][1])] == 1
+                    for i, x in zip(unique, ready, strict=True)
                 ],
             )
         else:
-            placed = jax.device_put(leaves, shardings)
+            placed = jax.device_put(ready, shardings)
     else:
-        placed = [_to_global(out[i], s, host_local) for i, s in moving]
-    for (i, _), array in zip(moving, placed, strict=True):
-        out[i] = array
+        placed = [
+            _to_global(x, typing.cast(NamedSharding, s), host_local)
+            for x, s in zip(ready, shardings, strict=True)
+        ]
+    for i, slot in slots:
+        out[i] = placed[slot]
     return out
 
 
@@ -292,8 +368,20 @@ def shard(
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
     - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
-      float32 checkpoint loaded as bfloat16). NumPy arrays are cast on host; JAX
-      arrays on their devices, which compiles one small cast per distinct shape.
+      float32 checkpoint loaded as bfloat16): a floating dtype for all of them,
+      or a tree of dtypes and `None`s (keep) that is a prefix of `tree`, to keep
+      some in float32 on purpose (e.g. `{"layers": jnp.bfloat16, "norm": None}`).
+      NumPy arrays are cast on host, and refused if a value overflows; JAX arrays
+      on their devices, which compiles one small cast per distinct shape.
+
+    NumPy data loses nothing: with `jax_enable_x64` off, 64-bit arrays are placed
+    as 32-bit ones (as JAX does) only if every value survives (integers in range,
+    floats still finite; checked with one vectorised pass), and refused
+    otherwise. Big-endian arrays are converted to native byte order. Placed
+    arrays never share memory with the caller's NumPy buffers (on CPU, a NumPy
+    array is copied once into a private buffer), so a data loader may reuse its
+    buffers. An array that stands at several leaves with one spec (tied weights)
+    is placed once and comes back as one array at all of them.
 
     **Returns:**
 
@@ -308,8 +396,12 @@ def shard(
       its shape and spec, and the nearest spec that fits. In a multi-process run,
       also (on every process) if the processes' paths, shapes, dtypes or specs
       differ, or their copies of an array do.
+      Also, naming the arrays, if NumPy data would lose values (see above), if
+      an array was deleted (donated), or if `dtype` is not floating.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
-      leaf of `specs` is not a spec, or if a `NamedSharding` is on an abstract mesh.
+      leaf of `specs` is not a spec, if a `NamedSharding` is on an abstract mesh,
+      or if NumPy arrays have a dtype no device holds (strings, bytes, dates,
+      objects, long doubles).
 
     !!! Example
 
@@ -347,7 +439,8 @@ def shard_tree(
             caller, tree, specs, mesh, root=root, host_local=host_local
         )
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
-    placed = _place(matched, dtype, host_local=host_local, donate=donate)
+    casts = leaf_casts(dtype, tree, caller=caller, root=root)
+    placed = _place(matched, casts, caller=caller, host_local=host_local, donate=donate)
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
@@ -398,6 +491,9 @@ def _host_leaves(
     abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
     if abstract:
         raise abstract_leaf_error(caller, abstract)
+    deleted = [p for p, x in path_leaves if _is_deleted(x)]
+    if deleted:
+        raise _deleted_error(caller, deleted)
     elsewhere = [
         (p, x)
         for p, x in path_leaves
@@ -428,7 +524,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     **Arguments:**
 
     - `tree`: any pytree.
-    - `dtype`: if given, floating arrays (NumPy ones too) are cast to it on host.
+    - `dtype`: if given, floating arrays (NumPy ones too) are cast to it on host:
+      a floating dtype, or a tree of them and `None`s, as for
+      [`eqshard.shard`][]. A cast that would overflow raises.
 
     **Returns:**
 
@@ -448,6 +546,7 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
         ```
     """
     path_leaves, treedef = _host_leaves(tree, "gather")
+    casts = leaf_casts(dtype, tree, caller="gather")
     leaves = [x for _, x in path_leaves]
     local = [
         i
@@ -462,9 +561,17 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     for i, x in enumerate(leaves):
         if is_global(x):
             out[i] = host_value(x)
-    return jtu.tree_unflatten(
-        treedef, [_cast(x, dtype) if is_array(x) else x for x in out]
-    )
+    if any(cast is not None for cast in casts):
+        lost = []
+        for i, ((path, _), cast) in enumerate(zip(path_leaves, casts, strict=True)):
+            if cast is not None:
+                source = np.asarray(out[i])
+                out[i], what, _ = host_ready(source, cast, None)
+                if what is not None:
+                    lost.append((path, source.dtype, out[i].dtype, what, True))
+        if lost:
+            raise loss_error("gather", lost)
+    return jtu.tree_unflatten(treedef, out)
 
 
 @typecheck

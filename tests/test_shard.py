@@ -347,3 +347,140 @@ def test_memory_kind_kept_by_shard_move_to_devices_and_shard_fns(mesh):
         assert out["w"].sharding.memory_kind == "pinned_host"
         assert out["b"].sharding.memory_kind == "device"
         np.testing.assert_array_equal(eqshard.gather(out)["w"], host["w"])
+
+
+# NumPy data: nothing lost, nothing shared with the caller's buffer.
+
+
+def test_64_bit_arrays_that_would_lose_values_are_refused_naming_them(mesh):
+    tree = {
+        "ids": np.full((8,), 2**40 + 7, np.int64),
+        "x": np.array([1e300] + [1.0] * 7),
+        "ok": np.arange(8, dtype=np.int64),
+    }
+    with pytest.raises(ValueError, match=r"'ids' \(int64.*int32.*\n.*'x' \(float64"):
+        eqshard.shard(tree, P(), mesh)
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        eqshard.shard(tree, P(), mesh)
+    # Values that survive the narrowing are placed, as JAX would place them.
+    out = eqshard.shard({"ok": tree["ok"], "y": np.linspace(0, 1, 8)}, P(), mesh)
+    assert out["ok"].dtype == np.int32 and out["y"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(out["ok"]), np.arange(8))
+    np.testing.assert_array_equal(
+        np.asarray(out["y"]), np.linspace(0, 1, 8).astype(np.float32)
+    )
+
+
+def test_plans_report_the_dtype_placed(mesh):
+    (row,) = eqshard.analyze_sharding_strategy(
+        {"x": np.zeros((8, 4))}, P("dp"), mesh
+    ).rows
+    assert row.dtype == "float32" and row.nbytes == 8 * 4 * 4
+
+
+def _aligned(shape, dtype):
+    """A NumPy array whose data starts on a 64-byte boundary: the buffers that
+    XLA's CPU client would otherwise use in place."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp", "tp")])
+def test_placed_arrays_do_not_share_the_callers_buffer(mesh, spec):
+    buffer = _aligned((8, 64), np.float32)
+    out = eqshard.shard({"x": buffer}, spec, mesh)
+    moved = eqshard.Partitioner(
+        mesh=mesh, logical_axis_rules=[("batch", "dp")]
+    ).move_to_devices({"x": buffer}, spec)
+    buffer[:] = 5.0  # a data loader reusing its buffer
+    for tree in (out, moved):
+        np.testing.assert_array_equal(np.asarray(tree["x"]), np.zeros((8, 64)))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["U3", "S3", "datetime64[s]", "timedelta64[s]", np.longdouble, object],
+)
+def test_numpy_dtypes_no_device_holds_are_refused_naming_the_path(mesh, dtype):
+    tree = {"a": {"b": np.zeros((8,), dtype)}, "ok": np.ones(8, np.float32)}
+    with pytest.raises(TypeError, match=r"'a/b' \("):
+        eqshard.shard(tree, P(), mesh)
+
+
+def test_numpy_strings_of_stringdtype_are_refused(mesh):
+    strings = np.array(["a"] * 8, dtype=np.dtypes.StringDType())
+    with pytest.raises(TypeError, match="'s'.*text or bytes"):
+        eqshard.shard({"s": strings}, P(), mesh)
+
+
+def test_big_endian_arrays_are_converted_losslessly(mesh):
+    values = np.arange(8, dtype=">f4") * 1.5
+    out = eqshard.shard({"x": values}, P("dp"), mesh)
+    assert out["x"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(out["x"]), values.astype("<f4"))
+
+
+def test_deleted_arrays_are_refused_before_anything_moves(mesh):
+    dead = jax.device_put(np.ones(8, np.float32))
+    dead.delete()
+    tree = {"a": {"dead": dead}, "ok": np.ones(8, np.float32)}
+    for call in (
+        lambda: eqshard.shard(tree, P(), mesh),
+        lambda: eqshard.gather(tree),
+        lambda: eqshard.iter_gather(tree),  # before the first `next`
+    ):
+        with pytest.raises(ValueError, match="'a/dead'.*deleted"):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, np.uint16, bool])
+def test_dtype_casts_to_non_floating_types_are_refused(mesh, dtype):
+    tree = {"x": np.full((8,), 300.0, np.float32)}
+    with pytest.raises(ValueError, match="floating"):
+        eqshard.shard(tree, P(), mesh, dtype=dtype)
+    with pytest.raises(ValueError, match="floating"):
+        eqshard.gather(tree, dtype=dtype)
+
+
+def test_dtype_casts_that_overflow_are_refused_naming_the_path(mesh):
+    tree = {"big": np.full((8,), 1e5, np.float32), "ok": np.ones(8, np.float32)}
+    with pytest.raises(ValueError, match=r"'big' \(float32; `dtype=` casts it"):
+        eqshard.shard(tree, P(), mesh, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="'big'"):
+        eqshard.gather(tree, dtype=jnp.float16)
+    out = eqshard.shard(tree, P(), mesh, dtype=jnp.bfloat16)  # float32's range
+    assert out["big"].dtype == jnp.bfloat16
+
+
+def test_dtype_tree_casts_only_where_it_says(mesh):
+    tree = {
+        "attn": {"w": np.ones((8, 4), np.float32)},
+        "norm": {"scale": np.ones(8, np.float32)},
+        "step": np.zeros(8, np.int32),
+    }
+    dtypes = {"attn": jnp.bfloat16, "norm": None, "step": jnp.bfloat16}
+    out = eqshard.shard(tree, P(), mesh, dtype=dtypes)
+    assert out["attn"]["w"].dtype == jnp.bfloat16
+    assert out["norm"]["scale"].dtype == np.float32
+    assert out["step"].dtype == np.int32  # only floating arrays are cast
+    host = eqshard.gather(out, dtype={"attn": np.float32, "norm": None, "step": None})
+    assert host["attn"]["w"].dtype == np.float32
+    with pytest.raises(ValueError, match="dtype"):
+        eqshard.shard(tree, P(), mesh, dtype={"attn": jnp.bfloat16})
+
+
+def test_an_array_at_two_leaves_comes_back_as_one_array(mesh):
+    embedding = np.arange(32, dtype=np.float32).reshape(8, 4)
+    device = jax.device_put(embedding)
+    for tied in (embedding, device):
+        tree = {"embed": tied, "head": tied, "other": np.ones(4, np.float32)}
+        out = eqshard.shard(tree, P("dp"), mesh)
+        assert out["embed"] is out["head"]
+        np.testing.assert_array_equal(np.asarray(out["head"]), embedding)
+    # With different shardings they must be two arrays.
+    out = eqshard.shard(
+        {"a": embedding, "b": embedding}, {"a": P("dp"), "b": P()}, mesh
+    )
+    assert out["a"] is not out["b"]

@@ -1,0 +1,204 @@
+"""Host data made ready for devices, losing nothing and sharing nothing.
+
+`shard` places NumPy arrays; before any of them moves, each is checked and, where
+needed, converted on host, in one pass over its data:
+
+1. **Casts asked for.** `dtype=` casts floating arrays, all of them or, as a tree
+   of dtypes (a prefix of the tree, `None` for "keep"), only some. Only floating
+   dtypes can be asked for: a cast to an integer type wraps or truncates.
+2. **The dtype JAX places.** With `jax_enable_x64` off, JAX would narrow 64-bit
+   arrays to 32 bits silently (int64 `2**40 + 7` became `7`, float64 `1e300`
+   became `inf`). Every cast, asked for or not, is checked with vectorised NumPy
+   reductions over the result: integers must fit the narrower type (`min`/`max`),
+   and floats must stay finite where they were (`isfinite`). Rounding to the
+   narrower float's precision is the cast's meaning and is not an error.
+   Big-endian arrays are converted to native byte order, which loses nothing.
+3. **No aliasing.** On CPU, `jax.device_put` may place a suitably aligned NumPy
+   array without copying it, so the caller's later writes to that buffer (a data
+   loader reusing it) would change arrays already on the mesh. Every NumPy array
+   placed on CPU devices (or in host memory) is therefore copied once into a
+   private, 64-byte aligned buffer, which the devices then share without further
+   copies: this costs one host copy, and often saves copies (an unaligned
+   replicated array used to be copied once per device); see `benchmarks/`.
+   Arrays placed on other devices are copied there anyway, and are not copied on
+   host first.
+
+JAX arrays are cast on their devices (`astype`), where the values are not
+checked.
+"""
+
+import functools as ft
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import PyTree
+
+from ._tree import broadcast_prefix, is_array, path_str
+from ._typing import KeyPath
+
+
+# ---------------------------------------------------------------------------------
+# 1. The casts asked for.
+# ---------------------------------------------------------------------------------
+
+
+def _is_dtype_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, np.dtype | type | str)
+
+
+def _cast_dtype(dtype: Any, caller: str, where: str) -> np.dtype:
+    try:
+        found = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(
+            f"eqshard.{caller}: `dtype`{where} is {dtype!r}, which is not a dtype. "
+            "Pass a floating dtype such as `jnp.bfloat16`, `None`, or a tree of them."
+        ) from None
+    if not jnp.issubdtype(found, jnp.floating):
+        raise ValueError(
+            f"eqshard.{caller}: `dtype`{where} is {found}, but `dtype=` casts "
+            "floating arrays, and a cast to a non-floating type wraps or truncates "
+            f"their values (300.0 becomes {np.array(300.0).astype(np.int8)} as "
+            "int8). Pass a floating dtype (e.g. `jnp.bfloat16`), or quantise the "
+            "arrays yourself, with their scales."
+        )
+    return found
+
+
+def leaf_casts(
+    dtype: Any, tree: PyTree, *, caller: str, root: KeyPath = ()
+) -> list[np.dtype | None]:
+    """The dtype each leaf of `tree` is cast to, or `None`: floating arrays get
+    `dtype`, or their entry of a tree of dtypes that is a prefix of `tree`."""
+    leaves = jtu.tree_leaves(tree)
+    if dtype is None:
+        return [None] * len(leaves)
+    if _is_dtype_leaf(dtype):
+        pairs = [((), _cast_dtype(dtype, caller, ""))] * len(leaves)
+    else:
+        pairs = broadcast_prefix(
+            dtype, tree, is_leaf=_is_dtype_leaf, name="dtype", caller=caller
+        )
+    checked: dict[Any, np.dtype] = {}
+    out: list[np.dtype | None] = []
+    for (path, want), leaf in zip(pairs, leaves, strict=True):
+        if want is None or not is_array(leaf):
+            out.append(None)
+            continue
+        if not isinstance(want, np.dtype):
+            if want not in checked:
+                where = f" at '{path_str(root + path)}'"
+                checked[want] = _cast_dtype(want, caller, where)
+            want = checked[want]
+        out.append(want if jnp.issubdtype(leaf.dtype, jnp.floating) else None)
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# 2-3. Converted and copied, losing nothing.
+# ---------------------------------------------------------------------------------
+
+
+def _lost(source: np.ndarray, out: np.ndarray) -> str | None:
+    """What a cast from `source` to `out` (of the same shape) lost, if anything."""
+    if out.size == 0 or source.dtype == out.dtype:
+        return None
+    if source.dtype.kind in "iu" and out.dtype.kind in "iu":
+        info = np.iinfo(out.dtype)
+        low, high = source.min(), source.max()
+        if low < info.min or high > info.max:
+            return (
+                f"its values reach {low if low < info.min else high}, beyond the "
+                f"range of {out.dtype} ({info.min} to {info.max})"
+            )
+        return None
+    if jnp.issubdtype(out.dtype, jnp.inexact):
+        bad = ~np.isfinite(out)
+        if bad.any():
+            bad &= np.isfinite(source)
+            if bad.any():
+                largest = np.abs(source[bad]).max()
+                return (
+                    f"{int(bad.sum())} of its finite values (up to {largest:g} in "
+                    f"magnitude) become inf or nan in {out.dtype}"
+                )
+    return None
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary, which XLA's
+    CPU client can use in place."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+@ft.lru_cache(maxsize=1024)
+def _may_alias(sharding: NamedSharding) -> bool:
+    """Whether `jax.device_put` may place host data on `sharding` without copying
+    it: on CPU devices, or in a host memory."""
+    return sharding.memory_kind not in (None, "device") or any(
+        device.platform == "cpu" for device in sharding.device_set
+    )
+
+
+def placed_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype JAX places NumPy data of `dtype` as: in native byte order, and
+    narrowed to 32 bits while `jax_enable_x64` is off."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype.newbyteorder("=")))
+
+
+def host_ready(
+    leaf: Any, cast: np.dtype | None, sharding: NamedSharding | None
+) -> tuple[np.ndarray, str | None, bool]:
+    """A NumPy leaf as it must be handed to `device_put` for `sharding` (`None`:
+    to stay on host): cast to `cast` or to the dtype JAX places, in native byte
+    order, and (where the devices could alias it) in a private buffer. Also
+    returns what the conversion lost (`None` if nothing), and whether it was
+    asked for (`cast`) rather than imposed by JAX."""
+    leaf = np.asarray(leaf)
+    target = placed_dtype(leaf.dtype if cast is None else cast)
+    private = sharding is not None and _may_alias(sharding)
+    if target == leaf.dtype and not private:
+        return leaf, None, False
+    if private:
+        out = _aligned_empty(leaf.shape, target)
+    else:
+        out = np.empty(leaf.shape, target)
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`
+        np.copyto(out, leaf, casting="unsafe")
+    return out, _lost(leaf, out), cast is not None
+
+
+def loss_error(
+    caller: str, found: Sequence[tuple[KeyPath, np.dtype, np.dtype, str, bool]]
+) -> ValueError:
+    """The message for arrays whose conversion would lose values: `found` holds
+    `(path, source, target, what was lost, asked)` for each."""
+    lines = [f"eqshard.{caller}: placing these arrays would lose values:"]
+    for path, source, target, what, asked in found[:10]:
+        how = "`dtype=` casts it" if asked else "JAX narrows it"
+        lines.append(f"  - '{path_str(path)}' ({source}; {how} to {target}): {what}.")
+    if len(found) > 10:
+        lines.append(f"  ... and {len(found) - 10} more.")
+    if any(not asked for *_, asked in found):
+        lines.append(
+            "64-bit arrays are narrowed to 32 bits while `jax_enable_x64` is off: "
+            "enable it first (`jax.config.update('jax_enable_x64', True)`), or "
+            "convert these arrays yourself to a dtype that holds their values "
+            "(floating ones with `dtype=`)."
+        )
+    if any(asked for *_, asked in found):
+        lines.append(
+            "Cast to a dtype with the range of these values (bfloat16 has "
+            "float32's), or leave these arrays uncast: give `dtype` as a tree with "
+            "`None` at their paths."
+        )
+    return ValueError("\n".join(lines))
