@@ -31,7 +31,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 import eqshard
 
+from ._fit import (
+    data_axes,
+    load_model,
+    make_optimizer,
+    OPTIMIZERS,
+    propose_rules,
+    rules_text,
+)
 from ._inspect import format_bytes
+from ._plan import parse_bytes
 
 
 _PROG = "python -m eqshard"
@@ -86,7 +95,10 @@ def _parser() -> argparse.ArgumentParser:
             "transformer, derive its specs from regex rules, print the plan, shard, "
             "train a few steps under eqx.filter_jit, gather, serialise, reload, "
             "reshard, and check that nothing changed. With --size, plan an "
-            "abstract model of that many parameters instead."
+            "abstract model of that many parameters instead; with --model, plan "
+            "your own model: parameters, gradients and optimizer state per "
+            "device, against --device-memory (exit status 1 if it does not "
+            "fit), and with --fit, rules that make it fit."
         ),
         epilog=(
             "Rules files have one rule a line, 'REGEX SPEC' or 'REGEX -> SPEC': the "
@@ -112,6 +124,69 @@ def _parser() -> argparse.ArgumentParser:
             "plan an abstract transformer of about N parameters (125M, 1B, 70B) "
             "instead of running the demo; implies --plan-only"
         ),
+    )
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:CALLABLE",
+        help=(
+            "plan your own model: CALLABLE() returns it (an Equinox module or any "
+            "pytree, or an abstract one); it is called under eqx.filter_eval_shape, "
+            "so nothing is allocated. MODULE is a module name (mypkg.models) or a "
+            "file (models.py). Implies --plan-only; the default rules replicate "
+            "everything"
+        ),
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help=(
+            "the optax optimizer whose state the plan counts, with the gradients "
+            "(default adamw; sgd has no state; none plans the parameters alone)"
+        ),
+    )
+    parser.add_argument(
+        "--param-dtype",
+        metavar="DTYPE",
+        help=(
+            "dtype of the floating-point parameters and their gradients: float32, "
+            "bfloat16 or float16 (default: the model's own)"
+        ),
+    )
+    parser.add_argument(
+        "--state-dtype",
+        metavar="DTYPE",
+        help=(
+            "dtype of the optimizer state's floating-point arrays, e.g. float32 "
+            "moments with --param-dtype bfloat16 (default: what optax makes)"
+        ),
+    )
+    parser.add_argument(
+        "--device-memory",
+        metavar="BYTES",
+        help=(
+            "memory of one device, e.g. 80GiB, 16GB: the plan says whether it fits "
+            "and the exit status is 1 if it does not"
+        ),
+    )
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help=(
+            "propose rules that fit --device-memory: the --rules given (or "
+            "replicated) plus automatic FSDP over the mesh's data axes (dp, fsdp); "
+            "print them and their plan"
+        ),
+    )
+    parser.add_argument(
+        "--save-rules",
+        metavar="FILE",
+        help="with --fit, also write the proposed rules to FILE (a --rules file)",
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="with --model, also print the plan's table of every array",
     )
     parser.add_argument(
         "--rules",
@@ -518,6 +593,12 @@ def show_plan(
         f"(balance {report.balance_score:.2f}) over the "
         f"{len(report.bytes_per_device)} devices of mesh {report.mesh_shape}"
     )
+    _note_dead_rules(rules, tree)
+    _check_plan(report)
+    return specs
+
+
+def _note_dead_rules(rules: list[tuple[str, P]], tree: PyTree) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
@@ -525,8 +606,193 @@ def show_plan(
             f"note: {len(dead)} of the {len(rules)} rules matched no array (a typo, "
             f"or shadowed by an earlier rule): {listed}"
         )
+
+
+# ---------------------------------------------------------------------------------
+# Training-memory plans (--size, --model, --plan-only) and --fit.
+# ---------------------------------------------------------------------------------
+
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "f32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+}
+# The rules of --model when no --rules are given: everything replicated.
+_REPLICATED = [(".*", P())]
+
+
+def _dtype(option: str, text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise UsageError(
+            f"{option} {text!r}: choose float32, bfloat16 or float16"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The options of a training-memory plan, checked."""
+
+    optimizer: Any
+    optimizer_name: str
+    param_dtype: Any
+    state_dtype: Any
+    device_memory: int | None
+    fit: bool
+    save_rules: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PlanOptions":
+        memory = None
+        if args.device_memory is not None:
+            try:
+                memory = parse_bytes(args.device_memory)
+            except ValueError:
+                raise UsageError(
+                    f"--device-memory {args.device_memory!r}: write an amount of "
+                    "memory such as 80GiB, 16GB or 512MiB"
+                ) from None
+        if args.fit and memory is None:
+            raise UsageError("--fit needs --device-memory, the budget to fit in")
+        if args.save_rules is not None and not args.fit:
+            raise UsageError("--save-rules writes the rules that --fit proposes")
+        try:
+            optimizer = make_optimizer(args.optimizer)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        return cls(
+            optimizer=optimizer,
+            optimizer_name=args.optimizer,
+            param_dtype=_dtype("--param-dtype", args.param_dtype),
+            state_dtype=_dtype("--state-dtype", args.state_dtype),
+            device_memory=memory,
+            fit=args.fit,
+            save_rules=args.save_rules,
+        )
+
+
+def _plan_for(
+    shapes: PyTree, mesh: Mesh, options: PlanOptions
+) -> Callable[[PyTree], eqshard.TrainingPlan]:
+    def plan(specs: PyTree) -> eqshard.TrainingPlan:
+        return eqshard.plan_training(
+            shapes,
+            specs,
+            mesh,
+            optimizer=options.optimizer,
+            param_dtype=options.param_dtype,
+            state_dtype=options.state_dtype,
+            device_memory=options.device_memory,
+        )
+
+    return plan
+
+
+def _print_plan(plan: eqshard.TrainingPlan) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.flush()
+        plan.show()  # with rich, if installed
+    else:
+        print(plan.table())
+
+
+def training_memory(
+    shapes: PyTree,
+    specs: PyTree,
+    mesh: Mesh,
+    rules: list[tuple[str, P]],
+    origin: str,
+    options: PlanOptions,
+    timer: Timer,
+) -> int:
+    """Prints the training-memory plan of `specs`, or with --fit the rules
+    proposed and their plan; returns the exit status (1 if it does not fit)."""
+    what = "parameters and gradients"
+    if options.optimizer is not None:
+        what += f", {options.optimizer_name} state"
+    plan_for = _plan_for(shapes, mesh, options)
+    print()
+    if not options.fit:
+        plan, seconds = _timed(lambda: plan_for(specs))
+        timer("training plan", seconds, what)
+        _print_plan(plan)
+        return 0 if plan.fits else 1
+    try:
+        (specs, plan, min_size), seconds = _timed(
+            lambda: propose_rules(shapes, rules, mesh, plan_for)
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    timer("fit", seconds, f"rules + auto_fsdp, {what}")
+    axes = ", ".join(data_axes(mesh))
+    header = [
+        f"proposed by `{_PROG} --fit` for mesh {dict(mesh.shape)} and "
+        f"{format_bytes(options.device_memory or 0)} per device:",
+        f"the rules of {origin}, plus FSDP over {axes} for arrays of at least "
+        f"{min_size:,} elements (eqshard.auto_fsdp).",
+    ]
+    text = rules_text(shapes, specs, header=header)
+    if plan.fits:
+        print("rules that fit (a --rules file):")
+    else:
+        print(
+            "no rules fit: even with FSDP over the data axes on every array, the "
+            "plan below is over budget. Use more devices, a larger data axis, or "
+            "a smaller --param-dtype / --state-dtype. The closest rules:"
+        )
+    print(text)
+    if options.save_rules is not None:
+        try:
+            with open(options.save_rules, "w") as file:
+                file.write(text)
+        except OSError as error:
+            raise UsageError(
+                f"--save-rules {options.save_rules}: cannot write the file "
+                f"({error.strerror or error})"
+            ) from None
+        print(f"saved to {options.save_rules}")
+        print()
+    _print_plan(plan)
+    return 0 if plan.fits else 1
+
+
+def run_model(
+    args: argparse.Namespace,
+    mesh: Mesh,
+    rules: list[tuple[str, P]],
+    origin: str,
+    options: PlanOptions,
+    timer: Timer,
+) -> int:
+    """Plans the user's own model (`--model`); returns the exit status."""
+    try:
+        shapes, load_seconds = _timed(lambda: load_model(args.model))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    timer("load model", load_seconds, "eqx.filter_eval_shape")
+    specs, seconds = _timed(lambda: _match(rules, shapes, origin))
+    timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
+    if args.table:
+        print(report.table())
+        print()
+    print(
+        f"model {args.model}: {report.total_parameters:,} parameters in "
+        f"{len(report.rows)} arrays, made abstractly with eqx.filter_eval_shape in "
+        f"{load_seconds:.2f} s"
+    )
+    print(f"rules: {origin}")
+    _note_dead_rules(rules, shapes)
     _check_plan(report)
-    return specs
+    return training_memory(shapes, specs, mesh, rules, origin, options, timer)
 
 
 def _bit_exact(a: PyTree, b: PyTree) -> int:
@@ -619,25 +885,32 @@ def run(
     rules: list[tuple[str, P]],
     origin: str,
     start: float,
-) -> None:
-    """Plans (`--size`, `--plan-only`), or runs the whole demo."""
+) -> int:
+    """Plans (`--size`, `--model`, `--plan-only`), or runs the whole demo; returns
+    the exit status."""
     timer = Timer()
+    # --model, --size, --fit and --device-memory plan; they imply --plan-only.
+    planning = args.plan_only or size is not None or args.model is not None
+    planning = planning or args.fit or args.device_memory is not None
+    options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform
     print(
         f"eqshard {eqshard.__version__} on {jax.device_count()} {kind} devices, "
         f"mesh {dict(mesh.shape)}"
     )
+    if options is not None and args.model is not None:
+        return run_model(args, mesh, rules, origin, options, timer)
     key = jax.random.key(0)
     config = demo_config(mesh) if size is None else config_for_size(size, mesh)
-    if size is not None or args.plan_only:
+    if options is not None:
         shapes, seconds = _timed(
             lambda: eqx.filter_eval_shape(Transformer, config, key=key)
         )
         print(f"abstract model built with eqx.filter_eval_shape in {seconds:.2f} s")
         print()
-        show_plan(shapes, config, mesh, rules, origin, timer)
-        return
+        specs = show_plan(shapes, config, mesh, rules, origin, timer)
+        return training_memory(shapes, specs, mesh, rules, origin, options, timer)
 
     model, seconds = _timed(lambda: jax.block_until_ready(Transformer(config, key=key)))
     timer("build model", seconds, "eager init")
@@ -682,6 +955,7 @@ def run(
     )
     print()
     print(timer.summary(time.perf_counter() - start))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -694,6 +968,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1 device")
         size = None if args.size is None else parse_size(args.size)
+        if args.model is not None and args.size is not None:
+            raise UsageError(
+                "--model plans your model, --size the built-in one: give one"
+            )
         if args.rules is None:
             user_rules, origin = None, "built-in"
         else:
@@ -707,8 +985,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             mesh = build_mesh(_default_mesh_string(jax.device_count()))
         else:
             mesh = build_mesh(args.mesh)
-        rules = builtin_rules(mesh) if user_rules is None else user_rules
-        run(args, size, mesh, rules, origin, start)
+        if user_rules is not None:
+            rules = user_rules
+        elif args.model is not None:
+            rules, origin = _REPLICATED, "the default rule '.* ()' (all replicated)"
+        else:
+            rules = builtin_rules(mesh)
+        status = run(args, size, mesh, rules, origin, start)
     except UsageError as error:
         sys.stdout.flush()
         print(f"{_PROG}: error: {error}", file=sys.stderr)
@@ -718,7 +1001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # quietly, and keep Python from failing again when it flushes stdout.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":
