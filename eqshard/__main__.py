@@ -736,7 +736,7 @@ def training_memory(
     header = [
         f"proposed by `{_PROG} --fit` for mesh {dict(mesh.shape)} and "
         f"{format_bytes(options.device_memory or 0)} per device:",
-        f"the rules of {origin}, plus FSDP over {axes} for arrays of at least "
+        f"from {origin}, plus FSDP over {axes} for arrays of at least "
         f"{min_size:,} elements (eqshard.auto_fsdp).",
     ]
     text = rules_text(shapes, specs, header=header)
