@@ -9,10 +9,12 @@ budget, and a per-device picture.
 """
 
 import dataclasses
+import io
 import re
 import sys
+import typing
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, IO
 
 import jax
 import jax.numpy as jnp
@@ -327,16 +329,17 @@ class TrainingPlan:
             f"mesh={dict(self.mesh.shape)})"
         )
 
-    def show(self, file: TextIO | None = None) -> None:
-        """Prints the plan: with `rich` (coloured bars, red over budget) when it is
-        installed, as plain text otherwise."""
+    def show(self, file: io.TextIOBase | None = None) -> None:
+        """Prints the plan to `file` (standard output by default): with `rich`
+        (coloured bars, red over budget) when it is installed, as plain text
+        (`plan.table()`) otherwise."""
         try:
             from rich.console import Console
             from rich.table import Table
         except ImportError:
             print(self.table(), file=file or sys.stdout)
             return
-        console = Console(file=file)
+        console = Console(file=typing.cast(IO[str] | None, file))
         console.print(self.summary())
         _, rows = self._view_rows()
         table = Table(title="bytes per device", show_header=False, box=None)

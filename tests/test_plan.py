@@ -1,3 +1,6 @@
+import io
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -187,3 +190,17 @@ def test_bad_memory_is_an_error(mesh):
         eqshard.plan_training(
             {"w": jnp.zeros(2)}, P(), mesh, device_memory="80 parsecs"
         )
+
+
+def test_show_draws_with_rich_and_falls_back_to_text(mesh, monkeypatch):
+    params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    plan = eqshard.plan_training(params, P("dp"), mesh, device_memory="32KiB")
+    drawn = io.StringIO()
+    plan.show(file=drawn)  # rich is installed in the test environment
+    assert "bytes per device" in drawn.getvalue()
+    assert "devices 0-7" in drawn.getvalue() and "█" in drawn.getvalue()
+    # Without rich (as if not installed), the same plan as plain text.
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    plain = io.StringIO()
+    plan.show(file=plain)
+    assert plain.getvalue() == plan.table() + "\n"
