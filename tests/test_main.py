@@ -458,3 +458,29 @@ def test_bad_model_options(args, match):
         cwd=ROOT,
     )
     assert re.search(match, _one_line_error(result))
+
+
+def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import equinox as eqx\n"
+        "import jax\n\n\n"
+        "def abstract():\n"
+        "    return eqx.filter_eval_shape(eqx.nn.Linear, 64, 32, key=jax.random.key(0))\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eqshard",
+            "--model",
+            "mymodels:abstract",
+            "--mesh",
+            "dp:8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "model mymodels:abstract: 2,080 parameters in 2 arrays" in result.stdout
