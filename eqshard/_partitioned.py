@@ -117,6 +117,38 @@ def _getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]
     return operator.itemgetter(*indices)
 
 
+def _typed(value: Any) -> Any:
+    """A cache key for a static value that also tells apart values that compare
+    equal but differ in type (`True`, `1`, `1.0`), also inside tuples: the traced
+    program can depend on the type."""
+    if isinstance(value, tuple):
+        return (type(value), tuple(map(_typed, value)))
+    return (type(value), value)
+
+
+class _Static:
+    """A static argument as given to `jax.jit`: hashed and compared by
+    [`_typed`][], so that `f(x, (True,))` does not reuse the program of
+    `f(x, (1,))`."""
+
+    __slots__ = ("value", "key", "hash")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self.key = _typed(value)
+        self.hash = hash(self.key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.key == other.key
+
+
+def _unwrap(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(x.value if isinstance(x, _Static) else x for x in args)
+
+
 class _OutStatics:
     """The non-array leaves of a traced output, returned next to its arrays.
 
@@ -310,6 +342,7 @@ class PartitionedFn:
         return f
 
     def _trace_direct(self, *args: Any) -> tuple[Any, _OutStatics | None]:
+        args = _unwrap(args)
         dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
         shardings = (
             [self.in_shardings] * len(dynamic)
@@ -388,23 +421,33 @@ class PartitionedFn:
                 f"{self._min_count}."
             )
         if self._get_dynamic is None:
-            dynamic, static_args = args, ()
+            dynamic, static_args, typed = args, (), ()
         else:
             dynamic = self._get_dynamic(args)
             static_args = tuple(args[i] for i in self._static)
+            try:
+                typed = tuple(map(_typed, static_args))
+                hash(typed)
+            except TypeError:
+                raise self._unhashable_error(None, (), static_args) from None
         if self._direct is not None and self._direct_count in (-1, count):
             if all(map(_is_direct, dynamic)):
                 _DIRECT_TYPES.update(
                     type(x) for x in dynamic if not isinstance(x, jax.ShapeDtypeStruct)
                 )
-                return self._direct, args if static else dynamic, (None, static_args)
+                if static and self._get_dynamic is not None:
+                    args = tuple(
+                        _Static(x) if i in self._static else x
+                        for i, x in enumerate(args)
+                    )
+                return self._direct, args if static else dynamic, (None, typed)
         leaves, treedef = jtu.tree_flatten(dynamic)
         key = (treedef, tuple(map(type, leaves)))
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._new_layout(dynamic, treedef, leaves, key)
         statics = layout.get_static(leaves)
-        jit_key = (statics, static_args)
+        jit_key = (statics, typed)
         try:
             jitted = layout.jitted.get(jit_key)
         except TypeError:
@@ -432,21 +475,22 @@ class PartitionedFn:
 
     def _unhashable_error(
         self,
-        layout: _Layout,
+        layout: _Layout | None,
         statics: tuple[Any, ...],
         static_args: tuple[Any, ...],
     ) -> TypeError:
-        for i, value in zip(layout.static_index, statics, strict=True):
-            try:
-                hash(value)
-            except TypeError:
-                return TypeError(
-                    f"eqshard.PartitionedFn: the argument leaf at "
-                    f"'{path_str(layout.paths[i])}' is {value!r} (a "
-                    f"{type(value).__name__}), which is neither an array nor "
-                    "hashable. Non-array leaves are compiled into the function, so "
-                    "they must be hashable: make it an array, or hashable."
-                )
+        if layout is not None:
+            for i, value in zip(layout.static_index, statics, strict=True):
+                try:
+                    hash(value)
+                except TypeError:
+                    return TypeError(
+                        f"eqshard.PartitionedFn: the argument leaf at "
+                        f"'{path_str(layout.paths[i])}' is {value!r} (a "
+                        f"{type(value).__name__}), which is neither an array nor "
+                        "hashable. Non-array leaves are compiled into the function, "
+                        "so they must be hashable: make it an array, or hashable."
+                    )
         return TypeError(
             f"eqshard.PartitionedFn: the static arguments {static_args!r} (positions "
             f"{self._static}) must be hashable."

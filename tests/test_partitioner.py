@@ -227,6 +227,25 @@ def test_static_argnums(partitioner):
     np.testing.assert_array_equal(tree_fn({"a": x}, 5), np.full(8, 5.0))
 
 
+@pytest.mark.parametrize("tree_argument", [False, True])
+@pytest.mark.parametrize("wrap", [lambda v: v, lambda v: (v,)])
+def test_static_values_equal_but_of_other_types_compile_again(
+    partitioner, tree_argument, wrap
+):
+    # True == 1 == 1.0, but the traced programs differ (bool, int32, float32).
+    def fill(x, s):
+        x = x[0] if tree_argument else x
+        return jnp.full(x.shape, jtu.tree_leaves(s)[0])
+
+    f = partitioner.partition(fill, P(), P(), static_argnums=1)
+    x = (jnp.ones(8),) if tree_argument else jnp.ones(8)
+    for value, dtype in [(True, jnp.bool_), (1, jnp.int32), (1.0, jnp.float32)]:
+        assert f(x, wrap(value)).dtype == dtype
+        assert f.compile(x, wrap(value))(x, wrap(value)).dtype == dtype
+    with pytest.raises(TypeError, match="Compile again"):
+        f.compile(x, wrap(1))(x, wrap(True))
+
+
 def test_python_scalars_and_callables_are_static(partitioner):
     traces = []
 
