@@ -20,6 +20,7 @@ from ._inspect import (
     ShardingReport as ShardingReport,
     ShardingRow as ShardingRow,
 )
+from ._keys import HostKey as HostKey
 from ._layout import check_layout as check_layout
 from ._logical import (
     AxisNames as AxisNames,

@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._keys import is_key
 from ._shard import gather
 from ._tree import is_array, mismatch_message, path_str
 from ._typing import KeyPath, typecheck
@@ -111,7 +112,8 @@ def get_metrics(
       `stack`), or is a scalar array with `unreplicate`; or, with `stack`, if
       `metrics` is empty or its trees differ in structure (naming the first path
       that differs).
-    - `TypeError` if `stack` is set and `metrics` is not a list or tuple.
+    - `TypeError` if `stack` is set and `metrics` is not a list or tuple, or
+      naming the PRNG keys among the metrics.
 
     !!! Example
 
@@ -136,6 +138,13 @@ def get_metrics(
             )
         _same_structure(list(metrics))
     items = list(metrics) if stack else [metrics]
+    keys = [p for p, x in jtu.tree_leaves_with_path(items) if is_key(x)]
+    if keys:
+        where = ", ".join(f"'{path_str(p if stack else p[1:])}'" for p in keys[:10])
+        raise TypeError(
+            f"eqshard.get_metrics: the metrics hold PRNG keys at {where}, which are "
+            "not numbers. Leave them out of the metrics."
+        )
     items = gather(items)
     if unreplicate:
         items = _unreplicate(items, stack)

@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._host import host_ready, leaf_casts, loss_error
+from ._keys import HostKey, is_host_key, is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import require_mesh
 from ._multiprocess import (
     check_processes_agree,
@@ -441,7 +442,10 @@ def shard_tree(
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
     casts = leaf_casts(dtype, tree, caller=caller, root=root)
     placed = _place(matched, casts, caller=caller, host_local=host_local, donate=donate)
-    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
+    out = jtu.tree_unflatten(jtu.tree_structure(tree), placed)
+    if any(is_host_key(x) for x in jtu.tree_leaves(tree, is_leaf=is_host_key)):
+        out = wrap_host_keys(out)
+    return out
 
 
 # ---------------------------------------------------------------------------------
@@ -461,10 +465,57 @@ def _uncached(array: jax.Array) -> jax.Array:
     )
 
 
+@ft.lru_cache(maxsize=4096)
+def _cpu_blocks(
+    sharding: Any, shape: tuple[int, ...]
+) -> tuple[tuple[int, tuple[slice, ...]], ...] | None:
+    """For an array on CPU devices only: one `(k, index)` per distinct block of it,
+    `k` being the block's position in `array.addressable_data(k)` (the order of
+    `addressable_devices_indices_map`). `None` on other devices."""
+    mapping = sharding.addressable_devices_indices_map(shape)
+    if any(device.platform != "cpu" for device in mapping):
+        return None
+    blocks: dict[tuple[Any, ...], tuple[int, tuple[slice, ...]]] = {}
+    for k, index in enumerate(mapping.values()):
+        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+        blocks.setdefault(key, (k, index))
+    return tuple(blocks.values())
+
+
+def _fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """The values of fully addressable arrays on this host, as `jax.device_get`
+    gives them, without leaving a host copy cached on the arrays.
+
+    `jax.device_get` caches an array's host copy on it, where it lives as long as
+    the array does: a gathered model would keep a hidden second host copy, and
+    `iter_gather` would hold every leaf at once. On CPU each distinct block is
+    read from its device buffer (no copy, so nothing is cached) into the result;
+    elsewhere each array is read through a short-lived `_uncached` wrapper."""
+    out: list[Any] = [None] * len(arrays)
+    elsewhere = []
+    for i, array in enumerate(arrays):
+        shape = tuple(array.shape)
+        blocks = _cpu_blocks(array.sharding, shape)
+        if blocks is None:
+            elsewhere.append(i)
+        elif len(blocks) == 1:  # one block: the whole array
+            out[i] = np.asarray(array.addressable_data(blocks[0][0]))
+        else:
+            value = np.empty(shape, array.dtype)
+            for k, index in blocks:
+                value[index] = np.asarray(array.addressable_data(k))
+            out[i] = value
+    if elsewhere:
+        values = jax.device_get([_uncached(arrays[i]) for i in elsewhere])
+        for i, value in zip(elsewhere, values, strict=True):
+            out[i] = value
+    return out
+
+
 def _to_host(array: jax.Array) -> np.ndarray:
     """The full value of one array on this process's host."""
     if array.is_fully_addressable:
-        return np.asarray(jax.device_get(_uncached(array)))
+        return np.asarray(_fetch([array])[0])
     return host_value(array)
 
 
@@ -518,8 +569,11 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     together (arrays every process already holds whole need no communication).
 
     Use it before `eqx.tree_serialise_leaves`; [`eqshard.shard`][] puts the
-    deserialised tree back. For trees too large to hold on host twice, see
-    [`eqshard.iter_gather`][].
+    deserialised tree back. A typed PRNG key array (`jax.random.key`), which NumPy
+    cannot hold, comes back as an [`eqshard.HostKey`][]: its data as NumPy and the
+    name of its implementation. Deserialise into the gathered tree (or one
+    gathered alike) and `shard` makes it a key array again, equal to the first.
+    For trees too large to hold on host twice, see [`eqshard.iter_gather`][].
 
     **Arguments:**
 
@@ -548,15 +602,21 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     path_leaves, treedef = _host_leaves(tree, "gather")
     casts = leaf_casts(dtype, tree, caller="gather")
     leaves = [x for _, x in path_leaves]
+    # A typed PRNG key comes to host as a `HostKey` of its data (see `_keys.py`).
+    impls = {
+        i: key_impl_name(x)
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and is_key(x)
+    }
+    for i in impls:
+        leaves[i] = key_data(leaves[i])
     local = [
         i
         for i, x in enumerate(leaves)
         if isinstance(x, jax.Array) and x.is_fully_addressable
     ]
     out = list(leaves)
-    for i, value in zip(
-        local, jax.device_get([_uncached(leaves[i]) for i in local]), strict=True
-    ):
+    for i, value in zip(local, _fetch([leaves[i] for i in local]), strict=True):
         out[i] = value
     for i, x in enumerate(leaves):
         if is_global(x):
@@ -571,6 +631,8 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
                     lost.append((path, source.dtype, out[i].dtype, what, True))
         if lost:
             raise loss_error("gather", lost)
+    for i, impl in impls.items():
+        out[i] = HostKey(out[i], impl)
     return jtu.tree_unflatten(treedef, out)
 
 
@@ -592,7 +654,8 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
     **Returns:**
 
     An iterator of `(path, array)` pairs, in the order of
-    `jax.tree_util.tree_leaves`.
+    `jax.tree_util.tree_leaves`. A typed PRNG key array gives its data
+    (`jax.random.key_data`, as NumPy `uint32`).
 
     **Raises:**
 
@@ -622,6 +685,8 @@ def iter_gather(tree: PyTree, *, sep: str = "/") -> Iterator[tuple[str, np.ndarr
 
 def _iter_host(named: list[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]:
     for name, leaf in named:
+        if isinstance(leaf, jax.Array) and is_key(leaf):
+            leaf = key_data(leaf)  # a key's data: NumPy has no key dtype
         yield name, _to_host(leaf) if isinstance(leaf, jax.Array) else np.asarray(leaf)
 
 

@@ -235,3 +235,10 @@ def test_pad_to_multiple_errors():
         ValueError, match="`multiple` must be a positive integer.*got -2"
     ):
         eqshard.pad_to_multiple(x, -2)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_get_metrics_names_prng_keys(stack):
+    metrics = {"loss": jnp.array(0.5), "aux": {"key": jax.random.key(0)}}
+    with pytest.raises(TypeError, match="PRNG keys at '(0/)?aux/key'"):
+        eqshard.get_metrics([metrics] if stack else metrics, stack=stack)
