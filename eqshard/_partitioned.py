@@ -39,7 +39,7 @@ from ._specs import (
     named_sharding,
     spec_error_message,
 )
-from ._tree import broadcast_prefix, is_array, path_str
+from ._tree import broadcast_prefix, is_array, path_str, repeated_arrays
 from ._typing import KeyPath, PyTreeDef
 
 
@@ -264,6 +264,10 @@ class PartitionedFn:
         self._rules = RulesContext(rules)
         self._static = static_argnums
         self._donate = frozenset(donate_argnums)
+        # The donated positions among the non-static arguments.
+        self._donated = frozenset(
+            i - sum(s < i for s in static_argnums) for i in donate_argnums
+        )
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         # Calls whose non-static arguments are all arrays skip the tree work: this
         # is possible when `in_specs` is one spec, or one spec per argument.
@@ -408,11 +412,12 @@ class PartitionedFn:
     # -- calling ------------------------------------------------------------------
 
     def _dispatch(
-        self, args: tuple[Any, ...], *, static: bool
+        self, args: tuple[Any, ...], *, static: bool, run: bool = True
     ) -> tuple[Any, tuple[Any, ...], Any]:
         """The `jax.jit` for these arguments, the arguments to call it with, and a
         signature telling apart what it was made for. With `static=False` the
-        arguments leave out the static ones, as compiled functions take them."""
+        arguments leave out the static ones, as compiled functions take them.
+        With `run`, the arguments are about to be used: donation is checked."""
         count = len(args)
         if count < self._min_count:
             raise TypeError(
@@ -435,6 +440,12 @@ class PartitionedFn:
                 _DIRECT_TYPES.update(
                     type(x) for x in dynamic if not isinstance(x, jax.ShapeDtypeStruct)
                 )
+                if run and self._donated:
+                    self._refuse_donated_twice(
+                        [(jtu.SequenceKey(i),) for i in range(len(dynamic))],
+                        dynamic,
+                        [i in self._donated for i in range(len(dynamic))],
+                    )
                 if static and self._get_dynamic is not None:
                     args = tuple(
                         _Static(x) if i in self._static else x
@@ -456,6 +467,11 @@ class PartitionedFn:
             jitted = layout.jitted[jit_key] = self._make_jit(
                 layout, statics, static_args
             )
+        if run and layout.donated_index:
+            donated = set(layout.donated_index)
+            self._refuse_donated_twice(
+                layout.paths, leaves, [i in donated for i in range(len(leaves))]
+            )
         call_args = (layout.get_donated(leaves), layout.get_kept(leaves))
         return jitted, call_args, (layout.signature, jit_key)
 
@@ -468,10 +484,25 @@ class PartitionedFn:
     ) -> _Layout:
         # Checks the structure first, naming the first path where `in_specs` differs.
         paths = [path for path, _ in self._in_pairs(dynamic)]
-        donated = frozenset(i - sum(s < i for s in self._static) for i in self._donate)
-        layout = _Layout(treedef, paths, leaves, donated)
+        layout = _Layout(treedef, paths, leaves, self._donated)
         self._layouts[key] = layout
         return layout
+
+    def _refuse_donated_twice(
+        self, paths: Sequence[KeyPath], leaves: Sequence[Any], donated: Sequence[bool]
+    ) -> None:
+        """Raises if an array that is donated also stands at another leaf: XLA
+        would use its buffer after giving it away (and crash the process)."""
+        for first, again in repeated_arrays(leaves):
+            if donated[first] or donated[again]:
+                raise ValueError(
+                    f"eqshard.PartitionedFn: {self.__name__} is given one array at "
+                    f"both '{path_str(paths[first])}' and '{path_str(paths[again])}', "
+                    f"and `donate_argnums={tuple(sorted(self._donate))}` donates it: "
+                    "its buffer cannot be given away and used in the same call. Pass "
+                    "a copy (`jnp.copy(x)`) at one of them, or do not donate that "
+                    f"argument. {_ARGS_NOTE}"
+                )
 
     def _unhashable_error(
         self,
@@ -502,6 +533,7 @@ class PartitionedFn:
         if (
             direct is not None
             and self._get_dynamic is None
+            and not self._donated
             and self._direct_count in (-1, len(args))
             and all(map(_DIRECT_TYPES.__contains__, map(type, args)))
         ):
@@ -554,13 +586,13 @@ class PartitionedFn:
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """JAX's `Lowered` for these arguments; see [`eqshard.PartitionedFn`][]."""
-        jitted, call_args, _ = self._dispatch(args, static=True)
+        jitted, call_args, _ = self._dispatch(args, static=True, run=False)
         return jitted.lower(*call_args)
 
     def compile(self, *args: Any) -> "_Compiled":
         """A callable compiled ahead of time for arguments like `args`; see
         [`eqshard.PartitionedFn`][]."""
-        jitted, call_args, signature = self._dispatch(args, static=True)
+        jitted, call_args, signature = self._dispatch(args, static=True, run=False)
         return _Compiled(self, signature, jitted.lower(*call_args).compile())
 
 

@@ -25,8 +25,8 @@ moves a tree piece by piece (their functions run steps 1-4 on one subtree each).
 `with_sharding_constraint`, which moves nothing itself, is in `_constraint.py`.
 """
 
-import collections
 import functools as ft
+import itertools
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -59,7 +59,7 @@ from ._specs import (
     named_sharding,
     spec_error_message,
 )
-from ._tree import collision_message, is_array, path_name, path_str
+from ._tree import collision_message, is_array, path_name, path_str, repeated_arrays
 from ._typing import KeyPath, PyTreeDef, typecheck
 
 
@@ -301,13 +301,15 @@ def _place(
     if jax.process_count() == 1:
         if donate:
             # An array that stands at several leaves cannot give its buffer twice.
-            uses = collections.Counter(id(matched[i][1]) for i in unique)
+            shared = set(
+                itertools.chain(*repeated_arrays([matched[i][1] for i in unique]))
+            )
             placed = jax.device_put(
                 ready,
                 shardings,
                 donate=[
-                    isinstance(x, jax.Array) and uses[id(matched[i][1])] == 1
-                    for i, x in zip(unique, ready, strict=True)
+                    isinstance(x, jax.Array) and slot not in shared
+                    for slot, x in enumerate(ready)
                 ],
             )
         else:

@@ -102,6 +102,20 @@ def path_str(path: KeyPath) -> str:
     return "/".join(map(_key_to_string, path)) or "<root>"
 
 
+def repeated_arrays(leaves: Sequence[Any]) -> list[tuple[int, int]]:
+    """`(first, again)` index pairs of the JAX arrays of `leaves` that stand at
+    more than one place (one object, e.g. tied weights): such an array has one
+    buffer, which cannot be donated at one place and used at another."""
+    first: dict[int, int] = {}
+    pairs = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array):
+            j = first.setdefault(id(leaf), i)
+            if j != i:
+                pairs.append((j, i))
+    return pairs
+
+
 def collision_message(name: Any, first: KeyPath, second: KeyPath) -> str:
     return (
         f"Two leaves flatten to the same name {name!r}: {jtu.keystr(first)} and "

@@ -310,6 +310,40 @@ def test_donate_argnums_for_a_module(partitioner, mesh42):
     assert float(total) == 8.0
 
 
+# One array at two places of a call whose donation covers one of them: XLA would
+# use the buffer after giving it away (it crashed the process). The check runs
+# before the call, so `x` is still there afterwards.
+@pytest.mark.parametrize(
+    "fn, donate, args, paths",
+    [
+        (lambda a, b: (a + b, a - b), (0, 1), lambda x: (x, x), ("'0'", "'1'")),
+        (lambda a, b: a + b, 0, lambda x: (x, x), ("'0'", "'1'")),
+        (
+            lambda t: (t[0] + t[1], t[0] - t[1]),
+            0,
+            lambda x: ((x, x),),
+            ("'0/0'", "'0/1'"),
+        ),
+        (lambda t, u: t["w"] + u, 0, lambda x: ({"w": x, "n": 1}, x), ("'0/w'", "'1'")),
+    ],
+)
+def test_donating_an_array_that_stands_at_two_places_is_refused(
+    partitioner, mesh42, fn, donate, args, paths
+):
+    partitioned = partitioner.partition(fn, P("data"), P("data"), donate_argnums=donate)
+    x = jax.device_put(jnp.ones(8), NamedSharding(mesh42, P("data")))
+    for call in (partitioned, partitioned.compile(*args(jnp.ones(8)))):
+        with pytest.raises(ValueError, match=rf"both {paths[0]} and {paths[1]}"):
+            call(*args(x))
+    assert not x.is_deleted()
+    # A copy at one of them is fine.
+    two = args(x)
+    copy = lambda a: jnp.copy(a) if isinstance(a, jax.Array) else a  # noqa: E731
+    copied = (*jtu.tree_map(copy, two[:1]), *two[1:])
+    expected = fn(*args(np.ones(8, np.float32)))
+    jtu.tree_map(np.testing.assert_array_equal, partitioned(*copied), expected)
+
+
 def test_lower_and_compile(partitioner, mesh42):
     def f(model, x):
         return model.activation(x @ model.w1)
