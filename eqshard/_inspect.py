@@ -366,7 +366,10 @@ class ShardingReport:
     [`eqshard.analyze_sharding_strategy`][].
 
     `str(report)` (or `report.table()`) is a text table with one line per array and
-    a totals line; `report.rich_table()` is the same as a `rich` table.
+    a totals line; `report.rich_table()` is the same as a `rich` table. For a bar
+    per device, and the gradients and optimizer state of training, see
+    [`eqshard.plan_training`][] (`gradients=False` and no optimizer plans the
+    arrays alone).
 
     **Fields:**
 
