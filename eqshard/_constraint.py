@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -40,6 +41,9 @@ def _constraint_kind(
     used = {types[axis] for entry in spec for axis in entry_axes(entry)}
     if not used:  # a replicated spec: follow the mesh (outside `shard_map`)
         used = set(mesh.axis_types) - {AxisType.Manual} or {AxisType.Auto}
+        if len(used) > 1:  # Auto and Explicit axes: either can replicate
+            explicit = AxisType.Explicit in _context_types().values()
+            used = {AxisType.Explicit if explicit else AxisType.Auto}
     if used <= {AxisType.Auto}:
         return AxisType.Auto
     if used <= {AxisType.Explicit}:
@@ -59,6 +63,50 @@ def _constraint_kind(
         "Explicit ones (`reshard`), not both: build the mesh with one axis type, "
         "e.g. `eqshard.create_mesh(..., axis_types=...)`."
     )
+
+
+def _context_types() -> dict[str, AxisType]:
+    """The axis types of the mesh set with `jax.set_mesh` (empty if none)."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return {}
+    return dict(zip(context.axis_names, context.axis_types, strict=True))
+
+
+def _check_context(
+    kind: AxisType,
+    spec: PartitionSpec,
+    mesh: Mesh | AbstractMesh,
+    path: KeyPath,
+    traced: bool,
+) -> None:
+    """Raises eqshard's error where JAX would fail (or assert) for a constraint of
+    `kind` on `mesh` under the mesh set with `jax.set_mesh`."""
+    context = _context_types()
+    where = f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}'"
+    if kind == AxisType.Explicit and traced and isinstance(mesh, Mesh):
+        own = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        if context != own:
+            raise ValueError(
+                f"{where} is on mesh {dict(mesh.shape)}, whose axes are Explicit; "
+                "inside `jit`, JAX reshards over Explicit axes only under that "
+                "mesh. Call the jitted function within `with jax.set_mesh(mesh):`, "
+                "or build the mesh with Auto axes (as `eqshard.create_mesh` does)."
+            )
+    if kind == AxisType.Auto:
+        clash = [
+            axis
+            for axis, axis_type in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if axis_type == AxisType.Auto and context.get(axis) == AxisType.Explicit
+        ]
+        if clash:
+            raise ValueError(
+                f"{where} is on a mesh whose axes {', '.join(map(repr, clash))} are "
+                "Auto, but in the mesh set with `jax.set_mesh` they are Explicit: "
+                "arrays there carry their sharding in their types, which an Auto "
+                "constraint cannot change. Leave out `mesh=` to constrain on the "
+                "set mesh, or set a mesh with Auto axes."
+            )
 
 
 _ON_INVALID = ("warn", "raise", "ignore")
@@ -158,7 +206,9 @@ def with_sharding_constraint(
         spec, spec_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
         if problem is not None:
             problems.append(problem)
-        indices, shardings = batches[_constraint_kind(fixed, spec_mesh, path)]
+        kind = _constraint_kind(fixed, spec_mesh, path)
+        _check_context(kind, fixed, spec_mesh, path, isinstance(leaf, Tracer))
+        indices, shardings = batches[kind]
         indices.append(i)
         shardings.append(
             NamedSharding(spec_mesh, fixed) if isinstance(spec_mesh, Mesh) else fixed

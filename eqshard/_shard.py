@@ -58,6 +58,7 @@ from ._specs import (
     leaf_specs,
     named_sharding,
     spec_error_message,
+    SpecCheck,
 )
 from ._tree import collision_message, is_array, path_name, path_str, repeated_arrays
 from ._typing import KeyPath, PyTreeDef, typecheck
@@ -69,6 +70,13 @@ from ._typing import KeyPath, PyTreeDef, typecheck
 
 
 def _concrete_mesh(mesh: Mesh | AbstractMesh | None, caller: str) -> Mesh:
+    if isinstance(mesh, AbstractMesh):
+        raise TypeError(
+            f"eqshard.{caller}: `mesh` is an `AbstractMesh` ({mesh}), which has no "
+            "devices to place arrays on. Pass a concrete `Mesh` (e.g. "
+            "`eqshard.create_mesh(...)`); plan on abstract meshes with "
+            "`eqshard.analyze_sharding_strategy`."
+        )
     mesh = require_mesh(mesh, caller=caller)
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -216,6 +224,29 @@ def _check_block(
     return fixed, reasons
 
 
+def _check_placeable(
+    check: SpecCheck,
+    shape: tuple[int, ...],
+    spec: PartitionSpec,
+    mesh: Mesh | AbstractMesh,
+    leaf: Any,
+) -> tuple[PartitionSpec, list[str]]:
+    """`check`, and no `P.UNCONSTRAINED` entry: it leaves a layout to `jit`'s
+    compiler, and an array placed now needs one."""
+    fixed, reasons = check(shape, spec, mesh, leaf)
+    if any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
+        reasons = [
+            *reasons,
+            "P.UNCONSTRAINED leaves a dimension's layout to `jit`'s compiler, but "
+            "an array placed now needs one (None replicates it)",
+        ]
+        entries = [None if e is PartitionSpec.UNCONSTRAINED else e for e in fixed]
+        while entries and entries[-1] is None:
+            entries.pop()
+        fixed = PartitionSpec(*entries)
+    return fixed, reasons
+
+
 def _match(
     tree: PyTree,
     specs: PyTree,
@@ -238,7 +269,12 @@ def _match(
     ):
         mesh = _concrete_mesh(mesh, caller)
     problems = check_leaves(
-        pairs, leaves, mesh, check=_check_block if host_local else check_spec_on_mesh
+        pairs,
+        leaves,
+        mesh,
+        check=ft.partial(
+            _check_placeable, _check_block if host_local else check_spec_on_mesh
+        ),
     )
     if problems:
         raise ValueError(spec_error_message(caller, problems))
@@ -340,7 +376,7 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
 def shard(
     tree: PyTree,
     specs: PyTree,
-    mesh: Mesh | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
     *,
     dtype: Any = None,
 ) -> PyTree:
@@ -394,15 +430,18 @@ def shard(
 
     - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
       differs), if no mesh is given or set, or if specs cannot apply: an unknown
-      mesh axis, a mesh axis used twice, a spec longer than the array's rank, or a
-      dimension not divisible by its mesh axes. The message names every such leaf,
+      mesh axis (or an entry that is no axis name, such as `P(1)`), a mesh axis
+      used twice, `P.UNCONSTRAINED` (a layout only `jit` can choose), a spec
+      longer than the array's rank, or a dimension not divisible by its mesh
+      axes. The message names every such leaf,
       its shape and spec, and the nearest spec that fits. In a multi-process run,
       also (on every process) if the processes' paths, shapes, dtypes or specs
       differ, or their copies of an array do.
       Also, naming the arrays, if NumPy data would lose values (see above), if
       an array was deleted (donated), or if `dtype` is not floating.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
-      leaf of `specs` is not a spec, if a `NamedSharding` is on an abstract mesh,
+      leaf of `specs` is not a spec, if `mesh` or a `NamedSharding`'s mesh is
+      abstract,
       or if NumPy arrays have a dtype no device holds (strings, bytes, dates,
       objects, long doubles).
 
@@ -423,7 +462,7 @@ def shard(
 def shard_tree(
     tree: PyTree,
     specs: PyTree,
-    mesh: Mesh | None,
+    mesh: Mesh | AbstractMesh | None,
     *,
     dtype: Any,
     caller: str,
@@ -698,7 +737,7 @@ def _iter_host(named: list[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]
 
 
 @typecheck
-def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
+def named_shardings(specs: PyTree, mesh: Mesh | AbstractMesh | None = None) -> PyTree:
     """Turns a spec tree into a tree of `NamedSharding`s on `mesh`.
 
     `NamedSharding`s and `None`s are kept as they are. The result can be passed to
@@ -715,9 +754,10 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
 
     **Raises:**
 
-    - `ValueError` if no mesh is given or set, or if a spec names a mesh axis that
-      `mesh` lacks or names one twice (the message names the path).
-    - `TypeError` naming the path of a leaf that is not a spec.
+    - `ValueError` if no mesh is given or set, or if specs name a mesh axis that
+      `mesh` lacks or name one twice (the message names every such path).
+    - `TypeError` naming the paths of the leaves that are not specs, or if `mesh`
+      is an `AbstractMesh`.
 
     !!! Example
 
@@ -726,23 +766,44 @@ def named_shardings(specs: PyTree, mesh: Mesh | None = None) -> PyTree:
         jax.jit(f, in_shardings=(shardings,))
         ```
     """
+    caller = "named_shardings"
     path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    not_specs = [
+        bad_spec_leaf_message(caller, path, spec, logical=False)
+        for path, spec in path_specs
+        if not is_spec_leaf(spec)
+    ]
+    if not_specs:
+        raise TypeError(_every_leaf(caller, "are not specs", not_specs))
     out = []
+    problems = []
     for path, spec in path_specs:
-        if not is_spec_leaf(spec):
-            raise TypeError(
-                bad_spec_leaf_message("named_shardings", path, spec, logical=False)
-            )
         if isinstance(spec, PartitionSpec):
-            mesh = _concrete_mesh(mesh, "named_shardings")
-            spec = named_sharding(spec, mesh, caller="named_shardings", path=path)
+            mesh = _concrete_mesh(mesh, caller)
+            try:
+                spec = named_sharding(spec, mesh, caller=caller, path=path)
+            except ValueError as error:  # every bad leaf is reported at once
+                problems.append(str(error))
         out.append(spec)
+    if problems:
+        raise ValueError(_every_leaf(caller, "cannot apply", problems))
     return jtu.tree_unflatten(treedef, out)
+
+
+def _every_leaf(caller: str, what: str, messages: list[str]) -> str:
+    """One message for several leaves, each of whose `messages` starts with
+    `eqshard.<caller>: `."""
+    if len(messages) == 1:
+        return messages[0]
+    prefix = f"eqshard.{caller}: "
+    lines = [f"{prefix}{len(messages)} leaves of `specs` {what}:"]
+    lines += [f"  - {m.removeprefix(prefix)}" for m in messages]
+    return "\n".join(lines)
 
 
 @typecheck
 def make_shard_and_gather_fns(
-    specs: PyTree, mesh: Mesh | None = None, *, dtype: Any = None
+    specs: PyTree, mesh: Mesh | AbstractMesh | None = None, *, dtype: Any = None
 ) -> tuple[PyTree, PyTree]:
     """Makes trees of functions that shard and gather one leaf (or subtree) each.
 

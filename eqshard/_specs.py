@@ -119,12 +119,15 @@ def named_sharding(
     return NamedSharding(mesh, spec)
 
 
-def entry_axes(entry: Any) -> tuple[str, ...]:
+def entry_axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes of one entry of a spec. Anything but a name, a tuple (or list)
+    of names or `None`, such as `P(1)`'s `1`, counts as one name, which no mesh
+    has, so that the checks report it."""
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return ()
-    if isinstance(entry, str):
-        return (entry,)
-    return tuple(entry)
+    if isinstance(entry, tuple | list):
+        return tuple(entry)
+    return (entry,)
 
 
 def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:

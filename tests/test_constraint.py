@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
 
@@ -136,3 +136,43 @@ def test_constraint_on_invalid_modes(mesh):
             tree, specs, mesh=mesh, on_invalid="ignore"
         )
     assert out["w"].sharding.spec == P(None, "tp")
+
+
+def test_explicit_mesh_inside_jit_without_set_mesh_gets_eqshards_error(explicit_mesh):
+    def step(x):
+        return eqshard.with_sharding_constraint(
+            {"x": x}, {"x": P("dp")}, mesh=explicit_mesh
+        )
+
+    with pytest.raises(ValueError, match=r"'x'.*Explicit.*jax.set_mesh"):
+        jax.jit(step)(jnp.ones(8))
+    with jax.set_mesh(explicit_mesh):
+        out = jax.jit(step)(jnp.ones(8))
+    assert out["x"].sharding.spec == P("dp")
+
+
+def test_replicated_spec_on_a_mixed_mesh():
+    mixed = jax.make_mesh(
+        (2, 4), ("dp", "tp"), axis_types=(AxisType.Auto, AxisType.Explicit)
+    )
+
+    def step(x):
+        return eqshard.with_sharding_constraint(x, P(), mesh=mixed)
+
+    for out in (jax.jit(step)(jnp.ones(8)), step(jnp.ones(8))):
+        assert out.sharding.is_fully_replicated
+        assert out.sharding.mesh.shape == mixed.shape
+    with jax.set_mesh(mixed):
+        out = jax.jit(lambda x: eqshard.with_sharding_constraint(x, P()))(jnp.ones(8))
+    assert out.sharding.is_fully_replicated
+
+
+def test_auto_mesh_under_an_explicit_set_mesh_gets_eqshards_error(mesh, explicit_mesh):
+    def step(x):
+        return eqshard.with_sharding_constraint({"x": x}, {"x": P("dp")}, mesh=mesh)
+
+    with (
+        jax.set_mesh(explicit_mesh),
+        pytest.raises(ValueError, match=r"'x'.*Auto.*Explicit.*mesh="),
+    ):
+        jax.jit(step)(jnp.ones(8))

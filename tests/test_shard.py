@@ -525,3 +525,29 @@ def test_key_arrays_round_trip_through_gather_and_serialisation(mesh, tmp_path):
     assert back["keys"].sharding == NamedSharding(mesh, P("dp"))
     (name, data), _ = list(eqshard.iter_gather({"k": tree["keys"], "w": tree["w"]}))
     assert name == "k" and data.dtype == np.uint32 and data.shape == (8, 2)
+
+
+@pytest.mark.parametrize("spec", [P(P.UNCONSTRAINED), P(1), P(None, 2.5)])
+def test_specs_with_entries_that_place_nothing_are_refused_by_path(mesh, spec):
+    tree = {"a": {"x": np.ones((8, 4), np.float32)}, "ok": np.ones(4)}
+    with pytest.raises(ValueError, match=r"'a/x' \(shape \(8, 4\)\)"):
+        eqshard.shard(tree, {"a": spec, "ok": P()}, mesh)
+
+
+def test_an_abstract_mesh_gets_eqshards_error(mesh):
+    tree = {"x": np.ones(8, np.float32)}
+    for call in (
+        lambda: eqshard.shard(tree, P(), mesh.abstract_mesh),
+        lambda: eqshard.named_shardings(P(), mesh.abstract_mesh),
+        lambda: eqshard.make_shard_and_gather_fns(P(), mesh.abstract_mesh),
+    ):
+        with pytest.raises(TypeError, match="eqshard.*`AbstractMesh`.*concrete"):
+            call()
+
+
+def test_named_shardings_reports_every_bad_leaf(mesh):
+    specs = {"a": P("x"), "b": P("tp"), "c": P("dp", "dp")}
+    with pytest.raises(ValueError, match=r"2 leaves(.|\n)*'a'(.|\n)*'c'"):
+        eqshard.named_shardings(specs, mesh)
+    with pytest.raises(TypeError, match=r"'a'(.|\n)*'b'"):
+        eqshard.named_shardings({"a": "dp", "b": 3}, mesh)
