@@ -231,12 +231,15 @@ class PartitionedFn:
     **Methods:**
 
     - `__call__(*args)`: runs the function.
-    - `lower(*args)`: JAX's `jax.stages.Lowered` for these arguments (for
-      `as_text()`, `cost_analysis()`). For pytree arguments it is lowered over
-      their flattened arrays, so use `compile` for something to call.
-    - `compile(*args)`: a callable compiled ahead of time for arguments like these,
-      taking the same arguments as the function; its `compiled` attribute is
-      JAX's `jax.stages.Compiled`.
+    - `lower(*args)`: the function lowered for arguments like these, with
+      `as_text()`, `compiler_ir()`, `cost_analysis()` and `compile()`; its
+      `lowered` attribute is JAX's `jax.stages.Lowered`.
+    - `compile(*args)` (or `lower(*args).compile()`): a callable compiled ahead
+      of time for arguments like these, taking the same arguments as the
+      function and returning its outputs, with `as_text()`, `cost_analysis()`
+      and `memory_analysis()`; its `compiled` attribute is JAX's
+      `jax.stages.Compiled`. Called with arrays of other shapes or dtypes, or
+      other non-array leaves, it raises naming the paths: compile again.
 
     **Attributes:**
 
@@ -584,16 +587,16 @@ class PartitionedFn:
                     "its spec. " + _ARGS_NOTE
                 ) from error
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
-        """JAX's `Lowered` for these arguments; see [`eqshard.PartitionedFn`][]."""
-        jitted, call_args, _ = self._dispatch(args, static=True, run=False)
-        return jitted.lower(*call_args)
+    def lower(self, *args: Any) -> "_Lowered":
+        """The function lowered for arguments like `args`; see
+        [`eqshard.PartitionedFn`][]."""
+        jitted, call_args, signature = self._dispatch(args, static=True, run=False)
+        return _Lowered(self, signature, _avals(self, args), jitted.lower(*call_args))
 
     def compile(self, *args: Any) -> "_Compiled":
         """A callable compiled ahead of time for arguments like `args`; see
         [`eqshard.PartitionedFn`][]."""
-        jitted, call_args, signature = self._dispatch(args, static=True, run=False)
-        return _Compiled(self, signature, jitted.lower(*call_args).compile())
+        return self.lower(*args).compile()
 
 
 _ARGS_NOTE = (
@@ -602,13 +605,71 @@ _ARGS_NOTE = (
 )
 
 
+def _aval_str(leaf: Any) -> str:
+    """An array's type as JAX places it, printed as JAX does, e.g. `float32[8,4]`."""
+    dtype = jax.dtypes.canonicalize_dtype(leaf.dtype, allow_extended_dtype=True)
+    return f"{dtype}[{','.join(map(str, leaf.shape))}]"
+
+
+def _avals(owner: PartitionedFn, args: tuple[Any, ...]) -> list[tuple[KeyPath, str]]:
+    """The path and type of every array among the non-static arguments."""
+    dynamic = args if owner._get_dynamic is None else owner._get_dynamic(args)
+    return [
+        (path, _aval_str(leaf))
+        for path, leaf in jtu.tree_flatten_with_path(dynamic)[0]
+        if is_array(leaf)
+    ]
+
+
+class _Lowered:
+    """A [`eqshard.PartitionedFn`][] lowered for one structure and types of
+    arguments: `compile()` gives a callable that takes the function's own
+    arguments. JAX's `jax.stages.Lowered` is its `lowered` attribute."""
+
+    def __init__(
+        self,
+        owner: PartitionedFn,
+        signature: Any,
+        avals: list[tuple[KeyPath, str]],
+        lowered: jax.stages.Lowered,
+    ):
+        self._owner = owner
+        self._signature = signature
+        self._avals = avals
+        self.lowered = lowered
+
+    def compile(self) -> "_Compiled":
+        return _Compiled(
+            self._owner, self._signature, self._avals, self.lowered.compile()
+        )
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str:
+        return self.lowered.as_text(*args, **kwargs)
+
+    def compiler_ir(self, *args: Any, **kwargs: Any) -> Any:
+        return self.lowered.compiler_ir(*args, **kwargs)
+
+    def cost_analysis(self) -> Any:
+        return self.lowered.cost_analysis()
+
+    def __repr__(self) -> str:
+        return f"Lowered({self._owner.__name__})"
+
+
 class _Compiled:
     """A [`eqshard.PartitionedFn`][] compiled ahead of time for one structure of
     arguments. Calls take the function's own arguments."""
 
-    def __init__(self, owner: PartitionedFn, signature: Any, compiled: Any):
+    def __init__(
+        self,
+        owner: PartitionedFn,
+        signature: Any,
+        avals: list[tuple[KeyPath, str]],
+        compiled: jax.stages.Compiled,
+    ):
         self._owner = owner
         self._signature = signature
+        self._avals = avals
         self.compiled = compiled
 
     def __call__(self, *args: Any) -> Any:
@@ -619,11 +680,42 @@ class _Compiled:
                 "for arguments of another structure, or with other non-array "
                 "leaves or static arguments. Compile again for these arguments."
             )
-        out, statics = self.compiled(*call_args)
+        try:
+            out, statics = self.compiled(*call_args)
+        except (TypeError, ValueError) as e:
+            self._diagnose(args, e)
+            raise
         return out if statics is None else statics.rebuild(out)
+
+    def _diagnose(self, args: tuple[Any, ...], error: Exception) -> None:
+        """Raises eqshard's message, naming the paths, in place of JAX's error for
+        arrays of other shapes or dtypes than those compiled for; or JAX's
+        placement error as `PartitionedFn` calls do."""
+        given = _avals(self._owner, args)
+        problems = [
+            f"  - '{path_str(path)}': compiled for {want}, given {got}"
+            for (path, want), (_, got) in zip(self._avals, given, strict=True)
+            if want != got
+        ]
+        if problems:
+            raise TypeError(
+                f"eqshard.PartitionedFn.compile: {self._owner.__name__} was compiled "
+                f"for arrays of other shapes or dtypes than it is given:\n"
+                + "\n".join(problems)
+                + "\nCompile again for these arguments (or call the "
+                "`PartitionedFn` itself, which compiles as needed). " + _ARGS_NOTE
+            ) from error
+        if isinstance(error, ValueError):
+            self._owner._diagnose(args, error)
 
     def as_text(self) -> str | None:
         return self.compiled.as_text()
+
+    def cost_analysis(self) -> Any:
+        return self.compiled.cost_analysis()
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.memory_analysis()
 
     def __repr__(self) -> str:
         return f"Compiled({self._owner.__name__})"

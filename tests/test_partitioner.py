@@ -352,10 +352,17 @@ def test_lower_and_compile(partitioner, mesh42):
     model = _mlp(jax.random.key(0))
     x = jnp.ones((8, 8))
     lowered = partitioned.lower(model, x)
-    assert isinstance(lowered, jax.stages.Lowered)
+    assert isinstance(lowered.lowered, jax.stages.Lowered)
     assert "sharding" in lowered.as_text()
     assert "module @jit_f " in lowered.as_text()  # named after the function
+    # Compiling the lowered function gives one that takes the function's own
+    # arguments and returns its own outputs (not the internal flat signature).
+    expected = jax.nn.gelu(np.asarray(x) @ np.asarray(model.w1))
+    np.testing.assert_allclose(lowered.compile()(model, x), expected, rtol=1e-5)
     compiled = partitioned.compile(model, x)
+    assert compiled.memory_analysis() is not None
+    assert compiled.cost_analysis()["flops"] > 0
+    assert "dot" in compiled.as_text()
     np.testing.assert_allclose(compiled(model, x), partitioned(model, x), rtol=1e-6)
     np.testing.assert_allclose(
         compiled(model, x), jax.nn.gelu(np.asarray(x) @ np.asarray(model.w1)), rtol=1e-5
@@ -376,6 +383,22 @@ def test_lower_and_compile(partitioner, mesh42):
     assert "module @jit_product " in text
     compiled = matmul.compile(jnp.ones((8, 4)), jnp.ones((4, 4)))
     np.testing.assert_array_equal(compiled(jnp.ones((8, 4)), jnp.ones((4, 4))), 4.0)
+
+
+@pytest.mark.parametrize("tree_argument", [False, True])
+def test_compiled_function_given_other_shapes_names_the_paths(
+    partitioner, tree_argument
+):
+    wrap = (lambda a: {"w": a}) if tree_argument else (lambda a: a)
+    f = partitioner.partition(lambda a, b: a, P("data"), P("data"))
+    compiled = f.compile(wrap(jnp.ones(8)), jnp.ones(8, jnp.int32))
+    path = "0/w" if tree_argument else "0"
+    with pytest.raises(TypeError, match="compiled for") as info:
+        compiled(wrap(jnp.ones(16)), jnp.ones(8))
+    message = str(info.value)
+    assert message.startswith("eqshard.PartitionedFn.compile:")
+    assert f"'{path}': compiled for float32[8], given float32[16]" in message
+    assert "'1': compiled for int32[8], given float32[8]" in message
 
 
 # ---------------------------------------------------------------------------------
