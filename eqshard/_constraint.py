@@ -8,8 +8,7 @@ corrects the spec to the nearest one that can (`check_spec`, in `_specs.py`), an
 """
 
 import warnings
-from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
@@ -28,7 +27,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import ConstraintOnInvalid, KeyPath, RulesArg, typecheck
 
 
 def _constraint_kind(
@@ -124,8 +123,8 @@ def with_sharding_constraint(
     specs: PyTree,
     *,
     mesh: Mesh | AbstractMesh | None = None,
-    on_invalid: Literal["warn", "raise", "ignore"] = "warn",
-    rules: Sequence[Any] | None = None,
+    on_invalid: ConstraintOnInvalid = "warn",
+    rules: RulesArg | None = None,
 ) -> PyTree:
     """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
 

@@ -10,7 +10,7 @@ plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
@@ -35,7 +35,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import KeyPath, PyTreeDef, typecheck
+from ._typing import KeyPath, PyTreeDef, ReportOnInvalid, typecheck
 
 
 # ---------------------------------------------------------------------------------
@@ -587,7 +587,7 @@ def analyze_sharding_strategy(
     specs: PyTree,
     mesh: Mesh | AbstractMesh | None = None,
     *,
-    on_invalid: Literal["report", "raise"] = "report",
+    on_invalid: ReportOnInvalid = "report",
 ) -> ShardingReport:
     """Works out what a sharding plan puts on each device, without moving anything.
 

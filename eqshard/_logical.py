@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._tree import path_str
-from ._typing import KeyPath, typecheck
+from ._typing import KeyPath, RulesArg, sequence_fix, typecheck
 
 
 # What a rule maps a logical name to: one mesh axis, several (the dimension is
@@ -140,7 +140,8 @@ def _rule_message(
 def _rules_type_message(caller: str, argname: str, rules: Any) -> str:
     return (
         f"eqshard.{caller}: `{argname}` must be a sequence of (logical_name, "
-        f"mesh_axes) pairs, got {rules!r} (a {type(rules).__name__})."
+        f"mesh_axes) pairs, got {rules!r} (a {type(rules).__name__}). "
+        + sequence_fix(rules)
     )
 
 
@@ -336,7 +337,7 @@ class RulesContext:
 
 
 @typecheck
-def logical_axis_rules(rules: Sequence[Any]) -> RulesContext:
+def logical_axis_rules(rules: RulesArg) -> RulesContext:
     """Sets the logical axis rules for the current thread inside a `with` block.
 
     Inside the block, every eqshard function whose `rules=` is left as `None`
@@ -377,7 +378,7 @@ def logical_axis_rules(rules: Sequence[Any]) -> RulesContext:
 
 
 @typecheck
-def set_logical_axis_rules(rules: Sequence[Any]) -> None:
+def set_logical_axis_rules(rules: RulesArg) -> None:
     """Sets the logical axis rules of the current thread until set again.
 
     Prefer [`eqshard.logical_axis_rules`][], which restores the previous rules on
@@ -440,9 +441,7 @@ def _rules_or_context(rules: Any, caller: str) -> LogicalRules:
 
 
 @typecheck
-def composite_rules(
-    first: Sequence[Any] | None, second: Sequence[Any] | None
-) -> LogicalRules:
+def composite_rules(first: RulesArg | None, second: RulesArg | None) -> LogicalRules:
     """Combines two sets of logical axis rules, refusing contradictions.
 
     The result has every rule of `first`, in order, then the rules of `second` for
@@ -499,8 +498,8 @@ def composite_rules(
 
 @typecheck
 def logical_to_mesh_axes(
-    axes: Sequence[Any], rules: Sequence[Any] | None = None
-) -> PartitionSpec:
+    axes: Sequence[Any] | None, rules: RulesArg | None = None
+) -> PartitionSpec | None:
     """Turns the logical names of an array's dimensions into a `PartitionSpec`.
 
     The rules are tried in order. A rule `(name, mesh_axes)` sets the entry of the
@@ -521,14 +520,15 @@ def logical_to_mesh_axes(
     **Arguments:**
 
     - `axes`: one logical name (`str`) or `None` per dimension; an
-      [`eqshard.AxisNames`][] or any sequence.
+      [`eqshard.AxisNames`][] or any sequence. `None` (no names known) gives
+      `None`, as in flax.
     - `rules`: a sequence of `(logical_name, mesh_axes)` pairs in priority order;
       `None` reads the current [`eqshard.logical_axis_rules`][].
 
     **Returns:**
 
     A `PartitionSpec` with one entry per dimension: a mesh axis name, a tuple of
-    them, or `None`.
+    them, or `None`; `None` if `axes` is `None`.
 
     **Raises:**
 
@@ -548,6 +548,8 @@ def logical_to_mesh_axes(
         ```
     """
     table = _rules_or_context(rules, "logical_to_mesh_axes")
+    if axes is None:  # no logical axes known: nothing to shard (flax)
+        return None
     return logical_to_spec(axes, table, caller="logical_to_mesh_axes")
 
 
@@ -556,7 +558,7 @@ def _is_spec(x: Any) -> bool:
 
 
 @typecheck
-def logical_to_mesh_specs(tree: PyTree, rules: Sequence[Any] | None = None) -> PyTree:
+def logical_to_mesh_specs(tree: PyTree, rules: RulesArg | None = None) -> PyTree:
     """Turns a tree of logical axis names into a spec tree of `PartitionSpec`s.
 
     Every [`eqshard.AxisNames`][] leaf is resolved by
@@ -642,7 +644,7 @@ _REPLICATED_AXES = (
 def standard_logical_axis_rules(
     activation_partitioning_dims: int = 1,
     parameter_partitioning_dims: int = 1,
-    additional_rules: Sequence[Any] | None = None,
+    additional_rules: RulesArg | None = None,
 ) -> LogicalRules:
     """The default logical axis rules of t5x, for a `('data', 'model')` mesh.
 

@@ -1,6 +1,8 @@
 """Small utilities: metrics for logging, PRNG keys threaded through calls, and
 padding for sizes that do not divide a mesh."""
 
+import functools as ft
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +16,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ._keys import is_key
 from ._shard import gather
 from ._tree import is_array, mismatch_message, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import Int, KeyPath, typecheck
 
 
 # ---------------------------------------------------------------------------------
@@ -181,22 +183,30 @@ class RngFunction(eqx.Module):
         return self.fn(subkey, *args, **kwargs), type(self)(self.fn, key)
 
 
-def _check_key(key: jax.Array) -> None:
+@ft.cache
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a legacy `uint32` key of the default PRNG implementation."""
+    return jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
+
+
+def _check_key(key: jax.Array | np.ndarray) -> None:
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if (typed and key.shape == ()) or (
-        not typed and key.dtype == jnp.uint32 and key.ndim == 1
+        not typed and key.dtype == np.uint32 and key.shape == _raw_key_shape()
     ):
         return
     raise TypeError(
         "eqshard.wrap_function_with_rng: `key` must be one PRNG key, as made by "
-        "`jax.random.key(seed)` (or the legacy `jax.random.PRNGKey(seed)`); got an "
-        f"array of shape {key.shape} and dtype {key.dtype}."
+        "`jax.random.key(seed)` (a key array of shape ()) or the legacy "
+        f"`jax.random.PRNGKey(seed)` (uint32, of shape {_raw_key_shape()}); got an "
+        f"array of shape {key.shape} and dtype {key.dtype}. For several keys, wrap "
+        "one function per key."
     )
 
 
 @typecheck
 def wrap_function_with_rng(
-    key: jax.Array,
+    key: jax.Array | np.ndarray,
 ) -> Callable[[Callable[..., Any]], RngFunction]:
     """Makes a decorator that threads a PRNG key through calls of a function.
 
@@ -233,6 +243,7 @@ def wrap_function_with_rng(
         ```
     """
     _check_key(key)
+    key = jnp.asarray(key)
 
     def decorator(fn: Callable[..., Any]) -> RngFunction:
         return RngFunction(fn, key)
@@ -254,7 +265,7 @@ def _check_multiple(caller: str, multiple: int) -> None:
 
 
 @typecheck
-def round_up_to_multiple(n: int, multiple: int) -> int:
+def round_up_to_multiple(n: Int, multiple: Int) -> int:
     """Rounds a size up to the next multiple of `multiple`.
 
     For sizes that must divide over a mesh axis, such as a vocabulary of 50257
@@ -262,7 +273,7 @@ def round_up_to_multiple(n: int, multiple: int) -> int:
 
     **Arguments:**
 
-    - `n`: a size, at least 0.
+    - `n`: a size, at least 0 (a Python or NumPy integer).
     - `multiple`: a positive integer.
 
     **Returns:**
@@ -280,6 +291,7 @@ def round_up_to_multiple(n: int, multiple: int) -> int:
         eqshard.round_up_to_multiple(64, 8)  # 64
         ```
     """
+    n, multiple = operator.index(n), operator.index(multiple)
     _check_multiple("round_up_to_multiple", multiple)
     if n < 0:
         raise ValueError(
@@ -290,7 +302,7 @@ def round_up_to_multiple(n: int, multiple: int) -> int:
 
 @typecheck
 def pad_to_multiple(
-    x: jax.Array | np.ndarray, multiple: int, *, axis: int = 0
+    x: jax.Array | np.ndarray, multiple: Int, *, axis: Int = 0
 ) -> jax.Array | np.ndarray:
     """Pads one dimension of an array with zeros, up to a multiple of `multiple`.
 
@@ -322,6 +334,7 @@ def pad_to_multiple(
         eqshard.pad_to_multiple(table, 8).shape  # (50264, 768)
         ```
     """
+    multiple, axis = operator.index(multiple), operator.index(axis)
     _check_multiple("pad_to_multiple", multiple)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(

@@ -33,7 +33,7 @@ from ._partitioned import PartitionedFn, to_shardings
 from ._shard import shard_tree
 from ._specs import axes_repr, entry_axes
 from ._topology import default_mesh
-from ._typing import typecheck
+from ._typing import RulesArg, typecheck
 
 
 def _config_error(problem: str, fix: str) -> ValueError:
@@ -125,7 +125,7 @@ class Partitioner:
         backend: str | None = None,
         ici_mesh_shape: Sequence[int] | None = None,
         dcn_mesh_shape: Sequence[int] | None = None,
-        logical_axis_rules: Sequence[Any] | None = None,
+        logical_axis_rules: RulesArg | None = None,
         params_on_devices: bool = True,
     ):
         given = _given(

@@ -21,14 +21,14 @@ from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
 from ._tree import is_array, path_name
-from ._typing import PyTreeDef, typecheck
+from ._typing import PyTreeDef, RulesArg, sequence_fix, typecheck
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
 # `(regex, PartitionSpec)` pairs. Annotated loosely on purpose: beartype checks one
 # random item of a sequence, so a stricter annotation would reject a malformed
 # rule list on some calls and not others; `_compile_rules` checks every rule.
-Rules: TypeAlias = Sequence[Any]
+Rules: TypeAlias = RulesArg
 # A rule's value: a `PartitionSpec`, or a callable of the leaf's shape giving one.
 RuleValue: TypeAlias = PartitionSpec | Callable[[tuple[int, ...]], PartitionSpec]
 Compiled: TypeAlias = list[tuple[re.Pattern[str], RuleValue]]
@@ -72,6 +72,11 @@ def _compile(patterns: Sequence[Any], caller: str, what: str) -> list[re.Pattern
 
 
 def _compile_rules(rules: Rules, caller: str) -> Compiled:
+    if isinstance(rules, str) or not isinstance(rules, Sequence):
+        raise TypeError(
+            f"eqshard.{caller}: `rules` must be a sequence of (regex, spec) pairs, "
+            f"got {rules!r} (a {type(rules).__name__}). " + sequence_fix(rules)
+        )
     for i, rule in enumerate(rules):
         if not (
             isinstance(rule, tuple | list)

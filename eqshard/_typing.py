@@ -1,9 +1,10 @@
 """Type aliases and the one runtime type-checking decorator used by eqshard."""
 
-from collections.abc import Callable
-from typing import Any, TYPE_CHECKING, TypeAlias
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TYPE_CHECKING, TypeAlias
 
 import jax.tree_util as jtu
+import numpy as np
 from beartype import beartype
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import jaxtyped
@@ -30,3 +31,31 @@ if TYPE_CHECKING:
     PyTreeDef: TypeAlias = Any
 else:
     PyTreeDef = jtu.PyTreeDef
+
+
+# An integer argument: a Python or NumPy integer (`np.int64(7)` from a shape or a
+# config works). Functions taking one convert it with `operator.index`.
+Int: TypeAlias = int | np.integer
+
+# Arguments whose values the function validates itself, with eqshard's error
+# (naming the choices, or the first bad rule): type checkers see the precise type,
+# the runtime check admits any value, so that beartype's error does not hide it.
+if TYPE_CHECKING:
+    ConstraintOnInvalid: TypeAlias = Literal["warn", "raise", "ignore"]
+    ReportOnInvalid: TypeAlias = Literal["report", "raise"]
+    RulesArg: TypeAlias = Sequence[Any]
+else:
+    ConstraintOnInvalid = ReportOnInvalid = str
+    RulesArg = Any
+
+
+def sequence_fix(value: Any) -> str:
+    """How to turn `value`, given where a sequence (of rules) is expected, into one."""
+    if isinstance(value, Mapping):
+        return (
+            "For a dict, pass `list(rules.items())`: rules are pairs tried in "
+            "order, and a name or regex may have several."
+        )
+    if isinstance(value, Iterator):
+        return "Pass a list, e.g. `list(rules)`: a generator can be read only once."
+    return "Pass a list of pairs."

@@ -611,3 +611,8 @@ def test_memory_kind_reported_by_extract_shardings_and_rows(mesh):
     assert "pinned_host" in report.table()
     (row,) = eqshard.analyze_sharding_strategy(tree, P("dp"), mesh).rows
     assert row.memory_kind is None
+
+
+def test_on_invalid_is_checked_by_eqshard(mesh):
+    with pytest.raises(ValueError, match="^eqshard.analyze_sharding_strategy: `on_inv"):
+        eqshard.analyze_sharding_strategy(np.ones(8), P(), mesh, on_invalid="bogus")

@@ -322,10 +322,30 @@ def test_bad_rules(rules, error, match):
     assert eqshard.get_logical_axis_rules() == ()
 
 
-def test_rules_must_be_a_sequence():
-    # Rejected by the type annotation (a TypeError) before the rules are read.
-    with pytest.raises(TypeError, match="rules"):
-        eqshard.logical_axis_rules({"batch": "data"})
+@pytest.mark.parametrize(
+    "rules, fix",
+    [
+        ({"batch": "data"}, r"list\(rules.items\(\)\)"),
+        (iter([("batch", "data")]), r"list\(rules\)"),
+    ],
+)
+def test_rules_must_be_a_sequence(rules, fix):
+    # eqshard's own error (what and how to fix), not the type checker's.
+    with pytest.raises(TypeError, match=r"^eqshard.logical_axis_rules: `rules` must.*"):
+        eqshard.logical_axis_rules(rules)
+    for call in (
+        lambda: eqshard.logical_to_mesh_axes(("batch",), rules),
+        lambda: eqshard.logical_to_mesh_specs({"a": AxisNames("batch")}, rules),
+        lambda: eqshard.composite_rules(rules, None),
+        lambda: eqshard.standard_logical_axis_rules(additional_rules=rules),
+    ):
+        with pytest.raises(TypeError, match=r"^eqshard\.\w+: .*" + fix):
+            call()
+
+
+def test_logical_to_mesh_axes_of_none_is_none():
+    # flax: no logical axes known, nothing to shard.
+    assert eqshard.logical_to_mesh_axes(None, [("batch", "data")]) is None
 
 
 # ---------------------------------------------------------------------------

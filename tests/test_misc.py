@@ -168,11 +168,20 @@ def test_wrap_function_with_rng_in_a_scan():
         jax.random.split(jax.random.key(0), 3),  # a batch of keys
         jnp.zeros((2, 2), jnp.uint32),
         jnp.zeros(2, jnp.float32),
+        jnp.zeros(3, jnp.uint32),  # uint32, but not the shape of a key
+        np.zeros(3, np.uint32),
     ],
 )
 def test_wrap_function_with_rng_rejects_non_keys(key):
-    with pytest.raises(TypeError, match="`key` must be one PRNG key.*shape"):
+    with pytest.raises(TypeError, match=r"^eqshard.wrap_function_with_rng: `key` must"):
         eqshard.wrap_function_with_rng(key)
+
+
+def test_wrap_function_with_rng_takes_a_numpy_key():
+    key = np.asarray(jax.random.PRNGKey(3))
+    out, _ = eqshard.wrap_function_with_rng(key)(_noise)((2,))
+    _, sub = jax.random.split(jax.random.PRNGKey(3))
+    np.testing.assert_array_equal(out, jax.random.normal(sub, (2,)))
 
 
 def test_wrap_function_with_rng_rejects_a_seed():
@@ -191,6 +200,16 @@ def test_wrap_function_with_rng_rejects_a_seed():
 )
 def test_round_up_to_multiple(n, multiple, expected):
     assert eqshard.round_up_to_multiple(n, multiple) == expected
+
+
+def test_numpy_integers_are_integers():
+    # Sizes often come from shapes or configs as NumPy integers.
+    assert eqshard.round_up_to_multiple(np.int64(7), np.int32(8)) == 8
+    assert type(eqshard.round_up_to_multiple(np.int64(7), 8)) is int
+    padded = eqshard.pad_to_multiple(np.ones((5, 2)), np.int64(4), axis=np.int8(0))
+    assert padded.shape == (8, 2)
+    with pytest.raises(ValueError, match="^eqshard.round_up_to_multiple: `multiple`"):
+        eqshard.round_up_to_multiple(np.int64(7), np.int64(0))
 
 
 def test_round_up_to_multiple_errors():

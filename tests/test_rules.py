@@ -454,3 +454,18 @@ def test_weight_decay_mask_with_optax_adamw():
     # Zero gradients: Adam's part is 0, decay adds -lr * wd * param where masked in.
     np.testing.assert_allclose(updates["w"], np.full(2, -0.05), rtol=1e-6)
     np.testing.assert_array_equal(updates["b"], np.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "rules, fix",
+    [
+        ({"w": P()}, r"list\(rules.items\(\)\)"),
+        (iter([("w", P())]), r"list\(rules\)"),
+    ],
+)
+def test_rules_must_be_a_sequence(rules, fix):
+    tree = {"w": np.ones(4)}
+    with pytest.raises(TypeError, match=r"^eqshard.match_partition_rules: .*" + fix):
+        eqshard.match_partition_rules(rules, tree)
+    with pytest.raises(TypeError, match=r"^eqshard.explain_partition_rules: .*" + fix):
+        eqshard.explain_partition_rules(rules, tree)
