@@ -181,10 +181,14 @@ def _key_list(keys: Iterable[Any], limit: int = 10) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+# The default of `unflatten_tree`'s `like` (`None` is a pytree: the empty one).
+_NO_LIKE: Any = object()
+
+
 @typecheck
 def unflatten_tree(
     flat: dict[Any, Any],
-    like: PyTree,
+    like: PyTree = _NO_LIKE,
     *,
     is_leaf: IsLeaf = None,
     sep: str | None = None,
@@ -192,22 +196,28 @@ def unflatten_tree(
     """Rebuilds a pytree of the structure of `like` from a dict of named leaves.
 
     The inverse of [`eqshard.flatten_tree`][]: `unflatten_tree(flatten_tree(t), t)`
-    is `t`. The leaves of `like` are only used for their names.
+    is `t`. The leaves of `like` are only used for their names. Without `like`,
+    nested dicts are rebuilt from the names, as flax's `unflatten_dict` does.
 
     **Arguments:**
 
     - `flat`: a dict `{name: leaf}`.
-    - `like`: a pytree with the structure to rebuild.
+    - `like`: a pytree with the structure to rebuild. Omitted: nested dicts,
+      keyed by the parts of each name (split at `sep`, or the tuple itself when
+      `sep` is `None`).
     - `is_leaf`, `sep`: as given to [`eqshard.flatten_tree`][].
 
     **Returns:**
 
-    A pytree with the structure of `like` and the leaves of `flat`.
+    A pytree with the structure of `like` (or nested dicts) and the leaves of
+    `flat`.
 
     **Raises:**
 
     A `ValueError` listing the names `like` has and `flat` lacks, and the names
-    `flat` has and `like` lacks.
+    `flat` has and `like` lacks; without `like`, naming a name that is also the
+    start of another (`"a"` and `"a/b"`). A `TypeError` without `like` for a
+    name that is not a `str` (with `sep`) or a tuple (without).
 
     !!! Example
 
@@ -215,8 +225,11 @@ def unflatten_tree(
         like = {"a": {"b": 0}, "c": [0, 0]}
         eqshard.unflatten_tree({"a/b": 1, "c/0": 2, "c/1": 3}, like, sep="/")
         # {"a": {"b": 1}, "c": [2, 3]}
+        eqshard.unflatten_tree({"a/b": 1, "a/c": 2}, sep="/")  # {"a": {"b": 1, "c": 2}}
         ```
     """
+    if like is _NO_LIKE:
+        return _nested_dicts(flat, sep)
     names, treedef = _flatten_with_names(like, is_leaf, sep, "unflatten_tree")
     missing = [name for name in names if name not in flat]
     unexpected = [name for name in flat if name not in names]
@@ -232,6 +245,47 @@ def unflatten_tree(
         lines.append("Check that `sep` and `is_leaf` are those used to flatten.")
         raise ValueError(" ".join(lines))
     return jtu.tree_unflatten(treedef, [flat[name] for name in names])
+
+
+def _nested_dicts(flat: dict[Any, Any], sep: str | None) -> dict[Any, Any]:
+    """Nested dicts from names split at `sep` (or tuples of keys)."""
+    leaves: dict[tuple[Any, ...], Any] = {}  # parts -> the name of the leaf there
+    through: dict[tuple[Any, ...], Any] = {}  # prefix -> a name that continues it
+    for name in flat:
+        if sep is not None and not isinstance(name, str):
+            raise TypeError(
+                f"eqshard.unflatten_tree: the name {name!r} (a {type(name).__name__}) "
+                f"cannot be split at sep={sep!r}; names must be strings, or pass "
+                "`sep=None` for tuples of keys."
+            )
+        if sep is None and not (isinstance(name, tuple) and name):
+            raise TypeError(
+                f"eqshard.unflatten_tree: the name {name!r} is not a non-empty tuple "
+                "of keys; pass the `sep` the names were joined with (e.g. sep='/')."
+            )
+        parts = tuple(name.split(sep) if isinstance(name, str) else name)
+        for k in range(1, len(parts)):
+            if parts[:k] in leaves:
+                raise ValueError(_nesting_message(leaves[parts[:k]], name))
+            through.setdefault(parts[:k], name)
+        if parts in through:
+            raise ValueError(_nesting_message(name, through[parts]))
+        leaves[parts] = name
+    out: dict[Any, Any] = {}
+    for parts, name in leaves.items():
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = flat[name]
+    return out
+
+
+def _nesting_message(leaf: Any, deeper: Any) -> str:
+    return (
+        f"eqshard.unflatten_tree: {leaf!r} is a leaf, but {deeper!r} continues it, "
+        "so it would also be a dict. Without `like`, no name may be the start of "
+        "another: rename one, or pass `like` for the structure."
+    )
 
 
 def _children(x: Any) -> tuple[list[tuple[KeyPath, Any]], PyTreeDef]:

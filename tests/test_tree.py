@@ -198,3 +198,30 @@ def test_flatten_unflatten_round_trip(tree):
         out = eqshard.unflatten_tree(flat, tree, sep=sep)
         assert jtu.tree_structure(out) == jtu.tree_structure(tree)
         assert all(a is b for a, b in zip(jtu.tree_leaves(out), jtu.tree_leaves(tree)))
+
+
+@pytest.mark.parametrize(
+    "flat, sep, expected",
+    [
+        ({"a/b": 1, "a/c": 2, "d": 3}, "/", {"a": {"b": 1, "c": 2}, "d": 3}),
+        ({("a", "b"): 1, ("d",): 3}, None, {"a": {"b": 1}, "d": 3}),
+        ({}, "/", {}),
+    ],
+)
+def test_unflatten_tree_without_like_rebuilds_nested_dicts(flat, sep, expected):
+    # flax's unflatten_dict
+    assert eqshard.unflatten_tree(flat, sep=sep) == expected
+
+
+@pytest.mark.parametrize(
+    "flat, sep, error, match",
+    [
+        ({"a": 1, "a/b": 2}, "/", ValueError, r"'a' is a leaf, but 'a/b' continues"),
+        ({"a/b": 1, "a": 2}, "/", ValueError, r"'a' is a leaf, but 'a/b' continues"),
+        ({1: 2}, "/", TypeError, r"the name 1 \(a int\) cannot be split"),
+        ({"a": 1}, None, TypeError, r"the name 'a' is not a non-empty tuple.*sep="),
+    ],
+)
+def test_unflatten_tree_without_like_errors(flat, sep, error, match):
+    with pytest.raises(error, match="^eqshard.unflatten_tree: " + match):
+        eqshard.unflatten_tree(flat, sep=sep)
