@@ -7,7 +7,6 @@ corrects the spec to the nearest one that can (`check_spec`, in `_specs.py`), an
 `corrected_spec` exposes that correction.
 """
 
-import warnings
 from typing import Any
 
 import jax
@@ -27,7 +26,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import ConstraintOnInvalid, KeyPath, RulesArg, typecheck
+from ._typing import ConstraintOnInvalid, KeyPath, RulesArg, typecheck, warn
 
 
 def _constraint_kind(
@@ -215,9 +214,7 @@ def with_sharding_constraint(
     if problems and on_invalid == "raise":
         raise ValueError(spec_error_message(caller, problems))
     if problems and on_invalid == "warn":
-        warnings.warn(
-            spec_error_message(caller, problems, corrected=True), stacklevel=2
-        )
+        warn(spec_error_message(caller, problems, corrected=True))
     out = list(leaves)
     for kind, (indices, shardings) in batches.items():
         if indices:

@@ -1,5 +1,7 @@
 """Type aliases and the one runtime type-checking decorator used by eqshard."""
 
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TYPE_CHECKING, TypeAlias
 
@@ -59,3 +61,22 @@ def sequence_fix(value: Any) -> str:
     if isinstance(value, Iterator):
         return "Pass a list, e.g. `list(rules)`: a generator can be read only once."
     return "Pass a list of pairs."
+
+
+# Modules whose frames stand between a user's call and an eqshard warning: eqshard
+# itself and the type-check wrappers around its functions (`typecheck`, and
+# jaxtyping's import hook in the tests), whose depth depends on the configuration.
+_INTERNAL = ("eqshard", "jaxtyping", "beartype")
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn`, attributed to the first caller outside eqshard and the
+    type-check wrappers (a fixed `stacklevel` pointed inside the wrapper)."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None:
+        module = frame.f_globals.get("__name__", "")
+        internal = module.split(".")[0] in _INTERNAL
+        if not (internal or frame.f_code.co_filename.startswith("<@beartype")):
+            break
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -183,3 +183,16 @@ def test_constraint_on_invalid_is_checked_by_eqshard(mesh):
         eqshard.with_sharding_constraint(
             jnp.ones(8), P(), mesh=mesh, on_invalid="bogus"
         )
+
+
+def test_correction_warning_points_at_the_callers_line(mesh):
+    # Not at a line inside the type-check wrapper around with_sharding_constraint.
+    def constrain(x):
+        return eqshard.with_sharding_constraint(x, P("dp"), mesh=mesh)
+
+    for call in (constrain, jax.jit(constrain)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(jnp.ones(3))
+        assert [w.filename for w in caught] == [__file__]
+        assert "cannot apply" in str(caught[0].message)
