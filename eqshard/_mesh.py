@@ -53,11 +53,16 @@ def _unknown_axes_error(
 
 
 def _shape_problem(
-    dims: Sequence[int], names: Sequence[str], num_devices: int | None
+    dims: Sequence[int],
+    names: Sequence[str],
+    num_devices: int | None,
+    *,
+    use_all: bool = False,
 ) -> str | None:
     """What is wrong with sizes `dims` for axes `names` over `num_devices` devices.
 
-    `num_devices=None` skips the device-count checks and allows no `-1`.
+    `num_devices=None` skips the device-count checks and allows no `-1`. With
+    `use_all`, sizes that leave devices idle are wrong too (as in `jax.make_mesh`).
     """
     minus = list(dims).count(-1)
     known = math.prod(d for d in dims if d != -1)
@@ -80,6 +85,13 @@ def _shape_problem(
             f"the sizes multiply to {known}, more than the {num_devices} devices; "
             "use -1 for one axis to take all devices, or smaller sizes."
         )
+    if num_devices is not None and not minus and use_all and known < num_devices:
+        return (
+            f"the sizes multiply to {known}, fewer than the {num_devices} devices, "
+            f"which would leave {num_devices - known} idle; use -1 for one axis to "
+            "take all devices, or pass the devices to use, e.g. "
+            f"`devices=jax.devices()[:{known}]`."
+        )
     return None
 
 
@@ -94,11 +106,16 @@ def _names_tuple(caller: str, names: Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_shape(
-    caller: str, dims: Sequence[int], names: Sequence[str], num_devices: int | None
+    caller: str,
+    dims: Sequence[int],
+    names: Sequence[str],
+    num_devices: int | None,
+    *,
+    use_all: bool = False,
 ) -> tuple[str, ...]:
     """Raise for a bad shape (see `_shape_problem`); return the names as a tuple."""
     names = _names_tuple(caller, names)
-    problem = _shape_problem(dims, names, num_devices)
+    problem = _shape_problem(dims, names, num_devices, use_all=use_all)
     if problem is not None:
         raise _shape_error(caller, dims, names, problem)
     return names
@@ -143,7 +160,8 @@ def _build_mesh(
 ) -> Mesh:
     """The mesh behind `create_mesh` and `get_jax_mesh`."""
     devs = resolve_devices(caller, devices, backend)
-    names = _check_shape(caller, dims, names, len(devs))
+    # Devices left idle by default are a costly typo; `devices=` chooses them.
+    names = _check_shape(caller, dims, names, len(devs), use_all=devices is None)
     types = _axis_types(caller, names, axis_types)
     known = math.prod(d for d in dims if d != -1)
     shape = tuple(len(devs) // known if d == -1 else d for d in dims)
@@ -168,8 +186,9 @@ def create_mesh(
 
     The devices are arranged by `jax.make_mesh`, which follows the physical
     topology (TPU rings and tori), and every axis is `AxisType.Auto` unless
-    `axis_types` says otherwise. Without a `-1` the sizes may multiply to fewer
-    than the available devices; the mesh then uses the first ones.
+    `axis_types` says otherwise. The sizes must use every device, as in
+    `jax.make_mesh`; to use fewer on purpose, pass them as `devices` (of which the
+    mesh then uses the first ones).
 
     **Arguments:**
 
@@ -187,7 +206,8 @@ def create_mesh(
 
     `ValueError` if sizes and names differ in length, a name repeats, more than
     one size is `-1`, a size is `0` or below `-1`, or the sizes do not fit the
-    device count (the message gives the numbers). `TypeError` for a bare string
+    device count (more than there are, or, unless `devices` is given, fewer: the
+    message gives both numbers). `TypeError` for a bare string
     as `axis_names`.
 
     !!! Example

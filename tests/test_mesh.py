@@ -40,8 +40,20 @@ def test_create_mesh_matches_jax_make_mesh(dims, shape):
     assert _ids(mesh) == _ids(expected)
 
 
-def test_create_mesh_uses_first_devices_when_product_is_smaller():
-    mesh = eqshard.create_mesh((2, 2), ("a", "b"))
+def test_create_mesh_refuses_to_leave_devices_idle():
+    # As jax.make_mesh: sizes using 4 of the 8 devices are most likely a typo.
+    for make in (
+        lambda: eqshard.create_mesh((2, 2), ("a", "b")),
+        lambda: eqshard.get_jax_mesh("2,2", ("a", "b")),
+    ):
+        with pytest.raises(ValueError, match=r"^eqshard.\w+: .*multiply to 4, fewer "):
+            make()
+    with pytest.raises(ValueError, match=r"the 8 devices, which would leave 4 idle"):
+        eqshard.create_mesh((4,), ("a",))
+
+
+def test_create_mesh_uses_first_devices_given_when_product_is_smaller():
+    mesh = eqshard.create_mesh((2, 2), ("a", "b"), devices=jax.devices())
     assert _ids(mesh) == [[0, 1], [2, 3]]
 
 
