@@ -801,7 +801,7 @@ def _bit_exact(a: PyTree, b: PyTree) -> int:
     if jax.tree.structure(a) != jax.tree.structure(b):
         raise AssertionError("the reloaded model has another structure")
     count = 0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         if isinstance(x, np.ndarray):
             same = x.dtype == y.dtype and x.shape == y.shape
             if not (same and x.tobytes() == y.tobytes()):
@@ -813,7 +813,7 @@ def _bit_exact(a: PyTree, b: PyTree) -> int:
 
 
 def _same_shardings(a: PyTree, b: PyTree) -> None:
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(
             y.sharding, x.ndim
         ):

@@ -160,7 +160,7 @@ class LocalChunker:
         low = local.min(axis=0)
         extent = local.max(axis=0) + 1 - low
         names = tuple(mesh.axis_names)
-        block = {name: int(size) for name, size in zip(names, extent)}
+        block = {name: int(size) for name, size in zip(names, extent, strict=True)}
         if math.prod(block.values()) != len(local):
             raise ValueError(
                 f"eqshard.LocalChunker: the {len(local)} devices of process "
@@ -171,7 +171,7 @@ class LocalChunker:
                 "eqshard.default_mesh do)."
             )
         num_chunks, chunk_ids = {}, {}
-        for name, start, size in zip(names, low, extent):
+        for name, start, size in zip(names, low, extent, strict=True):
             total = mesh.shape[name]
             if total % size or start % size:
                 raise ValueError(
@@ -385,7 +385,8 @@ class LocalChunker:
                 "only one of them, or arrange the mesh so that each process holds "
                 "one device or every device along each of these axes."
             )
+        order = tuple(sorted(axes, key=rank.__getitem__))
         return (
-            f"Order the axes as {tuple(sorted(axes, key=rank.get))!r}: those where "
-            "each process holds one device first, those it holds whole last."
+            f"Order the axes as {order!r}: those where each process holds one "
+            "device first, those it holds whole last."
         )

@@ -31,6 +31,7 @@ import functools as ft
 import hashlib
 import json
 import math
+import typing
 from typing import Any
 
 import jax
@@ -69,7 +70,9 @@ def from_host_local(value: Any, sharding: NamedSharding) -> jax.Array:
     """A global array from the block of it that this process holds (already
     validated by `host_local_shape`)."""
     value = np.asarray(value)
-    shape, _, _ = host_local_shape(value.shape, sharding.spec, sharding.mesh)
+    # Data is placed only on concrete meshes (`shard` rejects abstract ones).
+    mesh = typing.cast(Mesh, sharding.mesh)
+    shape, _, _ = host_local_shape(value.shape, sharding.spec, mesh)
     return jax.make_array_from_process_local_data(sharding, value, shape)
 
 
@@ -136,7 +139,9 @@ def _blocks_by_process(
         )
         block = block * devices.shape[dim] + coords
     held: dict[int, set[int]] = {}
-    for device, b in zip(devices.flat, np.broadcast_to(block, devices.shape).flat):
+    for device, b in zip(
+        devices.flat, np.broadcast_to(block, devices.shape).flat, strict=True
+    ):
         held.setdefault(device.process_index, set()).add(int(b))
     return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
 
@@ -168,7 +173,7 @@ def _spanning_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
     # Slices are unhashable before Python 3.12; `indices` also normalises them.
-    return tuple(s.indices(n) for s, n in zip(index, shape))
+    return tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
 
 
 @ft.lru_cache(maxsize=4096)
@@ -269,7 +274,7 @@ def check_processes_agree(
         spec_of = [None] * len(path_leaves)
     records = [
         _record(root + path, leaf, spec, mesh, host_local)
-        for (path, leaf), spec in zip(path_leaves, spec_of)
+        for (path, leaf), spec in zip(path_leaves, spec_of, strict=True)
         if is_array(leaf)
     ]
     header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
@@ -388,7 +393,7 @@ def _allgather_bytes(payload: bytes, devices: tuple[Any, ...]) -> list[bytes]:
 
 def _by_process(values: list[Any], processes: list[int]) -> str:
     groups: dict[str, list[int]] = {}
-    for value, p in zip(values, processes):
+    for value, p in zip(values, processes, strict=True):
         groups.setdefault(str(value), []).append(p)
     return "; ".join(
         f"{value} on process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))}"

@@ -417,7 +417,12 @@ class RulesReport:
         return self.table()
 
 
-_REASONS = {_SCALAR: "scalar", _SMALL: "below_min_size", _UNMATCHED: "unmatched"}
+# Why an array matched no rule, for `RulesReportRow.reason`.
+_REASONS: dict[int, Literal["scalar", "below_min_size", "unmatched"]] = {
+    _SCALAR: "scalar",
+    _SMALL: "below_min_size",
+    _UNMATCHED: "unmatched",
+}
 
 
 @typecheck
@@ -466,7 +471,7 @@ def explain_partition_rules(
     for leaf, name, rule in zip(
         matches.leaves, matches.names, matches.rules, strict=True
     ):
-        if rule is None:
+        if rule is None or name is None:  # not an array
             continue
         spec, problem, note = _strict_spec(
             rule, tuple(leaf.shape), compiled, "explain_partition_rules", name
