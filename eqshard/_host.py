@@ -71,6 +71,16 @@ def _cast_dtype(dtype: Any, caller: str, where: str) -> np.dtype:
     return found
 
 
+def check_cast_dtype(dtype: Any, caller: str) -> np.dtype:
+    """`dtype` as a NumPy dtype, if it is one floating dtype (not a tree)."""
+    if not _is_dtype_leaf(dtype):
+        raise TypeError(
+            f"eqshard.{caller}: `dtype` must be one floating dtype here; got "
+            f"{type(dtype).__name__}. Give a tree of dtypes to `eqshard.shard`."
+        )
+    return _cast_dtype(dtype, caller, "")
+
+
 def leaf_casts(
     dtype: Any, tree: PyTree, *, caller: str, root: KeyPath = ()
 ) -> list[np.dtype | None]:

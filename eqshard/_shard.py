@@ -38,7 +38,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._host import host_ready, leaf_casts, loss_error
+from ._host import check_cast_dtype, host_ready, leaf_casts, loss_error
 from ._keys import HostKey, is_host_key, is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import require_mesh
 from ._multiprocess import (
@@ -816,7 +816,8 @@ def make_shard_and_gather_fns(
 
     - `specs`: a spec tree (or prefix of one), as for [`eqshard.shard`][].
     - `mesh`: defaults to the mesh set by `jax.set_mesh` when the functions are made.
-    - `dtype`: if given, the functions cast floating arrays to it.
+    - `dtype`: if given, a floating dtype the functions cast floating arrays to
+      (one dtype: each function sees only its part of the tree).
 
     **Returns:**
 
@@ -835,9 +836,12 @@ def make_shard_and_gather_fns(
         host_model = eqshard.tree_apply(gather_fns, model)
         ```
     """
+    caller = "make_shard_and_gather_fns"
     path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    if dtype is not None:
+        check_cast_dtype(dtype, caller)
     if any(isinstance(spec, PartitionSpec) for _, spec in path_specs):
-        mesh = _concrete_mesh(mesh, "make_shard_and_gather_fns")
+        mesh = _concrete_mesh(mesh, caller)
     gather_fn = ft.partial(gather, dtype=dtype)
     shard_fns, gather_fns = [], []
     for path, spec in path_specs:

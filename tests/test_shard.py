@@ -551,3 +551,12 @@ def test_named_shardings_reports_every_bad_leaf(mesh):
         eqshard.named_shardings(specs, mesh)
     with pytest.raises(TypeError, match=r"'a'(.|\n)*'b'"):
         eqshard.named_shardings({"a": "dp", "b": 3}, mesh)
+
+
+def test_shard_fns_take_one_floating_dtype(mesh):
+    with pytest.raises(ValueError, match="make_shard_and_gather_fns.*floating"):
+        eqshard.make_shard_and_gather_fns(P(), mesh, dtype=jnp.int8)
+    with pytest.raises(TypeError, match="make_shard_and_gather_fns.*one floating"):
+        eqshard.make_shard_and_gather_fns({"a": P()}, mesh, dtype={"a": jnp.bfloat16})
+    shard_fns, _ = eqshard.make_shard_and_gather_fns({"a": P()}, mesh, dtype="bfloat16")
+    assert shard_fns["a"](np.ones(8, np.float32)).dtype == jnp.bfloat16
