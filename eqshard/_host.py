@@ -15,13 +15,15 @@ needed, converted on host, in one pass over its data:
    Big-endian arrays are converted to native byte order, which loses nothing.
 3. **No aliasing.** On CPU, `jax.device_put` may place a suitably aligned NumPy
    array without copying it, so the caller's later writes to that buffer (a data
-   loader reusing it) would change arrays already on the mesh. Every NumPy array
-   placed on CPU devices (or in host memory) is therefore copied once into a
-   private, 64-byte aligned buffer, which the devices then share without further
-   copies: this costs one host copy, and often saves copies (an unaligned
-   replicated array used to be copied once per device); see `benchmarks/`.
-   Arrays placed on other devices are copied there anyway, and are not copied on
-   host first.
+   loader reusing it) would change arrays already on the mesh. A NumPy array
+   placed on CPU devices (or in host memory) that is under 1 MiB, or replicated
+   on several devices (which copy an unaligned array once each), is copied up
+   front into a private, 64-byte aligned buffer, which the devices then share
+   without further copies. A larger, split one is placed as it is, and the
+   device buffers' addresses are compared with its memory: only if they lie in
+   it is it placed again, from a private copy (one host copy, ~10 ms per 64 MiB;
+   see `benchmarks/bench_host.py`). Arrays placed on other devices are copied
+   there anyway.
 
 JAX arrays are cast on their devices (`astype`), where the values are not
 checked.
@@ -150,8 +152,39 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
+# NumPy arrays smaller than this, placed where the devices could alias them, are
+# copied into a private buffer up front (cheaper than checking); larger ones are
+# placed as they are, and placed again from a private copy only if the devices
+# turn out to alias them.
+PRIVATE_BELOW = 1 << 20
+
+
 @ft.lru_cache(maxsize=1024)
-def _may_alias(sharding: NamedSharding) -> bool:
+def _copied_per_device(sharding: NamedSharding) -> bool:
+    """Whether `device_put` copies an unaligned host array once per device: it is
+    whole on several devices. A private aligned copy is then one copy in all."""
+    return sharding.is_fully_replicated and len(sharding.device_set) > 1
+
+
+def private_copy(leaf: np.ndarray) -> np.ndarray:
+    """A copy of `leaf` in a 64-byte aligned buffer of its own."""
+    out = _aligned_empty(leaf.shape, leaf.dtype)
+    np.copyto(out, leaf)
+    return out
+
+
+def shares_memory(placed: jax.Array, leaf: np.ndarray) -> bool:
+    """Whether a device buffer of `placed` lies in the memory of `leaf`."""
+    start = leaf.ctypes.data
+    end = start + leaf.nbytes
+    return any(
+        start <= placed.addressable_data(k).unsafe_buffer_pointer() < end
+        for k in range(len(placed.sharding.addressable_devices))
+    )
+
+
+@ft.lru_cache(maxsize=1024)
+def may_alias(sharding: NamedSharding) -> bool:
     """Whether `jax.device_put` may place host data on `sharding` without copying
     it: on CPU devices, or in a host memory."""
     return sharding.memory_kind not in (None, "device") or any(
@@ -170,12 +203,17 @@ def host_ready(
 ) -> tuple[np.ndarray, str | None, bool]:
     """A NumPy leaf as it must be handed to `device_put` for `sharding` (`None`:
     to stay on host): cast to `cast` or to the dtype JAX places, in native byte
-    order, and (where the devices could alias it) in a private buffer. Also
+    order, and, if it is small and the devices could alias it, in a private
+    buffer (a large one is checked after placing, by `shares_memory`). Also
     returns what the conversion lost (`None` if nothing), and whether it was
     asked for (`cast`) rather than imposed by JAX."""
     leaf = np.asarray(leaf)
     target = placed_dtype(leaf.dtype if cast is None else cast)
-    private = sharding is not None and _may_alias(sharding)
+    private = (
+        sharding is not None
+        and may_alias(sharding)
+        and (leaf.nbytes < PRIVATE_BELOW or _copied_per_device(sharding))
+    )
     if target == leaf.dtype and not private:
         return leaf, None, False
     if private:

@@ -38,7 +38,15 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._host import check_cast_dtype, host_ready, leaf_casts, loss_error
+from ._host import (
+    check_cast_dtype,
+    host_ready,
+    leaf_casts,
+    loss_error,
+    may_alias,
+    private_copy,
+    shares_memory,
+)
 from ._keys import HostKey, is_host_key, is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import require_mesh
 from ._multiprocess import (
@@ -333,7 +341,7 @@ def _place(
         ready.append(array)
     if lost:
         raise loss_error(caller, lost)
-    shardings = [matched[i][2] for i in unique]
+    shardings = [typing.cast(NamedSharding, matched[i][2]) for i in unique]
     if jax.process_count() == 1:
         if donate:
             # An array that stands at several leaves cannot give its buffer twice.
@@ -350,14 +358,42 @@ def _place(
             )
         else:
             placed = jax.device_put(ready, shardings)
+        placed = _unaliased(placed, ready, [matched[i][1] for i in unique], shardings)
     else:
         placed = [
-            _to_global(x, typing.cast(NamedSharding, s), host_local)
-            for x, s in zip(ready, shardings, strict=True)
+            _to_global(x, s, host_local) for x, s in zip(ready, shardings, strict=True)
         ]
     for i, slot in slots:
         out[i] = placed[slot]
     return out
+
+
+def _unaliased(
+    placed: list[jax.Array],
+    ready: list[Any],
+    given: list[Any],
+    shardings: list[NamedSharding],
+) -> list[jax.Array]:
+    """`placed`, with the arrays whose device buffers are the caller's own NumPy
+    memory (large arrays placed as given; see `_host.py`) placed again from a
+    private copy."""
+    aliased = [
+        k
+        for k, (x, leaf) in enumerate(zip(ready, given, strict=True))
+        if (x is leaf or getattr(x, "base", None) is leaf)
+        and isinstance(x, np.ndarray)
+        and may_alias(shardings[k])
+        and shares_memory(placed[k], x)
+    ]
+    if not aliased:
+        return placed
+    again = jax.device_put(
+        [private_copy(ready[k]) for k in aliased], [shardings[k] for k in aliased]
+    )
+    placed = list(placed)
+    for k, array in zip(aliased, again, strict=True):
+        placed[k] = array
+    return placed
 
 
 def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Array:

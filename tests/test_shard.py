@@ -388,15 +388,16 @@ def _aligned(shape, dtype):
 
 
 @pytest.mark.parametrize("spec", [P(), P("dp", "tp")])
-def test_placed_arrays_do_not_share_the_callers_buffer(mesh, spec):
-    buffer = _aligned((8, 64), np.float32)
+@pytest.mark.parametrize("shape", [(8, 64), (1024, 512)])  # copied before, after
+def test_placed_arrays_do_not_share_the_callers_buffer(mesh, spec, shape):
+    buffer = _aligned(shape, np.float32)
     out = eqshard.shard({"x": buffer}, spec, mesh)
     moved = eqshard.Partitioner(
         mesh=mesh, logical_axis_rules=[("batch", "dp")]
     ).move_to_devices({"x": buffer}, spec)
     buffer[:] = 5.0  # a data loader reusing its buffer
     for tree in (out, moved):
-        np.testing.assert_array_equal(np.asarray(tree["x"]), np.zeros((8, 64)))
+        np.testing.assert_array_equal(np.asarray(tree["x"]), np.zeros(shape))
 
 
 @pytest.mark.parametrize(
