@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.tree_util as jtu
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
@@ -74,7 +75,9 @@ class Partitioner:
     The *data axes* are the mesh axes that the rules map the logical axis
     `'batch'` to (`'data'` with the standard rules): the data layout methods split
     batches over them, and they must be axes of the mesh. With a mesh of your own
-    axis names, pass rules for it, e.g. `[("batch", "dp"), ...]`.
+    axis names, pass rules for it, e.g. `[("batch", "dp"), ...]`; without rules,
+    such a partitioner takes `PartitionSpec`s, and only resolving logical names
+    or asking for the data axes raises, asking for rules.
 
     **Arguments:**
 
@@ -97,7 +100,8 @@ class Partitioner:
     `ValueError` if not exactly one of `num_partitions`, `model_parallel_submesh`
     and `mesh` is given, for options that only shape the default mesh given with
     `mesh`, for a `num_partitions` below 1, only one of the ICI/DCN shapes, or
-    data axes that the mesh lacks; the errors of [`eqshard.default_mesh`][];
+    data axes of the given `logical_axis_rules` that the mesh lacks; the errors of
+    [`eqshard.default_mesh`][];
     `TypeError` or `ValueError` naming a malformed rule.
 
     !!! Example
@@ -200,25 +204,47 @@ class Partitioner:
             logical_to_spec(("batch",), rules, caller="Partitioner")[0]
         )
         missing = [axis for axis in data_axes if axis not in mesh.shape]
+        # Without rules for this mesh, what needs them raises: at once if rules
+        # were given, and otherwise when a logical name must be resolved or the
+        # data axes are asked for (`PartitionSpec`s need no rules).
+        self._rules_error: ValueError | None = None
         if missing:
-            raise _config_error(
-                f"the rules map the logical axis 'batch' (the data axes) to "
+            self._rules_error = _config_error(
+                f"the {'default ' if logical_axis_rules is None else ''}rules map "
+                "the logical axis 'batch' (the data axes) to "
                 f"{axes_repr(data_axes)}, but the mesh "
                 f"{mesh_repr(mesh)} has no axis {', '.join(map(repr, missing))}.",
                 "Pass `logical_axis_rules` for this mesh, with a rule such as "
                 f"('batch', {mesh.axis_names[0]!r}).",
             )
+            if logical_axis_rules is not None:
+                raise self._rules_error
         self._mesh = mesh
         self._rules: LogicalRules = rules
-        self._data_axes: tuple[str, ...] = data_axes
+        self._batch_axes: tuple[str, ...] = data_axes
         self._params_on_devices = params_on_devices
         self._chunkers: dict[int, LocalChunker] = {}
 
     def __repr__(self) -> str:
-        return (
-            f"Partitioner(mesh={mesh_repr(self._mesh)}, "
-            f"data_partition_spec={self.data_partition_spec})"
-        )
+        data = "?" if self._rules_error else self.data_partition_spec
+        return f"Partitioner(mesh={mesh_repr(self._mesh)}, data_partition_spec={data})"
+
+    @property
+    def _data_axes(self) -> tuple[str, ...]:
+        if self._rules_error is not None:
+            raise self._rules_error
+        return self._batch_axes
+
+    def _shardings(self, specs: PyTree, name: str, caller: str) -> PyTree:
+        """`specs` as `NamedSharding`s on the mesh; logical names need rules."""
+        if self._rules_error is not None and any(
+            isinstance(leaf, AxisNames)
+            for leaf in jtu.tree_leaves(
+                specs, is_leaf=lambda x: isinstance(x, AxisNames)
+            )
+        ):
+            raise self._rules_error
+        return to_shardings(specs, self._mesh, self._rules, name=name, caller=caller)
 
     # -- configuration ------------------------------------------------------------
 
@@ -376,6 +402,8 @@ class Partitioner:
             ```
         """
         if isinstance(mesh_axes, AxisNames):
+            if self._rules_error is not None:
+                raise self._rules_error
             mesh_axes = logical_to_spec(
                 mesh_axes, self._rules, caller="Partitioner.local_chunk_info"
             )
@@ -454,12 +482,8 @@ class Partitioner:
                 "to donate."
             )
         caller = "Partitioner.partition"
-        in_shardings = to_shardings(
-            in_specs, self._mesh, self._rules, name="in_specs", caller=caller
-        )
-        out_shardings = to_shardings(
-            out_specs, self._mesh, self._rules, name="out_specs", caller=caller
-        )
+        in_shardings = self._shardings(in_specs, "in_specs", caller)
+        out_shardings = self._shardings(out_specs, "out_specs", caller)
         return PartitionedFn(
             fn, in_shardings, out_shardings, static, donate, self._mesh, self._rules
         )
@@ -509,9 +533,7 @@ class Partitioner:
             ```
         """
         caller = "Partitioner.move_to_devices"
-        shardings = to_shardings(
-            specs, self._mesh, self._rules, name="specs", caller=caller
-        )
+        shardings = self._shardings(specs, "specs", caller)
         return shard_tree(
             tree,
             shardings,

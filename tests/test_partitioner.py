@@ -770,3 +770,26 @@ def test_two_processes():
         np.testing.assert_allclose(result["loss"], expected_loss, rtol=1e-4)
         assert result["total"] == float(x.sum())
         np.testing.assert_array_equal(result["all_ids"], [0, 1])
+
+
+def test_partitioner_without_rules_on_a_mesh_of_other_axis_names():
+    # No 'data'/'model' axes and no rules: PartitionSpecs work; rules are asked for
+    # only when a logical name must be resolved, or the data axes are needed.
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    partitioner = eqshard.Partitioner(mesh=mesh)
+    f = partitioner.partition(lambda x: x * 2, P("dp"), P("tp"))
+    out = f(jnp.ones(8))
+    np.testing.assert_array_equal(out, np.full(8, 2.0))
+    assert out.sharding == NamedSharding(mesh, P("tp"))
+    moved = partitioner.move_to_devices({"w": jnp.ones(8)}, P("tp"))
+    assert moved["w"].sharding == NamedSharding(mesh, P("tp"))
+    asks = r"^eqshard.Partitioner: the default rules .* no axis 'data'. Pass `logical"
+    for needs_rules in (
+        lambda: partitioner.partition(lambda x: x, AxisNames("batch"), P()),
+        lambda: partitioner.move_to_devices(jnp.ones(8), {"w": AxisNames("embed")}),
+        lambda: partitioner.local_chunk_info((8,), AxisNames("batch")),
+        lambda: partitioner.data_partition_spec,
+        lambda: partitioner.data_layout(8),
+    ):
+        with pytest.raises(ValueError, match=asks):
+            needs_rules()
