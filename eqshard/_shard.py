@@ -456,7 +456,9 @@ def shard(
     arrays never share memory with the caller's NumPy buffers (on CPU, a NumPy
     array is copied once into a private buffer), so a data loader may reuse its
     buffers. An array that stands at several leaves with one spec (tied weights)
-    is placed once and comes back as one array at all of them.
+    is placed once and comes back as one array at all of them. An
+    [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it) becomes a
+    key array again, placed with its spec.
 
     **Returns:**
 
