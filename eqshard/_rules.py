@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax.tree_util as jtu
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
+from ._mesh import mesh_repr
+from ._specs import check_spec
 from ._tree import is_array, path_name
 from ._typing import PyTreeDef, RulesArg, sequence_fix, typecheck
 
@@ -167,9 +169,10 @@ def _strict_spec(
     compiled: Compiled,
     caller: str,
     name: str | None,
+    mesh: Mesh | AbstractMesh | None,
 ) -> tuple[PartitionSpec | None, str | None, str | None]:
     """The spec an array gets under `strict=True`, what is wrong with it if
-    anything, and how a rule's function chose it."""
+    anything (on `mesh`, if given), and how a rule's function chose it."""
     if rule == _UNMATCHED:
         return None, "no rule matches", None
     if rule < 0:
@@ -184,14 +187,28 @@ def _strict_spec(
             f"array has rank {rank}"
         )
         return spec, problem, note
+    if mesh is not None:
+        _, reasons = check_spec(shape, spec, dict(mesh.shape))
+        if reasons:
+            problem = (
+                f"spec {spec!r} of rule {rule} cannot apply on mesh "
+                f"{mesh_repr(mesh)}: {'; '.join(reasons)}"
+            )
+            return spec, problem, note
     return spec, None, note
 
 
-def _relax(spec: PartitionSpec | None, rank: int) -> PartitionSpec:
-    """The `strict=False` fix: unmatched -> replicated, long specs trimmed to rank."""
+def _relax(
+    spec: PartitionSpec | None,
+    shape: tuple[int, ...],
+    mesh: Mesh | AbstractMesh | None,
+) -> PartitionSpec:
+    """The `strict=False` fix: unmatched -> replicated, long specs trimmed to rank,
+    and on `mesh` the nearest spec that applies (as `corrected_spec`)."""
     if spec is None:
         return PartitionSpec()
-    return spec.update(partitions=spec.partitions[:rank])
+    spec = spec.update(partitions=spec.partitions[: len(shape)])
+    return spec if mesh is None else check_spec(shape, spec, dict(mesh.shape))[0]
 
 
 def _rule_lines(compiled: Compiled) -> list[str]:
@@ -223,8 +240,9 @@ def _bad_leaves_message(
     lines += _rule_lines(compiled)
     lines.append(
         "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
-        "replicates the rest), make each spec at most as long as the array's rank, "
-        "or pass `strict=False` to replicate unmatched leaves and trim long specs."
+        "replicates the rest), make each spec at most as long as the array's rank "
+        "(and, with `mesh`, one that applies on it), or pass `strict=False` to "
+        "replicate unmatched leaves and trim or correct the specs."
     )
     return "\n".join(lines)
 
@@ -237,6 +255,7 @@ def match_partition_rules(
     min_size: int = 0,
     strict: bool = True,
     sep: str = "/",
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> PyTree:
     """Builds a spec tree for `tree` from regex partition rules.
 
@@ -262,6 +281,11 @@ def match_partition_rules(
       than its rank, is an error. If `False`, such a leaf is replicated or has its
       spec trimmed to its rank, silently (you asked for it).
     - `sep`: the separator used to build the path strings.
+    - `mesh`: if given, a spec that cannot apply on it (an axis it lacks or uses
+      twice, a dimension its axes do not divide, such as a 33-token vocabulary
+      over an axis of size 4) is a bad leaf too, found here rather than by
+      [`eqshard.shard`][]; with `strict=False` it is corrected as
+      [`eqshard.corrected_spec`][] does.
 
     **Returns:**
 
@@ -295,14 +319,13 @@ def match_partition_rules(
             specs.append(None)
             continue
         shape = tuple(leaf.shape)
-        rank = len(shape)
         spec, problem, _ = _strict_spec(
-            rule, shape, compiled, "match_partition_rules", name
+            rule, shape, compiled, "match_partition_rules", name, mesh
         )
         if problem is not None:
             if strict:
                 bad.append((name, tuple(leaf.shape), problem))
-            spec = _relax(spec, rank)
+            spec = _relax(spec, shape, mesh)
         specs.append(spec)
     if bad:
         raise ValueError(
@@ -427,7 +450,12 @@ _REASONS: dict[int, Literal["scalar", "below_min_size", "unmatched"]] = {
 
 @typecheck
 def explain_partition_rules(
-    rules: Rules, tree: PyTree, *, min_size: int = 0, sep: str = "/"
+    rules: Rules,
+    tree: PyTree,
+    *,
+    min_size: int = 0,
+    sep: str = "/",
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> RulesReport:
     """Reports which rule decides the spec of each array leaf, and which rules
     match nothing.
@@ -442,7 +470,8 @@ def explain_partition_rules(
 
     **Arguments:**
 
-    As for [`eqshard.match_partition_rules`][].
+    As for [`eqshard.match_partition_rules`][]: with `mesh`, a spec that cannot
+    apply on it is a problem of its row.
 
     **Returns:**
 
@@ -474,7 +503,7 @@ def explain_partition_rules(
         if rule is None or name is None:  # not an array
             continue
         spec, problem, note = _strict_spec(
-            rule, tuple(leaf.shape), compiled, "explain_partition_rules", name
+            rule, tuple(leaf.shape), compiled, "explain_partition_rules", name, mesh
         )
         matched = rule >= 0
         if matched:

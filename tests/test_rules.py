@@ -469,3 +469,28 @@ def test_rules_must_be_a_sequence(rules, fix):
         eqshard.match_partition_rules(rules, tree)
     with pytest.raises(TypeError, match=r"^eqshard.explain_partition_rules: .*" + fix):
         eqshard.explain_partition_rules(rules, tree)
+
+
+def test_rules_checked_against_a_mesh_before_shard():
+    # A 33-token vocabulary cannot be split over an axis of size 4: found here,
+    # naming the leaf, rather than by shard.
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    tree = {"embed": np.ones((33, 8)), "w": np.ones((8, 8))}
+    rules = [("embed", P("tp")), ("w", P("dp", "tp"))]
+    assert eqshard.match_partition_rules(rules, tree) == {
+        "embed": P("tp"),
+        "w": P("dp", "tp"),
+    }
+    match = r"'embed' shape \(33, 8\): spec P\('tp',\) of rule 0 cannot apply on mesh"
+    with pytest.raises(ValueError, match=match):
+        eqshard.match_partition_rules(rules, tree, mesh=mesh)
+    relaxed = eqshard.match_partition_rules(rules, tree, mesh=mesh, strict=False)
+    assert relaxed == {"embed": P(), "w": P("dp", "tp")}
+    report = eqshard.explain_partition_rules(rules, tree, mesh=mesh.abstract_mesh)
+    assert [row.path for row in report.problems] == ["embed"]
+    assert "dimension 0 (size 33) is not divisible by 'tp' (size 4)" in (
+        report.problems[0].problem
+    )
+    # What shard would say, for comparison: the same leaf refused.
+    with pytest.raises(ValueError, match="embed"):
+        eqshard.shard(tree, eqshard.match_partition_rules(rules, tree), mesh)
