@@ -15,6 +15,7 @@ How a [`eqshard.PartitionedFn`][] call stays cheap:
   so calls do not pay for entering them.
 """
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -621,22 +622,16 @@ def _avals(owner: PartitionedFn, args: tuple[Any, ...]) -> list[tuple[KeyPath, s
     ]
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _Lowered:
     """A [`eqshard.PartitionedFn`][] lowered for one structure and types of
     arguments: `compile()` gives a callable that takes the function's own
     arguments. JAX's `jax.stages.Lowered` is its `lowered` attribute."""
 
-    def __init__(
-        self,
-        owner: PartitionedFn,
-        signature: Any,
-        avals: list[tuple[KeyPath, str]],
-        lowered: jax.stages.Lowered,
-    ):
-        self._owner = owner
-        self._signature = signature
-        self._avals = avals
-        self.lowered = lowered
+    _owner: PartitionedFn
+    _signature: Any
+    _avals: list[tuple[KeyPath, str]]
+    lowered: jax.stages.Lowered
 
     def compile(self) -> "_Compiled":
         return _Compiled(
@@ -656,21 +651,15 @@ class _Lowered:
         return f"Lowered({self._owner.__name__})"
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class _Compiled:
     """A [`eqshard.PartitionedFn`][] compiled ahead of time for one structure of
     arguments. Calls take the function's own arguments."""
 
-    def __init__(
-        self,
-        owner: PartitionedFn,
-        signature: Any,
-        avals: list[tuple[KeyPath, str]],
-        compiled: jax.stages.Compiled,
-    ):
-        self._owner = owner
-        self._signature = signature
-        self._avals = avals
-        self.compiled = compiled
+    _owner: PartitionedFn
+    _signature: Any
+    _avals: list[tuple[KeyPath, str]]
+    compiled: jax.stages.Compiled
 
     def __call__(self, *args: Any) -> Any:
         _, call_args, signature = self._owner._dispatch(args, static=False)

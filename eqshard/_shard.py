@@ -96,23 +96,27 @@ def _concrete_mesh(mesh: Mesh | AbstractMesh | None, caller: str) -> Mesh:
     return mesh
 
 
+def _paths_text(paths: list[KeyPath]) -> str:
+    """The first ten of `paths`, quoted and comma-separated, for messages."""
+    return ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+
+
 def abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
-    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return TypeError(
-        f"eqshard.{caller}: `tree` holds `jax.ShapeDtypeStruct` leaves at {where}, "
-        "which have no data to move. Create the arrays first, or plan with abstract "
-        "trees through `eqshard.analyze_sharding_strategy`."
+        f"eqshard.{caller}: `tree` holds `jax.ShapeDtypeStruct` leaves at "
+        f"{_paths_text(paths)}, which have no data to move. Create the arrays "
+        "first, or plan with abstract trees through "
+        "`eqshard.analyze_sharding_strategy`."
     )
 
 
 def _abstract_mesh_error(caller: str, paths: list[KeyPath]) -> TypeError:
-    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return TypeError(
         f"eqshard.{caller}: `specs` has `NamedSharding`s on an abstract mesh at "
-        f"{where}, which has no devices to place arrays on. Pass `PartitionSpec`s "
-        "and a mesh (`eqshard.get_partition_spec` reads them from a tree), or bind "
-        "the shardings of an `eqx.filter_eval_shape` tree to a mesh with "
-        "`eqshard.extract_shardings(shapes, mesh)`."
+        f"{_paths_text(paths)}, which has no devices to place arrays on. Pass "
+        "`PartitionSpec`s and a mesh (`eqshard.get_partition_spec` reads them "
+        "from a tree), or bind the shardings of an `eqx.filter_eval_shape` tree "
+        "to a mesh with `eqshard.extract_shardings(shapes, mesh)`."
     )
 
 
@@ -166,12 +170,11 @@ def _is_deleted(x: Any) -> bool:
 
 
 def _deleted_error(caller: str, paths: list[KeyPath]) -> ValueError:
-    where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return ValueError(
-        f"eqshard.{caller}: the arrays at {where} have been deleted: donated to a "
-        "function (`donate_argnums`, `Partitioner.move_to_devices`) or freed with "
-        "`.delete()`. Use what that function returned in their place, or keep a "
-        "copy of them."
+        f"eqshard.{caller}: the arrays at {_paths_text(paths)} have been deleted: "
+        "donated to a function (`donate_argnums`, `Partitioner.move_to_devices`) "
+        "or freed with `.delete()`. Use what that function returned in their "
+        "place, or keep a copy of them."
     )
 
 
