@@ -465,7 +465,8 @@ def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
         "import equinox as eqx\n"
         "import jax\n\n\n"
         "def abstract():\n"
-        "    return eqx.filter_eval_shape(eqx.nn.Linear, 64, 32, key=jax.random.key(0))\n"
+        "    key = jax.random.key(0)\n"
+        "    return eqx.filter_eval_shape(eqx.nn.Linear, 64, 32, key=key)\n"
     )
     result = subprocess.run(
         [
