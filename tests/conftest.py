@@ -25,7 +25,15 @@ settings.register_profile(
 settings.register_profile(
     "ci", parent=settings.get_profile("default"), derandomize=True, database=None
 )
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+# A longer search, e.g. for the property suite (tests/test_properties.py):
+# `HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties.py`.
+settings.register_profile(
+    "long", parent=settings.get_profile("default"), max_examples=5000
+)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE")
+    or ("ci" if os.environ.get("CI") else "default")
+)
 
 
 @pytest.fixture(scope="session")
