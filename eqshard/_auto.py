@@ -9,13 +9,14 @@ what it chose, for `explain_partition_rules`.
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._mesh import current_mesh
 from ._specs import entry_axes
-from ._typing import typecheck
+from ._typing import Int, typecheck
 
 
 def _entry(axes: Sequence[str]) -> str | tuple[str, ...]:
@@ -117,8 +118,8 @@ class AutoFSDP:
 def auto_fsdp(
     axes: str | Sequence[str],
     *,
-    min_size: int = 2**20,
-    stacked: int = 0,
+    min_size: Int = 2**20,
+    stacked: Int = 0,
     base: PartitionSpec = PartitionSpec(),
     mesh: Mesh | AbstractMesh | None = None,
 ) -> AutoFSDP:
@@ -177,6 +178,7 @@ def auto_fsdp(
         # {"mlp": {"up": P("fsdp", "tp")}, "embed": P("fsdp")}
         ```
     """
+    min_size, stacked = operator.index(min_size), operator.index(stacked)
     for name, value in (("min_size", min_size), ("stacked", stacked)):
         if value < 0:
             raise ValueError(f"eqshard.auto_fsdp: `{name}` must be >= 0, got {value}.")

@@ -10,6 +10,7 @@ block of code with the thread-local [`eqshard.logical_axis_rules`][] context,
 the one piece of module state in eqshard.
 """
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._tree import path_str
-from ._typing import KeyPath, RulesArg, sequence_fix, typecheck
+from ._typing import Int, KeyPath, RulesArg, sequence_fix, typecheck
 
 
 # What a rule maps a logical name to: one mesh axis, several (the dimension is
@@ -642,8 +643,8 @@ _REPLICATED_AXES = (
 
 @typecheck
 def standard_logical_axis_rules(
-    activation_partitioning_dims: int = 1,
-    parameter_partitioning_dims: int = 1,
+    activation_partitioning_dims: Int = 1,
+    parameter_partitioning_dims: Int = 1,
     additional_rules: RulesArg | None = None,
 ) -> LogicalRules:
     """The default logical axis rules of t5x, for a `('data', 'model')` mesh.
@@ -683,13 +684,13 @@ def standard_logical_axis_rules(
         eqshard.logical_to_mesh_axes(("embed", "mlp"), rules)  # P("data", "model")
         ```
     """
-    table = _STANDARD_RULES.get(
-        (activation_partitioning_dims, parameter_partitioning_dims)
+    dims = (
+        operator.index(activation_partitioning_dims),
+        operator.index(parameter_partitioning_dims),
     )
+    table = _STANDARD_RULES.get(dims)
     if table is None:
-        raise ValueError(
-            _dims_message(activation_partitioning_dims, parameter_partitioning_dims)
-        )
+        raise ValueError(_dims_message(*dims))
     extra = ()
     if additional_rules is not None:
         extra = normalize_rules(

@@ -2,6 +2,7 @@
 
 import collections
 import math
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from ._typing import typecheck
+from ._typing import Int, typecheck
 
 
 # One builder per kind of message.
@@ -175,7 +176,7 @@ def _build_mesh(
 
 @typecheck
 def create_mesh(
-    axis_dims: Sequence[int] = (1, -1, 1, 1),
+    axis_dims: Sequence[Int] = (1, -1, 1, 1),
     axis_names: Sequence[str] = ("dp", "fsdp", "tp", "sp"),
     *,
     devices: Sequence[Any] | None = None,
@@ -217,9 +218,8 @@ def create_mesh(
         dict(mesh.shape)  # {"dp": 2, "tp": 4}
         ```
     """
-    return _build_mesh(
-        "create_mesh", axis_dims, axis_names, devices, backend, axis_types
-    )
+    dims = tuple(map(operator.index, axis_dims))
+    return _build_mesh("create_mesh", dims, axis_names, devices, backend, axis_types)
 
 
 def _parse_mesh_string(
@@ -330,8 +330,8 @@ def _unit_attribute(devices: Sequence[Any], num_units: int) -> str | None:
 
 @typecheck
 def create_hybrid_mesh(
-    ici_mesh_shape: Sequence[int],
-    dcn_mesh_shape: Sequence[int],
+    ici_mesh_shape: Sequence[Int],
+    dcn_mesh_shape: Sequence[Int],
     axis_names: Sequence[str],
     *,
     devices: Sequence[Any] | None = None,
@@ -375,33 +375,35 @@ def create_hybrid_mesh(
         ```
     """
     caller = "create_hybrid_mesh"
-    _check_shape(caller, ici_mesh_shape, axis_names, None)
-    names = _check_shape(caller, dcn_mesh_shape, axis_names, None)
+    ici = tuple(map(operator.index, ici_mesh_shape))
+    dcn = tuple(map(operator.index, dcn_mesh_shape))
+    _check_shape(caller, ici, axis_names, None)
+    names = _check_shape(caller, dcn, axis_names, None)
     types = _axis_types(caller, names, axis_types)
     devs = resolve_devices(caller, devices, None)
-    num_units = math.prod(dcn_mesh_shape)
+    num_units = math.prod(dcn)
     attr = _unit_attribute(devs, num_units)
     if attr is None:
         slices = len({getattr(d, "slice_index", 0) for d in devs})
         processes = len({d.process_index for d in devs})
         raise ValueError(
-            f"eqshard.{caller}: dcn_mesh_shape={tuple(dcn_mesh_shape)} asks for "
+            f"eqshard.{caller}: dcn_mesh_shape={dcn} asks for "
             f"{num_units} slices or processes, but the {len(devs)} devices "
             f"span {slices} slice(s) and {processes} process(es). Make the "
             "product of dcn_mesh_shape one of those counts."
         )
     counts = collections.Counter(getattr(d, attr) for d in devs)
-    if set(counts.values()) != {math.prod(ici_mesh_shape)}:
+    if set(counts.values()) != {math.prod(ici)}:
         unit = attr.removesuffix("_index")
         raise ValueError(
-            f"eqshard.{caller}: ici_mesh_shape={tuple(ici_mesh_shape)} needs "
-            f"{math.prod(ici_mesh_shape)} devices per {unit}, but the devices "
+            f"eqshard.{caller}: ici_mesh_shape={ici} needs "
+            f"{math.prod(ici)} devices per {unit}, but the devices "
             f"per {unit} are {dict(sorted(counts.items()))}; give a shape whose "
             f"sizes multiply to the devices in one {unit}."
         )
     array = mesh_utils.create_hybrid_device_mesh(
-        tuple(ici_mesh_shape),
-        tuple(dcn_mesh_shape),
+        ici,
+        dcn,
         devs,
         process_is_granule=attr == "process_index",
     )

@@ -12,6 +12,7 @@ which part of them a process holds comes from [`eqshard.LocalChunker`][]
 """
 
 import math
+import operator
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from ._partitioned import PartitionedFn, to_shardings
 from ._shard import shard_tree
 from ._specs import axes_repr, entry_axes
 from ._topology import default_mesh
-from ._typing import RulesArg, typecheck
+from ._typing import Int, RulesArg, typecheck
 
 
 def _config_error(problem: str, fix: str) -> ValueError:
@@ -46,10 +47,10 @@ def _given(**options: Any) -> list[str]:
     return [name for name, value in options.items() if value is not None]
 
 
-def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-    numbers = (value,) if isinstance(value, int) else tuple(value)
+def _argnums(value: Int | Sequence[Int], name: str) -> tuple[int, ...]:
+    numbers = (value,) if isinstance(value, Int) else tuple(value)
     for n in numbers:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        if not isinstance(n, Int) or isinstance(n, bool) or n < 0:
             raise ValueError(
                 f"eqshard.Partitioner.partition: `{name}` must be non-negative "
                 f"argument positions, got {value!r}."
@@ -58,7 +59,7 @@ def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
         raise ValueError(
             f"eqshard.Partitioner.partition: `{name}` repeats a position: {value!r}."
         )
-    return tuple(sorted(numbers))
+    return tuple(sorted(map(operator.index, numbers)))
 
 
 class Partitioner:
@@ -122,16 +123,18 @@ class Partitioner:
     @typecheck
     def __init__(
         self,
-        num_partitions: int | None = None,
-        model_parallel_submesh: Sequence[int] | None = None,
+        num_partitions: Int | None = None,
+        model_parallel_submesh: Sequence[Int] | None = None,
         *,
         mesh: Mesh | None = None,
         backend: str | None = None,
-        ici_mesh_shape: Sequence[int] | None = None,
-        dcn_mesh_shape: Sequence[int] | None = None,
+        ici_mesh_shape: Sequence[Int] | None = None,
+        dcn_mesh_shape: Sequence[Int] | None = None,
         logical_axis_rules: RulesArg | None = None,
         params_on_devices: bool = True,
     ):
+        if num_partitions is not None:
+            num_partitions = operator.index(num_partitions)
         given = _given(
             num_partitions=num_partitions,
             model_parallel_submesh=model_parallel_submesh,
@@ -187,7 +190,7 @@ class Partitioner:
             submesh = None
             partitions = num_partitions
             if model_parallel_submesh is not None:
-                submesh = tuple(model_parallel_submesh)
+                submesh = tuple(map(operator.index, model_parallel_submesh))
                 partitions = math.prod(submesh)
             mesh = default_mesh(
                 typing.cast(int, partitions),
@@ -195,10 +198,10 @@ class Partitioner:
                 backend=backend,
                 ici_mesh_shape=None
                 if ici_mesh_shape is None
-                else tuple(ici_mesh_shape),
+                else tuple(map(operator.index, ici_mesh_shape)),
                 dcn_mesh_shape=None
                 if dcn_mesh_shape is None
-                else tuple(dcn_mesh_shape),
+                else tuple(map(operator.index, dcn_mesh_shape)),
             )
         data_axes = entry_axes(
             logical_to_spec(("batch",), rules, caller="Partitioner")[0]
@@ -269,9 +272,10 @@ class Partitioner:
         axes = self._data_axes
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
-    def _chunker(self, process_index: int | None) -> LocalChunker:
+    def _chunker(self, process_index: Int | None) -> LocalChunker:
         if process_index is None:
             process_index = jax.process_index()
+        process_index = operator.index(process_index)
         chunker = self._chunkers.get(process_index)
         if chunker is None:
             chunker = LocalChunker(self._mesh, process_index=process_index)
@@ -301,7 +305,7 @@ class Partitioner:
 
     @typecheck
     def data_layout(
-        self, batch_size: int | None = None, *, process_index: int | None = None
+        self, batch_size: Int | None = None, *, process_index: Int | None = None
     ) -> DataLayout:
         """How a global batch is split between processes, seen from one process.
 
@@ -333,6 +337,10 @@ class Partitioner:
             per_host_batch = layout.batch_size // layout.num_shards
             ```
         """
+        if batch_size is not None:
+            batch_size = operator.index(batch_size)
+        if process_index is not None:
+            process_index = operator.index(process_index)
         if batch_size is not None and batch_size < 1:
             raise ValueError(
                 f"eqshard.Partitioner.data_layout: `batch_size` must be positive, "
@@ -367,10 +375,10 @@ class Partitioner:
     @typecheck
     def local_chunk_info(
         self,
-        global_shape: Sequence[int],
+        global_shape: Sequence[Int],
         mesh_axes: Sequence[Any] | PartitionSpec,
         *,
-        process_index: int | None = None,
+        process_index: Int | None = None,
     ) -> LocalChunkInfo:
         """The slice of a global array that one process's devices hold.
 
@@ -408,7 +416,8 @@ class Partitioner:
                 mesh_axes, self._rules, caller="Partitioner.local_chunk_info"
             )
         chunker = self._chunker(process_index)
-        return chunker.get_local_chunk_info(global_shape, mesh_axes)
+        shape = tuple(map(operator.index, global_shape))
+        return chunker.get_local_chunk_info(shape, mesh_axes)
 
     # -- functions and data -------------------------------------------------------
 
@@ -419,8 +428,8 @@ class Partitioner:
         in_specs: PyTree,
         out_specs: PyTree,
         *,
-        static_argnums: int | Sequence[int] = (),
-        donate_argnums: int | Sequence[int] = (),
+        static_argnums: Int | Sequence[Int] = (),
+        donate_argnums: Int | Sequence[Int] = (),
     ) -> PartitionedFn:
         """Compiles `fn` with `jax.jit` on this partitioner's mesh.
 

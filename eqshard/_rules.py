@@ -11,6 +11,7 @@ per call and each path is built and matched once.
 
 import dataclasses
 import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
@@ -23,7 +24,7 @@ from ._auto import AutoFSDP
 from ._mesh import mesh_repr
 from ._specs import check_spec
 from ._tree import is_array, path_name
-from ._typing import PyTreeDef, RulesArg, sequence_fix, typecheck
+from ._typing import Int, PyTreeDef, RulesArg, sequence_fix, typecheck
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
@@ -252,7 +253,7 @@ def match_partition_rules(
     rules: Rules,
     tree: PyTree,
     *,
-    min_size: int = 0,
+    min_size: Int = 0,
     strict: bool = True,
     sep: str = "/",
     mesh: Mesh | AbstractMesh | None = None,
@@ -308,6 +309,7 @@ def match_partition_rules(
         # {"attn": {"q": {"weight": P("dp", "tp"), "bias": P()}}}
         ```
     """
+    min_size = operator.index(min_size)
     compiled = _compile_rules(rules, "match_partition_rules")
     matches = _match_leaves(compiled, tree, min_size, sep, "match_partition_rules")
     specs: list[PartitionSpec | None] = []
@@ -453,7 +455,7 @@ def explain_partition_rules(
     rules: Rules,
     tree: PyTree,
     *,
-    min_size: int = 0,
+    min_size: Int = 0,
     sep: str = "/",
     mesh: Mesh | AbstractMesh | None = None,
 ) -> RulesReport:
@@ -493,6 +495,7 @@ def explain_partition_rules(
         print(report)
         ```
     """
+    min_size = operator.index(min_size)
     compiled = _compile_rules(rules, "explain_partition_rules")
     matches = _match_leaves(compiled, tree, min_size, sep, "explain_partition_rules")
     rows = []

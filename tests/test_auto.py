@@ -181,3 +181,13 @@ def test_a_plain_function_of_the_shape_is_a_rule_value():
     }
     row = eqshard.explain_partition_rules([(".*", by_rank)], tree).rows[0]
     assert row.note == "computed by by_rank"
+
+
+def test_numpy_integer_sizes():
+    mesh = AbstractMesh((4,), ("fsdp",))
+    rule = eqshard.auto_fsdp(
+        "fsdp", min_size=np.int64(8), stacked=np.int32(0), mesh=mesh
+    )
+    tree = {"small": np.ones(4), "big": np.ones((16, 3))}
+    specs = eqshard.match_partition_rules([(".*", rule)], tree)
+    assert specs == {"small": P(), "big": P("fsdp")}

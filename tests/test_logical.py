@@ -690,3 +690,9 @@ def test_constraint_suggests_axis_names_for_a_string_leaf():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(TypeError, match=r"P\('batch'\).*AxisNames\('batch'\)"):
         eqshard.with_sharding_constraint(jnp.zeros(8), "batch", mesh=mesh)
+
+
+def test_standard_rules_take_numpy_integers():
+    assert eqshard.standard_logical_axis_rules(
+        np.int64(1), np.int64(2)
+    ) == eqshard.standard_logical_axis_rules(1, 2)

@@ -280,3 +280,10 @@ def test_axis_size_and_index_outside_shard_map():
         eqshard.axis_size("dp")
     with pytest.raises(ValueError, match=r"axis_index: axis \('a', 'b'\) is not"):
         eqshard.axis_index(("a", "b"))
+
+
+def test_numpy_integers_are_sizes():
+    sizes = (np.int64(2), np.int32(4))
+    assert dict(eqshard.create_mesh(sizes, ("a", "b")).shape) == {"a": 2, "b": 4}
+    mesh = eqshard.create_hybrid_mesh((np.int64(8),), (np.int64(1),), ("a",))
+    assert dict(mesh.shape) == {"a": 8}

@@ -793,3 +793,13 @@ def test_partitioner_without_rules_on_a_mesh_of_other_axis_names():
     ):
         with pytest.raises(ValueError, match=asks):
             needs_rules()
+
+
+def test_numpy_integers_where_ints_are_expected(partitioner):
+    made = eqshard.Partitioner(num_partitions=np.int64(2)).mesh
+    assert made.shape == eqshard.Partitioner(num_partitions=2).mesh.shape
+    assert partitioner.data_layout(np.int64(8)).batch_size == 8
+    info = partitioner.local_chunk_info((np.int64(8),), P("data"))
+    assert info.slice == (slice(0, 8),)  # one process holds every row
+    f = partitioner.partition(lambda x, n: x * n, P(), P(), static_argnums=np.int64(1))
+    np.testing.assert_array_equal(f(jnp.ones(4), 3), np.full(4, 3.0))

@@ -494,3 +494,12 @@ def test_rules_checked_against_a_mesh_before_shard():
     # What shard would say, for comparison: the same leaf refused.
     with pytest.raises(ValueError, match="embed"):
         eqshard.shard(tree, eqshard.match_partition_rules(rules, tree), mesh)
+
+
+def test_numpy_integer_min_size():
+    tree = {"small": np.ones(4), "big": np.ones(16)}
+    rules = [(".*", P("dp"))]
+    specs = eqshard.match_partition_rules(rules, tree, min_size=np.int64(8))
+    assert specs == {"small": P(), "big": P("dp")}
+    report = eqshard.explain_partition_rules(rules, tree, min_size=np.int64(8))
+    assert type(report.min_size) is int
