@@ -537,9 +537,10 @@ class PartitionedFn:
         if (
             direct is not None
             and self._get_dynamic is None
-            and not self._donated
             and self._direct_count in (-1, len(args))
             and all(map(_DIRECT_TYPES.__contains__, map(type, args)))
+            # With donation, one array given twice takes the path that refuses it.
+            and (not self._donated or len(set(map(id, args))) == len(args))
         ):
             try:
                 out, statics = direct(*args)
