@@ -4,6 +4,9 @@
 # Nothing else may escape: no JAX, NumPy or type-checker error, no crash, no silent
 # change of a value.
 #
+# A second property: a partitioned function given static values that compare
+# equal but differ in type compiles one program per type.
+#
 # Runs in CI with the derandomised "ci" profile of conftest.py; for a longer search
 # run `HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties.py` (see
 # CONTRIBUTING.md).
@@ -322,3 +325,29 @@ def test_shard_then_gather_is_exact_or_an_eqshard_error(data, tree, mesh):
             assert isinstance(out, jax.Array), where
             assert out.sharding.is_equivalent_to(sharding, out.ndim), where
         _check_same(back, _expected(x, spec is not None), where)
+
+
+# ---------------------------------------------------------------------------------
+# Partitioned functions: static values that compare equal but differ in type
+# (True == 1 == 1.0) each get their own program, as jax.jit's static arguments do.
+
+_STATICS = st.sampled_from([True, False, 0, 1, 2, 0.0, 1.0, (1,), (True,), (1.0,)])
+
+
+def _fill(x, s):
+    return jnp.full(x.shape, jtu.tree_leaves(s)[0])
+
+
+@given(values=st.lists(_STATICS, min_size=2, max_size=3), as_leaf=st.booleans())
+def test_partitioned_static_values_keep_their_types(values, as_leaf):
+    partitioner = eqshard.Partitioner(mesh=MESHES[0])
+    if as_leaf:  # a non-array leaf of a pytree argument
+        f = partitioner.partition(lambda t: _fill(*t), P(), P())
+    else:
+        f = partitioner.partition(_fill, P(), P(), static_argnums=1)
+    x = jnp.ones(8)
+    for value in values:
+        got = f((x, value)) if as_leaf else f(x, value)
+        want = jnp.asarray(jtu.tree_leaves(value)[0]).dtype
+        assert got.dtype == want, (value, got.dtype)
+        np.testing.assert_array_equal(got, np.full(8, jtu.tree_leaves(value)[0]))
