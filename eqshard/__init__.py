@@ -12,6 +12,7 @@ from ._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
 )
+from ._derive import abstract as abstract
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
     extract_sharding_structure as extract_sharding_structure,
@@ -81,6 +82,7 @@ from ._topology import (
 from ._tree import (
     flatten_tree as flatten_tree,
     get_names_from_partition_spec as get_names_from_partition_spec,
+    is_array as is_array,
     named_tree_map as named_tree_map,
     tree_apply as tree_apply,
     tree_path_to_string as tree_path_to_string,

@@ -25,8 +25,29 @@ _is_array_type: dict[type, bool] = {}
 
 
 def is_array(x: Any) -> bool:
-    """Whether `x` is an array to eqshard: a `jax.Array`, a NumPy array or scalar, or a
-    `jax.ShapeDtypeStruct`. Python scalars are not arrays (Equinox's convention)."""
+    """Whether `x` is an array to eqshard.
+
+    Arrays are `jax.Array`s, NumPy arrays and scalars, and `jax.ShapeDtypeStruct`s,
+    so the skeleton made by `eqx.filter_eval_shape` or `jax.eval_shape` can be
+    filtered as the real tree is (`eqx.is_array` rejects `ShapeDtypeStruct`s).
+    Python scalars are not arrays (Equinox's convention).
+
+    **Arguments:**
+
+    - `x`: anything.
+
+    **Returns:**
+
+    `True` or `False`.
+
+    !!! Example
+
+        ```python
+        eqshard.is_array(jnp.zeros(3))  # True
+        eqshard.is_array(jax.ShapeDtypeStruct((3,), jnp.float32))  # True
+        eqshard.is_array(1.0)  # False
+        ```
+    """
     # `isinstance(x, jax.Array)` is slow (an ABC check); the answer depends only on
     # the type, so it is looked up once per type.
     kind = type(x)
