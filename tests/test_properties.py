@@ -150,7 +150,11 @@ def arrays(draw) -> Any:
     host = _host_array(dtype, shape, raw)
     if draw(st.booleans()) or dtype != jax.dtypes.canonicalize_dtype(dtype):
         return host  # 64-bit data with x64 off is only ever NumPy data
-    return jax.device_put(host)
+    device = jax.device_put(host)
+    kind = draw(st.integers(0, 19))
+    if kind == 0:  # no data: refused
+        return jax.ShapeDtypeStruct(device.shape, device.dtype)
+    return device
 
 
 class Pair(NamedTuple):
@@ -288,13 +292,16 @@ def _check_same(got: Any, want: np.ndarray, where: str) -> None:
 @given(data=st.data(), tree=trees(), mesh=st.sampled_from(MESHES))
 def test_shard_then_gather_is_exact_or_an_eqshard_error(data, tree, mesh):
     specs = data.draw(spec_trees(tree, mesh))
+    abstract = data.draw(st.integers(0, 19)) == 0  # no devices: refused
     try:
-        placed = eqshard.shard(tree, specs, mesh)
+        placed = eqshard.shard(tree, specs, mesh.abstract_mesh if abstract else mesh)
     except (ValueError, TypeError) as error:
         message = str(error)
         event(f"refused: {message[:60]}")
         assert message.startswith("eqshard."), message
-        assert any(f"'{p}'" in message for p in _paths(tree)), message
+        named = any(f"'{p}'" in message for p in _paths(tree))
+        # With no devices, the error may be about the mesh rather than a leaf.
+        assert named or (abstract and "AbstractMesh" in message), message
         return
     # Placed as asked: each array leaf with its spec's sharding, or left as it was.
     event("placed")
@@ -312,6 +319,9 @@ def test_shard_then_gather_is_exact_or_an_eqshard_error(data, tree, mesh):
     for x, spec, out, back in zip(
         originals, flat_specs, jtu.tree_leaves(placed), gathered_leaves, strict=True
     ):
+        assert not isinstance(x, jax.ShapeDtypeStruct) and not (
+            isinstance(x, jax.Array) and x.is_deleted()
+        ), "placed without data"
         if not isinstance(x, jax.Array | np.ndarray):
             assert out is x and back is x
             continue
@@ -319,6 +329,8 @@ def test_shard_then_gather_is_exact_or_an_eqshard_error(data, tree, mesh):
         if spec is None:
             assert out is x, where
         else:
+            # A NamedSharding brings its own mesh; a PartitionSpec needs `mesh`.
+            assert isinstance(spec, NamedSharding) or not abstract, where
             sharding = (
                 spec if isinstance(spec, NamedSharding) else NamedSharding(mesh, spec)
             )
