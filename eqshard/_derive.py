@@ -6,18 +6,20 @@ that `orbax` restore, `jax.jit(...).lower` and `eqx.filter_eval_shape` take.
 of the parameters its leaves follow.
 """
 
+import math
 import typing
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import require_mesh
 from ._specs import check_leaves, leaf_specs, named_sharding, spec_error_message
-from ._tree import is_array
-from ._typing import typecheck
+from ._tree import is_array, path_name, path_str
+from ._typing import KeyPath, typecheck
 
 
 def _struct(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -91,4 +93,176 @@ def abstract(
             on = typing.cast(Mesh, mesh)
             spec = named_sharding(spec, on, caller=caller, path=path)
         out.append(_struct(leaf, spec))
+    return jtu.tree_unflatten(treedef, out)
+
+
+# A leaf smaller than this that follows no parameter (a step count, Adafactor's
+# `(1,)` placeholders) is replicated; a larger one is `on_unmatched`'s business.
+_SMALL_BYTES = 1024
+
+
+def replicated_like(spec: Any) -> Any:
+    """The replicated spec where `spec` places: `P()`, or a replicated
+    `NamedSharding` on its mesh; any other sharding (a single device) as it is."""
+    if isinstance(spec, NamedSharding):
+        return NamedSharding(spec.mesh, PartitionSpec(), memory_kind=spec.memory_kind)
+    if isinstance(spec, PartitionSpec):
+        return PartitionSpec()
+    return spec
+
+
+def _without_dim(spec: Any, dim: int) -> Any:
+    """`spec` for the array with dimension `dim` reduced away."""
+    inner = spec.spec if isinstance(spec, NamedSharding) else spec
+    if not isinstance(inner, PartitionSpec):
+        return spec
+    entries = list(inner)
+    if dim < len(entries):
+        del entries[dim]
+    reduced = PartitionSpec(*entries)
+    if isinstance(spec, NamedSharding):
+        return NamedSharding(spec.mesh, reduced, memory_kind=spec.memory_kind)
+    return reduced
+
+
+def _reduced_dim(
+    path: KeyPath, shape: tuple[int, ...], pshape: tuple[int, ...]
+) -> int | None:
+    """The dimension of the parameter's shape `pshape` that a leaf of `shape` has
+    reduced away (Adafactor's factored `v_row`/`v_col`), or `None`. Where several
+    fit (a square matrix), optax's choice: `v_row` drops the largest dimension and
+    `v_col` the second largest (the last of equals counting as larger)."""
+    if len(shape) != len(pshape) - 1:
+        return None
+    dims = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1 :] == shape]
+    if len(dims) > 1:
+        order = [int(d) for d in np.argsort(pshape, kind="stable")]
+        names = {path_name(path[i : i + 1], "/") for i in range(len(path))}
+        preferred = (
+            order[-1] if "v_row" in names else order[-2] if "v_col" in names else None
+        )
+        if preferred in dims:
+            return preferred
+    return dims[0] if dims else None
+
+
+def follow_spec(
+    path: KeyPath,
+    shape: tuple[int, ...],
+    by_path: dict[KeyPath, tuple[tuple[int, ...], Any]],
+) -> tuple[bool, Any]:
+    """The spec of the leaf at `path` of `shape`, following the parameter (in
+    `by_path`, `{path: (shape, spec)}`) whose path ends the leaf's path: its spec
+    for its shape, its spec without the reduced entry for a factored shape. Returns
+    `(found, spec)`; `found` is `False` (and `spec` `None`) if no parameter fits."""
+    for start in range(len(path) + 1):
+        found = by_path.get(tuple(path[start:]))
+        if found is None:
+            continue
+        pshape, pspec = found
+        if shape == pshape:
+            return True, pspec
+        dim = _reduced_dim(path[:start], shape, pshape)
+        if dim is not None:
+            return True, None if pspec is None else _without_dim(pspec, dim)
+        return False, None
+    return False, None
+
+
+@typecheck
+def derive_specs(
+    tree: PyTree,
+    params: PyTree,
+    param_specs: PyTree,
+    *,
+    on_unmatched: Literal["error", "replicate"] = "error",
+) -> PyTree:
+    """Specs for a tree that follows the parameters: an optimizer state, gradients,
+    an EMA copy.
+
+    Each array leaf gets the spec of the parameter it follows: the parameter whose
+    path ends the leaf's path and whose shape is the leaf's (optax's `mu`, `nu`,
+    `trace` and the like mirror the parameter tree under their own keys). A leaf
+    of the parameter's shape with one dimension reduced away (Adafactor's factored
+    `v_row`/`v_col`) gets the spec without that dimension's entry. Leaves smaller
+    than 1 KiB that follow no parameter (step counts, hyperparameters, Adafactor's
+    placeholders) are replicated (`P()`); non-array leaves and empty nodes such as
+    `optax.MaskedNode` get `None`. Works on concrete and abstract trees (only
+    `.shape` and `.dtype` are read) and imports no optimizer library.
+
+    **Arguments:**
+
+    - `tree`: the tree to find specs for, e.g. `optimizer.init(params)` or
+      `jax.eval_shape(optimizer.init, params)`.
+    - `params`: the parameters, concrete or abstract, with the paths `tree`
+      follows (e.g. the `params` of `eqx.partition(model, eqx.is_inexact_array)`).
+    - `param_specs`: their spec tree (or a prefix of it), as made by
+      [`eqshard.match_partition_rules`][].
+    - `on_unmatched`: what to do with a leaf of 1 KiB or more that follows no
+      parameter: `"error"` (the default) raises, `"replicate"` gives it `P()`.
+
+    **Returns:**
+
+    A spec tree for `tree`: a spec at each array leaf, `None` elsewhere.
+
+    **Raises:**
+
+    - `ValueError` naming every large leaf that follows no parameter (with
+      `on_unmatched="error"`), or the first path where `param_specs` is not a
+      prefix of `params`.
+    - `TypeError` naming a leaf of `param_specs` that is not a spec.
+
+    !!! Example
+
+        ```python
+        params = {"w": jnp.zeros((512, 256)), "b": jnp.zeros(256)}
+        specs = {"w": P("dp", "tp"), "b": P("tp")}
+        state = optax.adam(1e-3).init(params)
+        eqshard.derive_specs(state, params, specs)
+        # (ScaleByAdamState(count=P(), mu={"b": P("tp"), "w": P("dp", "tp")},
+        #   nu={"b": P("tp"), "w": P("dp", "tp")}), EmptyState())
+        ```
+    """
+    caller = "derive_specs"
+    if on_unmatched not in ("error", "replicate"):
+        raise ValueError(
+            f'eqshard.{caller}: `on_unmatched` is {on_unmatched!r}; use "error" or '
+            '"replicate".'
+        )
+    pairs = leaf_specs(param_specs, params, caller=caller)
+    by_path = {
+        tuple(path): (tuple(int(n) for n in leaf.shape), spec)
+        for (path, spec), leaf in zip(pairs, jtu.tree_leaves(params), strict=True)
+        if is_array(leaf)
+    }
+    default: Any = PartitionSpec()
+    for _, spec in by_path.values():
+        if spec is not None:
+            default = replicated_like(spec)
+            break
+    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    out = []
+    unmatched = []
+    for path, leaf in path_leaves:
+        if not is_array(leaf):
+            out.append(None)
+            continue
+        shape = tuple(int(n) for n in leaf.shape)
+        found, spec = follow_spec(path, shape, by_path)
+        if not found:
+            spec = default
+            nbytes = math.prod(shape) * np.dtype(leaf.dtype).itemsize
+            if nbytes >= _SMALL_BYTES and on_unmatched == "error":
+                unmatched.append(f"'{path_str(path)}' (shape {shape}, {leaf.dtype})")
+        out.append(spec)
+    if unmatched:
+        raise ValueError(
+            f"eqshard.{caller}: {len(unmatched)} array(s) of 1 KiB or more follow no "
+            f"parameter: {', '.join(unmatched[:10])}"
+            f"{' ...' if len(unmatched) > 10 else ''}. A leaf follows a parameter "
+            "when its path ends with the parameter's path and its shape is the "
+            "parameter's (or has one dimension reduced away). Check that `params` "
+            "is the tree `tree` was made from (the same paths), or pass "
+            '`on_unmatched="replicate"` to replicate such leaves.'
+        )
     return jtu.tree_unflatten(treedef, out)

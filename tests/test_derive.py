@@ -2,6 +2,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -75,3 +76,159 @@ def test_abstract_errors(mesh):
         eqshard.abstract({"w": jnp.zeros((8,))}, {"b": P("tp")}, mesh)
     with pytest.raises(ValueError, match=r"eqshard.abstract: no mesh"):
         eqshard.abstract({"w": jnp.zeros((8,))}, P("tp"))
+
+
+# derive_specs with real optax ---------------------------------------------------
+
+D, H, LAYERS = 128, 256, 2
+
+
+class Block(eqx.Module):
+    w1: jax.Array
+    b1: jax.Array
+    w2: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (D, H)) * 0.02
+        self.b1 = jnp.zeros(H)
+        self.w2 = jax.random.normal(k2, (H, D)) * 0.02
+
+
+class Model(eqx.Module):
+    embed: jax.Array
+    blocks: Block  # stacked: every leaf has a leading layer axis
+    head: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = jax.random.normal(k1, (H, D)) * 0.02
+        make = eqx.filter_vmap(Block)
+        self.blocks = make(jax.random.split(k2, LAYERS))
+        self.head = jax.random.normal(k3, (D, H)) * 0.02
+
+
+RULES = [
+    ("embed", P("tp", None)),
+    ("blocks/w1", P(None, "dp", "tp")),
+    ("blocks/w2", P(None, "tp", "dp")),
+    ("blocks/b1", P(None, "tp")),
+    ("head", P(None, "tp")),
+]
+
+
+def _matrices(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def _labels(params):
+    return jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", params)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: optax.sgd(1e-2, momentum=0.9),
+    "adam": lambda p: optax.adam(1e-3),
+    "adamw_mask": lambda p: optax.adamw(1e-3, mask=_matrices),
+    "lion": lambda p: optax.lion(1e-4),
+    "adafactor": lambda p: optax.adafactor(1e-3, min_dim_size_to_factor=8),
+    "chain_clip": lambda p: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(1e-3)
+    ),
+    "masked": lambda p: optax.masked(optax.adam(1e-3), _matrices(p)),
+    "multi_transform": lambda p: optax.multi_transform(
+        {"a": optax.adam(1e-3), "b": optax.sgd(1e-2, momentum=0.9)}, _labels(p)
+    ),
+    "inject_hyperparams": lambda p: optax.inject_hyperparams(optax.adam)(
+        learning_rate=1e-3
+    ),
+    "multi_steps": lambda p: optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+}
+
+
+def _is_spec(x):
+    return x is None or isinstance(x, P)
+
+
+def _replicated(spec):
+    return spec is None or all(entry is None for entry in spec)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_derive_specs_optax(mesh, name):
+    params = eqx.filter(Model(jax.random.key(0)), eqx.is_inexact_array)
+    specs = eqshard.match_partition_rules(RULES, params)
+    optimizer = OPTIMIZERS[name](params)
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    opt_specs = eqshard.derive_specs(abstract_state, params, specs)
+    assert opt_specs == eqshard.derive_specs(optimizer.init(params), params, specs)
+
+    # No leaf of 1 KiB or more is replicated (every large parameter is sharded).
+    state_leaves = jax.tree.leaves_with_path(abstract_state)
+    spec_leaves = jax.tree.leaves(opt_specs, is_leaf=_is_spec)
+    assert len(state_leaves) == len(spec_leaves)
+    large = 0
+    for (path, leaf), spec in zip(state_leaves, spec_leaves):
+        assert isinstance(spec, P), (jax.tree_util.keystr(path), spec)
+        if leaf.size * leaf.dtype.itemsize >= 1024:
+            large += 1
+            assert not _replicated(spec), (jax.tree_util.keystr(path), spec)
+        assert leaf.ndim >= len(spec)
+    assert large >= 3
+
+    params = eqshard.shard(params, specs, mesh)
+    state = eqshard.shard(optimizer.init(params), opt_specs, mesh)
+    traces = []
+
+    @eqx.filter_jit
+    def step(params, state):
+        traces.append(None)
+        loss = lambda p: sum(jnp.sum(jnp.tanh(x)) for x in jax.tree.leaves(p))
+        grads = jax.grad(loss)(params)
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        params = eqshard.with_sharding_constraint(
+            params, specs, mesh=mesh, on_invalid="raise"
+        )
+        state = eqshard.with_sharding_constraint(
+            state, opt_specs, mesh=mesh, on_invalid="raise"
+        )
+        return params, state
+
+    for _ in range(3):
+        params, state = step(params, state)
+    assert len(traces) == 1
+    eqshard.check_layout((params, state), (specs, opt_specs), mesh)
+
+
+def test_derive_specs_adam_by_hand():
+    params = {"w": jnp.zeros((512, 256)), "b": jnp.zeros(256)}
+    specs = {"w": P("dp", "tp"), "b": P("tp")}
+    state = optax.adam(1e-3).init(params)
+    out = eqshard.derive_specs(state, params, specs)
+    assert out[0].count == P()
+    assert out[0].mu == {"w": P("dp", "tp"), "b": P("tp")}
+    assert out[0].nu == {"w": P("dp", "tp"), "b": P("tp")}
+    assert out[1] == optax.EmptyState()
+
+
+def test_derive_specs_adafactor_factored_square():
+    # optax: v_row drops the largest dimension, v_col the second largest; for a
+    # square matrix v_row keeps dimension 0 and v_col dimension 1.
+    params = {"w": jnp.zeros((64, 64))}
+    state = optax.adafactor(1e-3, min_dim_size_to_factor=8).init(params)
+    out = eqshard.derive_specs(state, params, {"w": P("dp", "tp")})
+    spec = [s for s in jax.tree.leaves(out, is_leaf=lambda x: hasattr(x, "v_row"))]
+    spec = [s for s in spec if hasattr(s, "v_row")][0]
+    assert spec.v_row["w"] == P("dp")
+    assert spec.v_col["w"] == P("tp")
+
+
+def test_derive_specs_unmatched():
+    params = {"w": jnp.zeros((16, 16))}
+    tree = {"ema": {"w": jnp.zeros((16, 16))}, "other": jnp.zeros((32, 32))}
+    with pytest.raises(ValueError, match=r"derive_specs: .*'other' \(shape \(32, 32\)"):
+        eqshard.derive_specs(tree, params, {"w": P("tp")})
+    out = eqshard.derive_specs(tree, params, {"w": P("tp")}, on_unmatched="replicate")
+    assert out == {"ema": {"w": P("tp")}, "other": P()}
+    small = {"ema": {"w": jnp.zeros((16, 16))}, "n": jnp.zeros(3)}
+    assert eqshard.derive_specs(small, params, {"w": P("tp")})["n"] == P()
