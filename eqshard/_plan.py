@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from ._derive import follow_spec, replicated_like
 from ._inspect import (
     analyze_pairs,
     format_bytes,
-    is_single_device,
     own_shardings,
     ShardingReport,
     ShardingRow,
@@ -83,66 +83,22 @@ def _abstract(leaf: Any, dtype: Any) -> Any:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
 
 
-def _replicated_like(spec: Any) -> Any:
-    """The replicated spec on the mesh (or the device) `spec` places on."""
-    if isinstance(spec, NamedSharding):
-        return NamedSharding(spec.mesh, PartitionSpec(), memory_kind=spec.memory_kind)
-    if is_single_device(spec):
-        return spec
-    return PartitionSpec()
-
-
-def _without_dim(spec: Any, dim: int) -> Any:
-    """`spec` for the array with dimension `dim` reduced away (a factored moment)."""
-    inner = spec.spec if isinstance(spec, NamedSharding) else spec
-    if not isinstance(inner, PartitionSpec):
-        return spec
-    entries = list(inner)
-    if dim < len(entries):
-        del entries[dim]
-    reduced = PartitionSpec(*entries)
-    if isinstance(spec, NamedSharding):
-        return NamedSharding(spec.mesh, reduced, memory_kind=spec.memory_kind)
-    return reduced
-
-
 def state_pairs(
     state: PyTree, param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]]
 ) -> list[tuple[KeyPath, Any]]:
     """A spec for each leaf of an optimizer state, following the parameter it
-    belongs to: the parameter whose path ends the leaf's path (optax's `mu`, `nu`
-    and the like mirror the parameter tree). A leaf of the parameter's shape takes
-    its spec; of its shape with one dimension reduced away (Adafactor's factored
-    moments), its spec without that entry; any other leaf (step counts) is
+    belongs to as [`eqshard.derive_specs`][] does; any other leaf (step counts) is
     replicated on the parameters' mesh."""
-    default = PartitionSpec()
+    default: Any = PartitionSpec()
     for _, spec in param_pairs.values():
         if spec is not None:
-            default = _replicated_like(spec)
+            default = replicated_like(spec)
             break
     out = []
     for path, leaf in jtu.tree_flatten_with_path(state)[0]:
-        spec: Any = default
         shape = tuple(getattr(leaf, "shape", ()))
-        for start in range(len(path)):
-            found = param_pairs.get(tuple(path[start:]))
-            if found is None:
-                continue
-            pshape, pspec = found
-            if pspec is None:
-                spec = None
-            elif shape == pshape:
-                spec = pspec
-            elif len(shape) == len(pshape) - 1:
-                spec = _replicated_like(pspec)
-                for dim in range(len(pshape)):
-                    if pshape[:dim] + pshape[dim + 1 :] == shape:
-                        spec = _without_dim(pspec, dim)
-                        break
-            else:
-                spec = _replicated_like(pspec)
-            break
-        out.append((path, spec))
+        found, spec = follow_spec(path, shape, param_pairs)
+        out.append((path, spec if found else default))
     return out
 
 
