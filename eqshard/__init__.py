@@ -12,7 +12,11 @@ from ._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
 )
-from ._derive import abstract as abstract, derive_specs as derive_specs
+from ._derive import (
+    abstract as abstract,
+    derive_specs as derive_specs,
+    stack_specs as stack_specs,
+)
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
     extract_sharding_structure as extract_sharding_structure,

@@ -266,3 +266,49 @@ def derive_specs(
             '`on_unmatched="replicate"` to replicate such leaves.'
         )
     return jtu.tree_unflatten(treedef, out)
+
+
+@typecheck
+def stack_specs(specs: PyTree, *axes: str | tuple[str, ...] | None) -> PyTree:
+    """Per-layer specs for layers stacked by `eqx.filter_vmap` (or scanned over):
+    each `PartitionSpec` with the stacking axes put in front.
+
+    A block made by `eqx.filter_vmap(Block)(keys)` has every array with a leading
+    layer axis, so the spec of one layer's `(192, 64)` weight, `P("tp", None)`,
+    would land on the layer axis of the stacked `(4, 192, 64)` one. Match the rules
+    against one layer (`eqx.filter_eval_shape(Block, key)`, no memory) and stack
+    the result: `P("tp", None)` becomes `P(None, "tp", None)`.
+
+    **Arguments:**
+
+    - `specs`: a spec tree of `PartitionSpec`s, `NamedSharding`s and `None`s.
+    - `*axes`: one entry per stacking axis, in front: `None` (the default, one
+      unsharded axis) or mesh axis names to shard the layers over (pipeline
+      stages).
+
+    **Returns:**
+
+    The spec tree with the entries in front of every spec; `None`s stay `None`.
+
+    !!! Example
+
+        ```python
+        eqshard.stack_specs({"w": P("tp", None), "b": P()})
+        # {"w": P(None, "tp", None), "b": P(None)}
+        eqshard.stack_specs(P("tp"), "dp", None)  # P("dp", None, "tp")
+        ```
+    """
+    front = axes or (None,)
+
+    def stack(spec: Any) -> Any:
+        if isinstance(spec, NamedSharding):
+            return NamedSharding(
+                spec.mesh,
+                PartitionSpec(*front, *spec.spec),
+                memory_kind=spec.memory_kind,
+            )
+        if isinstance(spec, PartitionSpec):
+            return PartitionSpec(*front, *spec)
+        return spec
+
+    return jtu.tree_map(stack, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

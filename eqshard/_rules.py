@@ -13,6 +13,7 @@ import dataclasses
 import math
 import operator
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -257,6 +258,8 @@ def match_partition_rules(
     strict: bool = True,
     sep: str = "/",
     mesh: Mesh | AbstractMesh | None = None,
+    exact_rank: bool = False,
+    on_unused: Literal["ignore", "warn"] = "ignore",
 ) -> PyTree:
     """Builds a spec tree for `tree` from regex partition rules.
 
@@ -287,6 +290,14 @@ def match_partition_rules(
       over an axis of size 4) is a bad leaf too, found here rather than by
       [`eqshard.shard`][]; with `strict=False` it is corrected as
       [`eqshard.corrected_spec`][] does.
+    - `exact_rank`: if `True`, a spec shorter than its array's rank is a bad leaf
+      too, rather than applying to the leading dimensions. This catches per-layer
+      rules applied to layers stacked by `eqx.filter_vmap` (a `P("tp", None)`
+      meant for a `(192, 64)` weight landing on the layer axis of a
+      `(4, 192, 64)` one); see [`eqshard.stack_specs`][] for the fix.
+    - `on_unused`: `"warn"` warns (a `UserWarning`) naming each rule that matched
+      no leaf, as [`eqshard.explain_partition_rules`][] lists them (often a typo,
+      or a rule shadowed by an earlier one); `"ignore"` (the default) does not.
 
     **Returns:**
 
@@ -324,6 +335,17 @@ def match_partition_rules(
         spec, problem, _ = _strict_spec(
             rule, shape, compiled, "match_partition_rules", name, mesh
         )
+        short = spec is not None and rule >= 0 and len(spec) < len(shape)
+        if problem is None and exact_rank and short:
+            problem = (
+                f"spec {spec!r} of rule {rule} has {len(spec or ())} entries but the "
+                f"array has rank {len(shape)} (exact_rank=True); for stacked layers "
+                "prepend the stacking axes with eqshard.stack_specs"
+            )
+            if strict:
+                bad.append((name, shape, problem))
+            specs.append(spec)
+            continue
         if problem is not None:
             if strict:
                 bad.append((name, tuple(leaf.shape), problem))
@@ -333,6 +355,21 @@ def match_partition_rules(
         raise ValueError(
             _bad_leaves_message(bad, compiled, sep, "match_partition_rules")
         )
+    if on_unused == "warn":
+        used = {rule for rule in matches.rules if rule is not None}
+        unused = [
+            f"{i}: {pattern.pattern!r}"
+            for i, (pattern, _) in enumerate(compiled)
+            if i not in used
+        ]
+        if unused:
+            warnings.warn(
+                "eqshard.match_partition_rules: these rules matched no array leaf: "
+                f"{', '.join(unused)}. Check them for typos or for an earlier rule "
+                "that shadows them (eqshard.explain_partition_rules shows which rule "
+                "decided each leaf).",
+                stacklevel=2,
+            )
     return jtu.tree_unflatten(matches.treedef, specs)
 
 

@@ -232,3 +232,37 @@ def test_derive_specs_unmatched():
     assert out == {"ema": {"w": P("tp")}, "other": P()}
     small = {"ema": {"w": jnp.zeros((16, 16))}, "n": jnp.zeros(3)}
     assert eqshard.derive_specs(small, params, {"w": P("tp")})["n"] == P()
+
+
+def test_stack_specs():
+    specs = {"w": P("tp", None), "b": P(), "n": None}
+    assert eqshard.stack_specs(specs) == {
+        "w": P(None, "tp", None),
+        "b": P(None),
+        "n": None,
+    }
+    assert eqshard.stack_specs(P("tp"), "dp", None) == P("dp", None, "tp")
+
+
+def test_stacked_layers_per_layer_rules(mesh):
+    block_rules = [("w1", P("dp", "tp")), ("w2", P("tp", "dp")), ("b1", P("tp"))]
+    stacked = Model(jax.random.key(0)).blocks
+    with pytest.raises(ValueError, match=r"(?s)blocks|w1.*rank 3.*exact_rank"):
+        eqshard.match_partition_rules(block_rules, stacked, exact_rank=True)
+    one = eqx.filter_eval_shape(Block, jax.random.key(0))
+    specs = eqshard.stack_specs(eqshard.match_partition_rules(block_rules, one))
+    assert specs.w1 == P(None, "dp", "tp") and specs.b1 == P(None, "tp")
+    sharded = eqshard.shard(stacked, specs, mesh)
+    assert sharded.w1.sharding.spec == P(None, "dp", "tp")
+
+
+def test_match_partition_rules_on_unused():
+    tree = {"w": jnp.zeros((8, 8))}
+    rules = [("w", P("tp")), ("typo", P("dp")), (".*", P())]
+    with pytest.warns(
+        UserWarning, match=r"matched no array leaf: 1: 'typo', 2: '\.\*'"
+    ):
+        eqshard.match_partition_rules(rules, tree, on_unused="warn")
+    assert eqshard.match_partition_rules(rules[:1], tree, on_unused="warn") == {
+        "w": P("tp")
+    }
