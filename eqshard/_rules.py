@@ -291,7 +291,8 @@ def match_partition_rules(
       [`eqshard.shard`][]; with `strict=False` it is corrected as
       [`eqshard.corrected_spec`][] does.
     - `exact_rank`: if `True`, a spec shorter than its array's rank is a bad leaf
-      too, rather than applying to the leading dimensions. This catches per-layer
+      too, rather than applying to the leading dimensions (`P()` still replicates
+      an array of any rank). This catches per-layer
       rules applied to layers stacked by `eqx.filter_vmap` (a `P("tp", None)`
       meant for a `(192, 64)` weight landing on the layer axis of a
       `(4, 192, 64)` one); see [`eqshard.stack_specs`][] for the fix.
@@ -335,7 +336,7 @@ def match_partition_rules(
         spec, problem, _ = _strict_spec(
             rule, shape, compiled, "match_partition_rules", name, mesh
         )
-        short = spec is not None and rule >= 0 and len(spec) < len(shape)
+        short = spec is not None and rule >= 0 and 0 < len(spec) < len(shape)
         if problem is None and exact_rank and short:
             problem = (
                 f"spec {spec!r} of rule {rule} has {len(spec or ())} entries but the "
