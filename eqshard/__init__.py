@@ -30,6 +30,7 @@ from ._layout import check_layout as check_layout
 from ._logical import (
     AxisNames as AxisNames,
     composite_rules as composite_rules,
+    declared_axis_names as declared_axis_names,
     get_logical_axis_rules as get_logical_axis_rules,
     logical_axis_rules as logical_axis_rules,
     logical_to_mesh_axes as logical_to_mesh_axes,

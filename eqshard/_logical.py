@@ -10,6 +10,7 @@ block of code with the thread-local [`eqshard.logical_axis_rules`][] context,
 the one piece of module state in eqshard.
 """
 
+import dataclasses
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._tree import path_str
+from ._tree import is_array, path_str
 from ._typing import Int, KeyPath, RulesArg, sequence_fix, typecheck
 
 
@@ -699,3 +700,77 @@ def standard_logical_axis_rules(
             argname="additional_rules",
         )
     return table + tuple((name, None) for name in _REPLICATED_AXES) + extra
+
+
+# The key of `eqx.field(metadata=...)` that declares a field's logical axis names.
+AXES_METADATA_KEY = "logical_axes"
+
+
+def _collect_declared(node: Any, path: KeyPath, out: dict[KeyPath, AxisNames]) -> None:
+    children = jtu.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)[0]
+    if len(children) == 1 and children[0][0] == ():
+        return  # a leaf
+    declared: dict[str, Any] = {}
+    if dataclasses.is_dataclass(node):
+        for field in dataclasses.fields(node):
+            names = field.metadata.get(AXES_METADATA_KEY)
+            if names is not None:
+                declared[field.name] = names
+    for key, child in children:
+        names = None
+        if isinstance(key[0], jtu.GetAttrKey):
+            names = declared.get(key[0].name)
+        if names is not None and is_array(child):
+            out[path + key] = AxisNames(*names)
+        else:
+            _collect_declared(child, path + key, out)
+
+
+@typecheck
+def declared_axis_names(tree: PyTree) -> PyTree:
+    """The logical axis names that a model declares on its fields, as a tree of
+    [`eqshard.AxisNames`][].
+
+    A module says where its axes are where it is defined, as flax users do:
+    `weight: jax.Array = eqx.field(metadata={"logical_axes": ("embed", "mlp")})`.
+    The result has the structure of `eqx.filter(tree, eqshard.is_array)`: the
+    declared `AxisNames` at each array of such a field, `None` at every other
+    leaf. Resolve it with [`eqshard.logical_to_mesh_specs`][], or pass it as the
+    specs of [`eqshard.shard`][] inside [`eqshard.logical_axis_rules`][].
+
+    Names are declared per array as the field holds it: for layers stacked by
+    `eqx.filter_vmap`, declare the stacking axis too (e.g. `("layers", "embed",
+    "mlp")`), or resolve per layer and use [`eqshard.stack_specs`][].
+
+    **Arguments:**
+
+    - `tree`: any pytree, usually an Equinox module (concrete or abstract).
+
+    **Returns:**
+
+    A tree of `AxisNames` and `None`s.
+
+    **Raises:**
+
+    `TypeError` naming the position of a declared name that is neither a `str`
+    nor `None`.
+
+    !!! Example
+
+        ```python
+        class Dense(eqx.Module):
+            weight: jax.Array = eqx.field(metadata={"logical_axes": ("embed", "mlp")})
+            bias: jax.Array
+
+            def __init__(self):
+                self.weight, self.bias = jnp.zeros((8, 16)), jnp.zeros(16)
+
+        eqshard.declared_axis_names(Dense())
+        # Dense(weight=AxisNames('embed', 'mlp'), bias=None)
+        ```
+    """
+    found: dict[KeyPath, AxisNames] = {}
+    _collect_declared(tree, (), found)
+    return jtu.tree_map_with_path(
+        lambda path, leaf: found.get(tuple(path)) if is_array(leaf) else None, tree
+    )

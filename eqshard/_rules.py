@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
+from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec
 from ._mesh import mesh_repr
 from ._specs import check_spec
 from ._tree import is_array, path_name
@@ -33,8 +34,11 @@ Pattern: TypeAlias = str | re.Pattern[str]
 # random item of a sequence, so a stricter annotation would reject a malformed
 # rule list on some calls and not others; `_compile_rules` checks every rule.
 Rules: TypeAlias = RulesArg
-# A rule's value: a `PartitionSpec`, or a callable of the leaf's shape giving one.
-RuleValue: TypeAlias = PartitionSpec | Callable[[tuple[int, ...]], PartitionSpec]
+# A rule's value: a `PartitionSpec`, logical `AxisNames` (resolved by the logical
+# rules in force), or a callable of the leaf's shape giving a `PartitionSpec`.
+RuleValue: TypeAlias = (
+    PartitionSpec | AxisNames | Callable[[tuple[int, ...]], PartitionSpec]
+)
 Compiled: TypeAlias = list[tuple[re.Pattern[str], RuleValue]]
 
 # What happened to an array leaf, when no rule index applies.
@@ -85,11 +89,12 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
         if not (
             isinstance(rule, tuple | list)
             and len(rule) == 2
-            and (isinstance(rule[1], PartitionSpec) or callable(rule[1]))
+            and (isinstance(rule[1], PartitionSpec | AxisNames) or callable(rule[1]))
         ):
             raise TypeError(
                 f"eqshard.{caller}: rule {i} is {rule!r}; every rule must be a pair "
                 "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`, "
+                "`(regex, eqshard.AxisNames(...))`, "
                 "or `(regex, fn)` with `fn(shape) -> PartitionSpec`, such as "
                 "`eqshard.auto_fsdp('fsdp')`."
             )
@@ -153,6 +158,9 @@ def rule_spec(
     it was chosen (`None` for a `PartitionSpec`, which is as written)."""
     if isinstance(value, PartitionSpec):
         return value, None
+    if isinstance(value, AxisNames):
+        spec = logical_to_spec(value, get_logical_axis_rules(), caller=caller)
+        return spec, f"logical {tuple(value)}"
     if isinstance(value, AutoFSDP):
         return value.choose(shape)
     spec = value(shape)
@@ -276,7 +284,9 @@ def match_partition_rules(
     **Arguments:**
 
     - `rules`: `(regex, value)` pairs, in priority order: the value is a
-      `PartitionSpec`, or a function of the leaf's shape returning one, such as
+      `PartitionSpec`, logical [`eqshard.AxisNames`][] (resolved by the logical
+      axis rules in force, see [`eqshard.logical_axis_rules`][]), or a function
+      of the leaf's shape returning a `PartitionSpec`, such as
       [`eqshard.auto_fsdp`][] (which chooses the dimension to shard). Regexes are
       strings or compiled patterns.
     - `tree`: any pytree.

@@ -696,3 +696,44 @@ def test_standard_rules_take_numpy_integers():
     assert eqshard.standard_logical_axis_rules(
         np.int64(1), np.int64(2)
     ) == eqshard.standard_logical_axis_rules(1, 2)
+
+
+class _Declared(eqx.Module):
+    weight: jax.Array = eqx.field(metadata={"logical_axes": ("embed", "mlp")})
+    bias: jax.Array
+    inner: list
+
+    def __init__(self):
+        self.weight = jnp.zeros((8, 16))
+        self.bias = jnp.zeros(16)
+        self.inner = [_Inner()]
+
+
+class _Inner(eqx.Module):
+    kernel: jax.Array = eqx.field(metadata={"logical_axes": (None, "mlp")})
+    n: int
+
+    def __init__(self):
+        self.kernel = jnp.zeros((4, 16))
+        self.n = 3
+
+
+def test_declared_axis_names(mesh):
+    model = _Declared()
+    names = eqshard.declared_axis_names(model)
+    assert names.weight == eqshard.AxisNames("embed", "mlp")
+    assert names.bias is None
+    assert names.inner[0].kernel == eqshard.AxisNames(None, "mlp")
+    assert names.inner[0].n is None
+    abstract_names = eqshard.declared_axis_names(eqx.filter_eval_shape(_Declared))
+    assert abstract_names.weight == eqshard.AxisNames("embed", "mlp")
+    specs = eqshard.logical_to_mesh_specs(names, [("embed", "dp"), ("mlp", "tp")])
+    assert specs.weight == P("dp", "tp") and specs.inner[0].kernel == P(None, "tp")
+
+
+def test_axis_names_as_rule_values():
+    tree = {"w": jnp.zeros((8, 16)), "b": jnp.zeros(16)}
+    rules = [("w", eqshard.AxisNames("embed", "mlp")), ("b", eqshard.AxisNames("mlp"))]
+    with eqshard.logical_axis_rules([("embed", "dp"), ("mlp", "tp")]):
+        specs = eqshard.match_partition_rules(rules, tree)
+    assert specs == {"w": P("dp", "tp"), "b": P("tp")}
