@@ -82,6 +82,13 @@ def _check_context(
     `kind` on `mesh` under the mesh set with `jax.set_mesh`."""
     context = _context_types()
     where = f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}'"
+    if kind == AxisType.Explicit and PartitionSpec.UNCONSTRAINED in tuple(spec):
+        raise ValueError(
+            f"{where} has `P.UNCONSTRAINED` on mesh {dict(mesh.shape)}, whose axes "
+            "are Explicit: `reshard` needs every dimension's layout, so a dimension "
+            "cannot be left to the compiler. Use None (not sharded) or mesh axes "
+            "there, or build the mesh with Auto axes."
+        )
     if kind == AxisType.Explicit and traced and isinstance(mesh, Mesh):
         own = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
         if context != own:
@@ -218,7 +225,21 @@ def with_sharding_constraint(
     out = list(leaves)
     for kind, (indices, shardings) in batches.items():
         if indices:
-            constrained = _APPLY[kind]([out[i] for i in indices], shardings)
+            xs = [out[i] for i in indices]
+            unconstrained = any(
+                PartitionSpec.UNCONSTRAINED in tuple(getattr(s, "spec", s))
+                for s in shardings
+            )
+            if (
+                not unconstrained
+                and all(isinstance(s, NamedSharding) for s in shardings)
+                and not any(isinstance(x, Tracer) for x in xs)
+            ):
+                # Outside `jit` a constraint is a placement; JAX's eager
+                # constraint gives size-0 arrays malformed shards.
+                constrained = jax.device_put(xs, shardings)
+            else:
+                constrained = _APPLY[kind](xs, shardings)
             for i, leaf in zip(indices, constrained, strict=True):
                 out[i] = leaf
     return jtu.tree_unflatten(treedef, out)

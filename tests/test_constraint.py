@@ -196,3 +196,21 @@ def test_correction_warning_points_at_the_callers_line(mesh):
             call(jnp.ones(3))
         assert [w.filename for w in caught] == [__file__]
         assert "cannot apply" in str(caught[0].message)
+
+
+def test_unconstrained_on_explicit_axes_is_an_eqshard_error(explicit_mesh):
+    with pytest.raises(
+        ValueError, match=r"^eqshard.with_sharding_constraint: .* at 'w'"
+    ):
+        eqshard.with_sharding_constraint(
+            {"w": jnp.ones(8)}, P(P.UNCONSTRAINED), mesh=explicit_mesh
+        )
+
+
+def test_constraint_outside_jit_on_a_size_0_array(mesh):
+    # JAX's eager constraint gave the shards of a size-0 array the full shape, and
+    # the array could then not be read.
+    out = eqshard.with_sharding_constraint(jnp.zeros((2, 0)), P("dp"), mesh=mesh)
+    assert out.sharding == NamedSharding(mesh, P("dp"))
+    assert eqshard.gather(out).shape == (2, 0)
+    assert {shard.data.shape for shard in out.addressable_shards} == {(1, 0)}
