@@ -7,13 +7,19 @@ This example shows the everyday use of eqshard with Equinox:
 2. `eqshard.shard(model, specs, mesh)` places the model on a (2, 4) ('dp', 'tp')
    mesh. It comes back as the same Equinox module type, with its static fields and
    its activation function (a callable leaf) untouched.
-3. The training step is an ordinary `eqx.filter_jit` function that constrains
-   the batch (data parallel over 'dp') and the model and gradients (tensor
-   parallel over 'tp') with `eqshard.with_sharding_constraint`.
+3. The optimizer is optax's AdamW. Its state (a step count and the moments `mu`
+   and `nu`) has paths such as `0/mu/blocks/0/attn_q/weight`, which the rules
+   anchored to parameter paths do not match: `eqshard.derive_specs` gives each
+   moment the spec of the parameter it follows instead, and `eqshard.shard`
+   places the state made on one device.
+4. The training step is an ordinary `eqx.filter_jit` function that constrains
+   the batch (data parallel over 'dp') and the model, gradients and optimizer
+   state (tensor parallel over 'tp') with `eqshard.with_sharding_constraint`.
 
-It checks that the sharded step gives the same loss and gradients as the same
-step on one device, that the outputs are sharded as the specs say, and exits with
-a non-zero status if anything differs. Run it with `python examples/train_step.py`.
+It checks that the sharded step gives the same loss, gradients and parameters as
+the same step on one device, that every output (optimizer state included) is
+sharded as the specs say, and exits with a non-zero status if anything differs.
+Run it with `python examples/train_step.py`.
 """
 
 import jax
@@ -27,6 +33,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqshard
@@ -120,24 +127,30 @@ RULES = [
     (r".*", P()),  # layer norms and the remaining biases are replicated
 ]
 BATCH_SPEC = P("dp")  # sequences split over 'dp'
+OPTIMIZER = optax.adamw(1e-2, weight_decay=0.1)
+
+Step = Callable[
+    [Transformer, optax.OptState, jax.Array],
+    tuple[jax.Array, Transformer, Transformer, optax.OptState],
+]
 
 
-def make_step(
-    specs: object, *, constrain: bool
-) -> Callable[[Transformer, jax.Array], tuple[jax.Array, Transformer, Transformer]]:
+def make_step(specs: object, state_specs: object, *, constrain: bool) -> Step:
     @eqx.filter_jit
-    def step(model: Transformer, tokens: jax.Array):
+    def step(model: Transformer, state: optax.OptState, tokens: jax.Array):
         if constrain:
             model = eqshard.with_sharding_constraint(model, specs)
             tokens = eqshard.with_sharding_constraint(tokens, BATCH_SPEC)
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
         if constrain:
             grads = eqshard.with_sharding_constraint(grads, specs)
-        updates = jax.tree.map(lambda g: -0.1 * g, grads)
+        params = eqx.filter(model, eqx.is_array)
+        updates, state = OPTIMIZER.update(grads, state, params)
         model = eqx.apply_updates(model, updates)
         if constrain:
             model = eqshard.with_sharding_constraint(model, specs)
-        return loss, grads, model
+            state = eqshard.with_sharding_constraint(state, state_specs)
+        return loss, grads, model, state
 
     return step
 
@@ -166,9 +179,20 @@ def main() -> None:
     model = Transformer(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, VOCAB)
     specs = eqshard.match_partition_rules(RULES, model)
+    params = eqx.filter(model, eqx.is_array)
+    state = OPTIMIZER.init(params)
+    # Each moment gets the spec of the parameter it follows; the count is replicated.
+    state_specs = eqshard.derive_specs(state, params, specs)
+    adam_specs = state_specs[0]  # adamw = chain(scale_by_adam, decay, lr)
+    check(
+        adam_specs.mu.unembed.weight == adam_specs.nu.unembed.weight == P("tp", None),
+        "Adam's moments of the head follow its spec, P('tp', None)",
+    )
 
     # Reference: the same step, unsharded, on one device.
-    ref_loss, ref_grads, ref_model = make_step(specs, constrain=False)(model, tokens)
+    ref_loss, ref_grads, _, _ = make_step(specs, state_specs, constrain=False)(
+        model, state, tokens
+    )
 
     with jax.set_mesh(mesh):
         sharded = eqshard.shard(model, specs, mesh)
@@ -190,26 +214,41 @@ def main() -> None:
             "the activation callable is the very same object",
         )
         check_sharded(sharded, specs, mesh, "sharded model")
+        sharded_state = eqshard.shard(state, state_specs, mesh)
+        check_sharded(sharded_state, state_specs, mesh, "optimizer state")
 
         batch = eqshard.shard(tokens, BATCH_SPEC, mesh)
-        loss, grads, new_model = make_step(specs, constrain=True)(sharded, batch)
+        step = make_step(specs, state_specs, constrain=True)
+        loss, grads, new_model, new_state = step(sharded, sharded_state, batch)
 
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     check(True, f"loss matches the unsharded step ({float(loss):.6f})")
+    host_grads = eqshard.gather(eqx.filter(grads, eqx.is_array))
     for got, want in zip(
-        jax.tree.leaves(eqshard.gather(eqx.filter(grads, eqx.is_array))),
+        jax.tree.leaves(host_grads),
         jax.tree.leaves(eqx.filter(ref_grads, eqx.is_array)),
     ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     check(True, "gradients match the unsharded step")
+    # Adam divides by the root of the second moment, so gradients equal to 1e-6
+    # can give updates that differ by a good part of the learning rate. The update
+    # is checked against AdamW applied on one device to the step's own gradients.
+    ref_updates, ref_state = OPTIMIZER.update(host_grads, state, params)
+    ref_model = eqx.apply_updates(model, ref_updates)
     for got, want in zip(
         jax.tree.leaves(eqx.filter(new_model, eqx.is_array)),
         jax.tree.leaves(eqx.filter(ref_model, eqx.is_array)),
     ):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-    check(True, "updated parameters match the unsharded step")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    check(True, "updated parameters match AdamW applied on one device")
+    for got, want in zip(
+        jax.tree.leaves(eqshard.gather(new_state)), jax.tree.leaves(ref_state)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    check(True, "the optimizer state matches AdamW applied on one device")
     check_sharded(grads, specs, mesh, "gradients")
     check_sharded(new_model, specs, mesh, "updated model")
+    check_sharded(new_state, state_specs, mesh, "updated optimizer state")
     check(
         new_model.blocks[0].activation is jax.nn.gelu,
         "the step returns a model with the same activation",
