@@ -15,6 +15,7 @@ from ._constraint import (
 from ._derive import (
     abstract as abstract,
     derive_specs as derive_specs,
+    restrict_specs as restrict_specs,
     stack_specs as stack_specs,
 )
 from ._inspect import (

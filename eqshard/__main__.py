@@ -322,18 +322,6 @@ def build_mesh(text: str) -> Mesh:
         raise UsageError(f"--mesh {text!r}: {_one_line(error)}") from None
 
 
-def _restrict(spec: P, axes: Sequence[str]) -> P:
-    """`spec` without the mesh axes that are not in `axes`."""
-    entries: list[Any] = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(name for name in names if name in axes)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
 # ---------------------------------------------------------------------------------
 # The model: a small pre-norm transformer.
 # ---------------------------------------------------------------------------------
@@ -479,9 +467,10 @@ def config_for_size(target: int, mesh: Mesh) -> Config:
 
 
 def builtin_rules(mesh: Mesh) -> list[tuple[str, P]]:
-    """The built-in rules, without the mesh axes that `mesh` lacks."""
+    """The built-in rules, without the mesh axes that `mesh` lacks (the rules
+    name every axis a mesh of the command may have, so dropping is expected)."""
     return [
-        (regex, _restrict(spec, mesh.axis_names))
+        (regex, eqshard.restrict_specs(spec, mesh, on_change="ignore"))
         for regex, spec in parse_rules(BUILTIN_RULES, "<built-in>")
     ]
 

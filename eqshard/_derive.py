@@ -3,11 +3,13 @@
 `abstract` turns a tree into the `jax.ShapeDtypeStruct` skeleton (with shardings)
 that `orbax` restore, `jax.jit(...).lower` and `eqx.filter_eval_shape` take.
 `derive_specs` gives an optimizer state, a gradient tree or an EMA copy the specs
-of the parameters its leaves follow.
+of the parameters its leaves follow. `restrict_specs` adapts a spec tree to another
+mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 """
 
 import math
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -17,9 +19,18 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import require_mesh
-from ._specs import check_leaves, leaf_specs, named_sharding, spec_error_message
+from ._specs import (
+    bad_spec_leaf_message,
+    check_leaves,
+    check_spec,
+    entry_axes,
+    is_spec_leaf,
+    leaf_specs,
+    named_sharding,
+    spec_error_message,
+)
 from ._tree import is_array, path_name, path_str
-from ._typing import KeyPath, typecheck
+from ._typing import ConstraintOnInvalid, KeyPath, typecheck, warn
 
 
 def _struct(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -312,3 +323,149 @@ def stack_specs(specs: PyTree, *axes: str | tuple[str, ...] | None) -> PyTree:
         return spec
 
     return jtu.tree_map(stack, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _renamed(
+    spec: PartitionSpec, rename: Mapping[str, str | tuple[str, ...] | None]
+) -> PartitionSpec:
+    """`spec` with each mesh axis replaced by its entry of `rename` (several axes
+    for a tuple, none for `None`); axes not in `rename` stay."""
+    entries: list[Any] = []
+    for entry in spec:
+        if entry is PartitionSpec.UNCONSTRAINED:
+            entries.append(entry)
+            continue
+        axes: list[Any] = []
+        for axis in entry_axes(entry):
+            new = rename.get(axis, axis) if isinstance(axis, str) else axis
+            axes.extend(
+                () if new is None else new if isinstance(new, tuple) else (new,)
+            )
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@typecheck
+def restrict_specs(
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh,
+    *,
+    rename: Mapping[str, str | tuple[str, ...] | None] | None = None,
+    like: PyTree = None,
+    on_change: ConstraintOnInvalid = "warn",
+) -> PyTree:
+    """A spec tree adapted to another mesh: axes renamed, missing axes dropped and,
+    given the arrays, entries that no longer divide corrected.
+
+    Specs written for one mesh (a checkpoint saved on `("dp", "tp")`, rules for
+    a large cluster) name axes another mesh may lack or have in other sizes. Each
+    spec is first renamed by `rename`, then corrected for `mesh` as
+    [`eqshard.corrected_spec`][] does: mesh axes `mesh` does not have, or that a
+    spec names twice, are dropped. With `like`, the shapes are known too, so
+    entries beyond an array's rank are dropped, and of each dimension's axes only
+    those that keep it divisible on `mesh` are kept.
+
+    Renaming is what was asked for and is not reported; every other change is,
+    in one warning (by default) that lists each changed spec's path, the spec
+    before and after, and why.
+
+    **Arguments:**
+
+    - `specs`: a spec tree of `PartitionSpec`s, `NamedSharding`s and `None`s (or,
+      with `like`, a prefix of `like`'s spec tree).
+    - `mesh`: the mesh the specs are for (a `Mesh` or an `AbstractMesh`).
+    - `rename`: a mapping from an axis name in `specs` to the name it has on
+      `mesh`, a tuple of names (the dimension is split over all of them) or
+      `None` (the axis is dropped, without a report).
+    - `like`: the tree the specs are for, concrete or abstract (only `.shape` is
+      read), to check divisibility. Without it, only axis names are checked.
+    - `on_change`: `"warn"` (the default), `"raise"` (a `ValueError` with the
+      same list) or `"ignore"`.
+
+    **Returns:**
+
+    The specs for `mesh`: without `like`, a tree of the structure of `specs`;
+    with it, a full spec tree for `like` (a spec at each array, `None`
+    elsewhere). A `NamedSharding` becomes one on `mesh`, with its memory kind.
+
+    **Raises:**
+
+    - `ValueError` if `on_change="raise"` and a spec changed, if `on_change` is
+      not one of the three, or naming the first path where `specs` is not a
+      prefix of `like`.
+    - `TypeError` naming a leaf of `specs` that is not a spec.
+
+    !!! Example
+
+        ```python
+        specs = {"w": P("dp", "tp"), "b": P("tp")}
+        mesh = eqshard.create_mesh((8,), ("fsdp",))
+        eqshard.restrict_specs(specs, mesh, rename={"dp": "fsdp"})
+        # {"w": P("fsdp"), "b": P()}, and a warning: 'tp' is not a mesh axis
+        ```
+    """
+    caller = "restrict_specs"
+    if on_change not in ("warn", "raise", "ignore"):
+        raise ValueError(
+            f'eqshard.{caller}: `on_change` is {on_change!r}; use "warn", '
+            '"raise" or "ignore".'
+        )
+    rename = {} if rename is None else rename
+    mesh_shape = dict(mesh.shape)
+    # `(path, spec, shape)` per leaf; without `like`, a shape of zeros, which
+    # every mesh axis divides.
+    items: list[tuple[KeyPath, Any, tuple[int, ...]]] = []
+    if like is None:
+        path_leaves, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+        for path, spec in path_leaves:
+            if not is_spec_leaf(spec):
+                raise TypeError(
+                    bad_spec_leaf_message(caller, path, spec, logical=False)
+                )
+            inner = spec.spec if isinstance(spec, NamedSharding) else spec
+            items.append((path, spec, (0,) * len(inner or ())))
+    else:
+        pairs = leaf_specs(specs, like, caller=caller)
+        treedef = jtu.tree_structure(like)
+        for (path, spec), leaf in zip(pairs, jtu.tree_leaves(like), strict=True):
+            array = is_array(leaf)
+            shape = tuple(int(n) for n in leaf.shape) if array else ()
+            items.append((path, spec if array else None, shape))
+    out = []
+    changed = []
+    for path, spec, shape in items:
+        if spec is None:
+            out.append(None)
+            continue
+        inner = spec.spec if isinstance(spec, NamedSharding) else spec
+        renamed = _renamed(inner, rename)
+        fixed, reasons = check_spec(shape, renamed, mesh_shape)
+        if reasons:
+            changed.append(
+                f"  - '{path_str(path)}': {inner} -> {fixed}: {'; '.join(reasons)}."
+            )
+        if isinstance(spec, NamedSharding):
+            out.append(NamedSharding(mesh, fixed, memory_kind=spec.memory_kind))
+        else:
+            out.append(fixed)
+    if changed and on_change != "ignore":
+        count = "1 spec" if len(changed) == 1 else f"{len(changed)} specs"
+        message = "\n".join(
+            [
+                f"eqshard.{caller}: {count} changed for mesh {mesh_shape}:",
+                *changed[:20],
+                *(
+                    [f"  ... and {len(changed) - 20} more."]
+                    if len(changed) > 20
+                    else []
+                ),
+                "Pass `rename=` to map axes onto the mesh's, or "
+                '`on_change="ignore"` if these changes are intended.',
+            ]
+        )
+        if on_change == "raise":
+            raise ValueError(message)
+        warn(message)
+    return jtu.tree_unflatten(treedef, out)

@@ -266,3 +266,61 @@ def test_match_partition_rules_on_unused():
     assert eqshard.match_partition_rules(rules[:1], tree, on_unused="warn") == {
         "w": P("tp")
     }
+
+
+def _fsdp_mesh():
+    return jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_restrict_specs_renames_without_report():
+    specs = {"w": P("dp", "tp"), "b": P(None, ("dp", "tp")), "n": None}
+    out = eqshard.restrict_specs(specs, _fsdp_mesh(), rename={"dp": "fsdp", "tp": None})
+    assert out == {"w": P("fsdp"), "b": P(None, "fsdp"), "n": None}
+
+
+def test_restrict_specs_warns_naming_dropped_axes(mesh):
+    specs = {"layers": [{"w": P("dp", "tp")}], "b": P("tp")}
+    with pytest.warns(UserWarning, match=r"'layers/0/w': .*'tp' is not a mesh axis"):
+        out = eqshard.restrict_specs(specs, _fsdp_mesh(), rename={"dp": "fsdp"})
+    assert out == {"layers": [{"w": P("fsdp")}], "b": P()}
+    # On the mesh they were written for, nothing changes and nothing is said.
+    assert eqshard.restrict_specs(specs, mesh) == specs
+
+
+def test_restrict_specs_with_like_corrects_divisibility(mesh):
+    like = {
+        "w": jax.ShapeDtypeStruct((6, 8), jnp.float32),
+        "b": jnp.zeros(8),
+        "n": 3,
+    }
+    specs = {"w": P("tp", "dp"), "b": P("tp"), "n": None}
+    with pytest.warns(UserWarning, match=r"'w'.*dimension 0 \(size 6\)") as record:
+        out = eqshard.restrict_specs(specs, mesh, like=like)
+    assert len(record) == 1 and "'b'" not in str(record[0].message)
+    assert out == {"w": P(None, "dp"), "b": P("tp"), "n": None}
+    # A prefix spec broadcasts to every array of `like`.
+    with pytest.warns(UserWarning, match="'w'"):
+        out = eqshard.restrict_specs(P("tp"), mesh, like=like)
+    assert out == {"w": P(), "b": P("tp"), "n": None}
+
+
+def test_restrict_specs_named_shardings_move_to_the_mesh(mesh):
+    small = _fsdp_mesh()
+    out = eqshard.restrict_specs(
+        {"w": NamedSharding(mesh, P("dp", "tp"))},
+        small,
+        rename={"dp": "fsdp"},
+        on_change="ignore",
+    )
+    assert out == {"w": NamedSharding(small, P("fsdp"))}
+
+
+def test_restrict_specs_raise_and_bad_arguments(mesh):
+    with pytest.raises(ValueError, match=r"'a/0'.*'sp' is not a mesh axis"):
+        eqshard.restrict_specs({"a": [P("sp")]}, mesh, on_change="raise")
+    with pytest.raises(ValueError, match="on_change"):
+        eqshard.restrict_specs(P(), mesh, on_change="loud")
+    with pytest.raises(TypeError, match="'a'"):
+        eqshard.restrict_specs({"a": "dp"}, mesh)
+    with pytest.raises(ValueError, match="'a'"):
+        eqshard.restrict_specs({"a": P(), "b": P()}, mesh, like={"a": jnp.zeros(2)})
