@@ -3,6 +3,7 @@
 from importlib.metadata import version as _version
 
 from ._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
+from ._checkpoint import restore as restore, save as save
 from ._chunking import (
     DataLayout as DataLayout,
     LocalChunker as LocalChunker,
