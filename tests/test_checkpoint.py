@@ -201,7 +201,9 @@ def _damage_metadata(directory):
 
 @pytest.mark.parametrize("damage", [_truncate, _damage_metadata])
 def test_damaged_checkpoint_is_eqshards_error(tmp_path, damage):
-    mesh = _mesh((2, 4), ("dp", "tp"))
+    # One device: when one of several shard reads fails, orbax abandons the
+    # others' coroutines, which Python reports later, from whichever test runs.
+    mesh = _mesh((1,), ("dp",), jax.devices()[:1])
     host = {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8)}
     eqshard.save(tmp_path / "c", host)
     damage(str(tmp_path / "c"))
