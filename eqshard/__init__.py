@@ -69,6 +69,10 @@ from ._rules import (
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
+from ._safetensors import (
+    load_safetensors as load_safetensors,
+    save_safetensors as save_safetensors,
+)
 from ._shard import (
     gather as gather,
     iter_gather as iter_gather,

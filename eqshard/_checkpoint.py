@@ -35,11 +35,11 @@ from ._derive import abstract
 from ._host import leaf_casts
 from ._keys import is_key
 from ._shard import abstract_leaf_error
-from ._tree import collision_message, is_array, path_str
+from ._tree import collision_message, is_array, path_name, path_str
 from ._typing import KeyPath, typecheck
 
 
-def _import(module: str, extra: str, caller: str) -> Any:
+def import_optional(module: str, extra: str, caller: str) -> Any:
     """The optional dependency `module`, or an `ImportError` saying how to get it."""
     import importlib
 
@@ -52,15 +52,17 @@ def _import(module: str, extra: str, caller: str) -> Any:
         ) from None
 
 
-def _named_leaves(tree: PyTree, caller: str) -> dict[str, tuple[int, KeyPath, Any]]:
+def named_arrays(
+    tree: PyTree, caller: str, sep: str = "/"
+) -> dict[str, tuple[int, KeyPath, Any]]:
     """`{name: (index, path, leaf)}` for the array leaves of `tree` (`index` in
-    `jax.tree_util.tree_leaves(tree)`), named by their `/`-joined paths; two
+    `jax.tree_util.tree_leaves(tree)`), named by their paths joined by `sep`; two
     arrays of one name are an error."""
     named: dict[str, tuple[int, KeyPath, Any]] = {}
     for i, (path, leaf) in enumerate(jtu.tree_flatten_with_path(tree)[0]):
         if not is_array(leaf):
             continue
-        name = path_str(path)
+        name = path_name(path, sep) or "<root>"
         if name in named:
             message = collision_message(name, named[name][1], path)
             raise ValueError(f"eqshard.{caller}: {message}")
@@ -73,7 +75,7 @@ def _list(names: Sequence[str], limit: int = 10) -> str:
     return text + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _stored(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+def stored_like(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
     """The shape and dtype a leaf has in a checkpoint: a typed PRNG key's data."""
     if is_key(leaf):
         leaf = jax.eval_shape(jax.random.key_data, leaf)
@@ -124,8 +126,8 @@ def save(
         ```
     """
     caller = "save"
-    ocp = _import("orbax.checkpoint", "orbax", caller)
-    named = _named_leaves(tree, caller)
+    ocp = import_optional("orbax.checkpoint", "orbax", caller)
+    named = named_arrays(tree, caller)
     structs = [p for _, p, x in named.values() if isinstance(x, jax.ShapeDtypeStruct)]
     if structs:
         raise abstract_leaf_error(caller, structs)
@@ -198,7 +200,7 @@ def _unreadable(
     )
 
 
-def _targets(
+def restore_targets(
     named: dict[str, tuple[int, KeyPath, Any]],
     placed: list[Any],
     casts: list[np.dtype | None],
@@ -229,50 +231,48 @@ def _targets(
     return targets
 
 
-def _differences(
+def check_against(
     targets: dict[str, jax.ShapeDtypeStruct],
     named: dict[str, tuple[int, KeyPath, Any]],
-    saved: dict[str, Any],
+    found: dict[str, tuple[tuple[int, ...], np.dtype]],
     casts: list[np.dtype | None],
+    *,
     caller: str,
-    path: str,
+    where: str,
+    fix: str,
+    labels: dict[str, str] | None = None,
 ) -> None:
-    """Raises one `ValueError` listing every name missing from the checkpoint,
-    extra in it, or saved with another shape or dtype than `like`'s."""
-    missing = [n for n in targets if n not in saved]
-    extra = [n for n in saved if n not in targets]
+    """Raises one `ValueError` listing every name of `targets` missing from
+    `found` (`{name: (shape, dtype)}` of what `where` holds), every name extra in
+    it, and every one stored with another shape, or another dtype than `like`'s
+    (unless cast). `labels` add what a name is called in the files."""
+    labels = labels or {}
+    missing = [n for n in targets if n not in found]
+    extra = [n for n in found if n not in targets]
     lines = []
-    for name, target in targets.items():
-        if name not in saved:
+    for name in targets:
+        if name not in found:
             continue
         i, _, leaf = named[name]
-        shape, dtype = _stored(leaf)
-        meta = saved[name]
-        saved_shape = tuple(int(n) for n in getattr(meta, "shape", ()))
-        saved_dtype = np.dtype(getattr(meta, "dtype", None) or np.void)
+        shape, dtype = stored_like(leaf)
+        saved_shape, saved_dtype = found[name]
+        label = f"'{name}'{labels.get(name, '')}"
         if saved_shape != shape:
-            lines.append(
-                f"  - '{name}': saved with shape {saved_shape}, `like` has {shape}."
-            )
+            lines.append(f"  - {label}: shape {saved_shape} there, {shape} in `like`.")
         elif casts[i] is None and saved_dtype != dtype:
             lines.append(
-                f"  - '{name}': saved as {saved_dtype}, `like` has {dtype} (pass "
+                f"  - {label}: {saved_dtype} there, {dtype} in `like` (pass "
                 "`dtype=` to cast floating arrays)."
             )
     if missing:
-        lines.insert(0, f"  - in `like`, not in the checkpoint: {_list(missing)}.")
+        lines.insert(0, f"  - in `like`, not there: {_list(missing)}.")
     if extra:
-        lines.insert(0, f"  - in the checkpoint, not in `like`: {_list(extra)}.")
+        named_extra = [f"{n}{labels.get(n, '')}" for n in extra]
+        lines.insert(0, f"  - there, not in `like`: {_list(named_extra)}.")
     if lines:
         raise ValueError(
             "\n".join(
-                [
-                    f"eqshard.{caller}: the checkpoint at {path!r} does not match "
-                    "`like`:",
-                    *lines,
-                    "Pass the `like` of the tree that was saved (an "
-                    "`eqx.filter_eval_shape` skeleton of it is enough).",
-                ]
+                [f"eqshard.{caller}: {where} does not match `like`:", *lines, fix]
             )
         )
 
@@ -333,15 +333,27 @@ def restore(
         ```
     """
     caller = "restore"
-    ocp = _import("orbax.checkpoint", "orbax", caller)
-    named = _named_leaves(like, caller)
+    ocp = import_optional("orbax.checkpoint", "orbax", caller)
+    named = named_arrays(like, caller)
     leaves, treedef = jtu.tree_flatten(like)
     placed = leaves if specs is None else jtu.tree_leaves(abstract(like, specs, mesh))
     casts = leaf_casts(dtype, like, caller=caller)
-    targets = _targets(named, placed, casts, caller)
+    targets = restore_targets(named, placed, casts, caller)
     path = os.path.abspath(os.fspath(directory))
-    saved = _metadata(ocp, path, caller)
-    _differences(targets, named, saved, casts, caller, path)
+    saved = {
+        name: (tuple(int(n) for n in meta.shape), np.dtype(meta.dtype))
+        for name, meta in _metadata(ocp, path, caller).items()
+    }
+    check_against(
+        targets,
+        named,
+        saved,
+        casts,
+        caller=caller,
+        where=f"the checkpoint at {path!r}",
+        fix="Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
+        "skeleton of it is enough).",
+    )
     checkpointer = ocp.StandardCheckpointer()
     try:
         restored = checkpointer.restore(path, targets)

@@ -150,14 +150,20 @@ def test_save_refuses_existing_directory_unless_overwrite(tmp_path):
     [
         (
             lambda t: {**t, "extra": np.zeros(3, np.float32)},
-            r"not in the checkpoint: 'extra'",
+            r"in `like`, not there: 'extra'",
         ),
-        (lambda t: {k: v for k, v in t.items() if k != "w"}, r"not in `like`: 'w'"),
+        (
+            lambda t: {k: v for k, v in t.items() if k != "w"},
+            r"there, not in `like`: 'w'",
+        ),
         (
             lambda t: {**t, "w": np.zeros((8, 8), np.float32)},
-            r"'w': saved with shape \(8, 16\)",
+            r"'w': shape \(8, 16\) there, \(8, 8\) in `like`",
         ),
-        (lambda t: {**t, "ids": np.zeros((8, 4), np.int32)}, r"'ids': saved as int8"),
+        (
+            lambda t: {**t, "ids": np.zeros((8, 4), np.int32)},
+            r"'ids': int8 there, int32 in `like`",
+        ),
         (lambda t: {**t, "layers": [{"b": np.zeros(4, np.float16)}]}, r"'layers/0/b'"),
     ],
 )
