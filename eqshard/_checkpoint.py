@@ -147,7 +147,7 @@ def save(
         checkpointer.close()
 
 
-def _metadata(ocp: Any, path: str, caller: str) -> dict[str, Any]:
+def _metadata(checkpointer: Any, path: str, caller: str) -> dict[str, Any]:
     """`{name: metadata}` of the arrays saved at `path`, read from the
     checkpoint's own description of itself (no array data)."""
     if not os.path.isdir(path):
@@ -155,13 +155,10 @@ def _metadata(ocp: Any, path: str, caller: str) -> dict[str, Any]:
             f"eqshard.{caller}: there is no checkpoint at {path!r} (no such "
             "directory). Check the path, and that `eqshard.save` finished there."
         )
-    checkpointer = ocp.StandardCheckpointer()
     try:
         found = checkpointer.metadata(path)
     except (ValueError, OSError) as error:
         raise _unreadable(caller, path, error, []) from None
-    finally:
-        checkpointer.close()
     tree = getattr(getattr(found, "item_metadata", None), "tree", None)
     if not isinstance(tree, dict):
         raise ValueError(
@@ -340,27 +337,28 @@ def restore(
     casts = leaf_casts(dtype, like, caller=caller)
     targets = restore_targets(named, placed, casts, caller)
     path = os.path.abspath(os.fspath(directory))
-    saved = {
-        name: (tuple(int(n) for n in meta.shape), np.dtype(meta.dtype))
-        for name, meta in _metadata(ocp, path, caller).items()
-    }
-    check_against(
-        targets,
-        named,
-        saved,
-        casts,
-        caller=caller,
-        where=f"the checkpoint at {path!r}",
-        fix="Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
-        "skeleton of it is enough).",
-    )
     checkpointer = ocp.StandardCheckpointer()
     try:
-        restored = checkpointer.restore(path, targets)
-    except Exception as error:  # orbax wraps a failed read in a bare `Exception`
-        if not _is_read_error(error):
-            raise
-        raise _unreadable(caller, path, error, list(targets)) from None
+        saved = {
+            name: (tuple(int(n) for n in meta.shape), np.dtype(meta.dtype))
+            for name, meta in _metadata(checkpointer, path, caller).items()
+        }
+        check_against(
+            targets,
+            named,
+            saved,
+            casts,
+            caller=caller,
+            where=f"the checkpoint at {path!r}",
+            fix="Pass the `like` of the tree that was saved (an "
+            "`eqx.filter_eval_shape` skeleton of it is enough).",
+        )
+        try:
+            restored = checkpointer.restore(path, targets)
+        except Exception as error:  # orbax wraps a failed read in a bare `Exception`
+            if not _is_read_error(error):
+                raise
+            raise _unreadable(caller, path, error, list(targets)) from None
     finally:
         checkpointer.close()
     out = list(leaves)

@@ -17,7 +17,6 @@ import json
 import os
 import struct
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import jax
@@ -102,6 +101,34 @@ def _read(piece: Any, index: tuple[slice, ...], dtype: np.dtype, cast: Any) -> A
     return value if cast is None else value.astype(cast)
 
 
+def _load(
+    safetensors: Any,
+    path: str,
+    tensor: str,
+    target: jax.ShapeDtypeStruct,
+    stored: np.dtype,
+    cast: np.dtype | None,
+) -> jax.Array:
+    """One array, each device's block read by slice from the file. The file is
+    opened (memory-mapped) for this array only, so that the pages read leave
+    this process's memory with it; replicated blocks are read once."""
+    shape = tuple(int(n) for n in target.shape)
+    read: dict[tuple[Any, ...], Any] = {}
+
+    def block(index: Any) -> Any:
+        index = tuple(
+            slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)
+        )
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in read:
+            read[key] = _read(piece, index, stored, cast)
+        return read[key]
+
+    with safetensors.safe_open(path, framework="numpy") as handle:
+        piece = handle.get_slice(tensor)
+        return jax.make_array_from_callback(shape, target.sharding, block)
+
+
 @typecheck
 def load_safetensors(
     files: str | os.PathLike | Sequence[str | os.PathLike],
@@ -175,12 +202,11 @@ def load_safetensors(
     )
     casts = leaf_casts(dtype, like, caller=caller)
     targets = restore_targets(named, placed, casts, caller)
-    with ExitStack() as stack:
-        found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        pieces: dict[str, Any] = {}
-        labels: dict[str, str] = {}
-        for path in _files(files, caller):
-            handle = stack.enter_context(safetensors.safe_open(path, framework="numpy"))
+    found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    sources: dict[str, tuple[str, str]] = {}  # name -> (file, tensor)
+    labels: dict[str, str] = {}
+    for path in _files(files, caller):
+        with safetensors.safe_open(path, framework="numpy") as handle:
             for tensor in handle.keys():
                 name = tensor if rename is None else rename(tensor)
                 if name is None:
@@ -205,36 +231,24 @@ def load_safetensors(
                         f"dtype {kind}, which eqshard cannot read."
                     )
                 found[name] = (tuple(int(n) for n in piece.get_shape()), _DTYPES[kind])
-                pieces[name] = piece
+                sources[name] = (path, tensor)
                 labels[name] = label
-        check_against(
-            targets,
-            named,
-            found,
-            casts,
-            caller=caller,
-            where="the safetensors files",
-            fix=f"Tensor names are `like`'s paths joined by sep={sep!r}; map the "
-            "files' names onto them with `rename=`.",
-            labels=labels,
-        )
-        out = list(leaves)
-        for name, (i, _, _) in named.items():
-            target, piece, stored = targets[name], pieces[name], found[name][1]
-            shape = tuple(int(n) for n in target.shape)
-            read: dict[tuple[Any, ...], Any] = {}  # replicated blocks read once
-
-            def block(index: Any) -> Any:
-                index = tuple(
-                    slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)
-                )
-                key = tuple((s.start, s.stop) for s in index)
-                if key not in read:
-                    read[key] = _read(piece, index, stored, casts[i])
-                return read[key]
-
-            out[i] = jax.make_array_from_callback(shape, target.sharding, block)
-            read.clear()
+    check_against(
+        targets,
+        named,
+        found,
+        casts,
+        caller=caller,
+        where="the safetensors files",
+        fix=f"Tensor names are `like`'s paths joined by sep={sep!r}; map the "
+        "files' names onto them with `rename=`.",
+        labels=labels,
+    )
+    out = list(leaves)
+    for name, (i, _, _) in named.items():
+        target, stored = targets[name], found[name][1]
+        path, tensor = sources[name]
+        out[i] = _load(safetensors, path, tensor, target, stored, casts[i])
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

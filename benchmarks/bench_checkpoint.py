@@ -1,0 +1,315 @@
+"""Times checkpoint reads against the raw libraries, on 8 virtual CPU devices.
+
+- **orbax restore onto another mesh.** A tree of `--mib` MiB (float32 leaves of
+  `--leaf-mib` MiB) is saved with `eqshard.save` from a (4, 2) ('dp', 'tp') mesh
+  and restored onto a (2, 4) one: `eqshard.restore(dir, like, specs, mesh)`
+  against `orbax.checkpoint.StandardCheckpointer().restore(dir, target)` with a
+  target of `jax.ShapeDtypeStruct`s built by hand. Both run back to back in one
+  process, `--runs` times each, the garbage collector off while timed.
+- **safetensors into a sharded tree.** The same tree in one `.safetensors` file:
+  `eqshard.load_safetensors(file, like, specs, mesh)` against
+  `safetensors.numpy.load_file(file)` then `eqshard.shard`. Each run is a fresh
+  subprocess, which reports its time and its memory above the baseline taken
+  after imports: the peak of the resident set (`VmHWM`) and the peak of its
+  anonymous part (sampled every 2 ms; file pages mapped by safetensors are page
+  cache the kernel can drop), and what stays resident after the load (the
+  sharded result itself lives in host memory on CPU devices). "Transient" is the
+  peak minus what stays: the host memory the load needs beyond its result.
+
+Prints min and median of each and of the ratios. Run with
+`python benchmarks/bench_checkpoint.py` (a few minutes; `--mib 256` for a quick
+look). Files go to a temporary directory that is removed at the end.
+"""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _setup_jax() -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+
+
+def _mesh(shape: tuple[int, ...]):
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    grid = np.array(jax.devices(), dtype=object).reshape(shape)
+    return Mesh(grid, ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _tree(mib: int, leaf_mib: int):
+    import numpy as np
+
+    side = int((leaf_mib * 2**20 // 4) ** 0.5)
+    count = max(1, mib // leaf_mib)
+    rng = np.random.default_rng(0)
+    return {
+        f"layer{k:02d}": {
+            "weight": rng.standard_normal((side, side), dtype=np.float32),
+            "bias": rng.standard_normal((side,), dtype=np.float32),
+        }
+        for k in range(count)
+    }
+
+
+def _specs(tree):
+    from jax.sharding import PartitionSpec as P
+
+    return {k: {"weight": P("dp", "tp"), "bias": P("tp")} for k in tree}
+
+
+# ---------------------------------------------------------------------------------
+# The safetensors cases, each in its own process (for its memory).
+# ---------------------------------------------------------------------------------
+
+
+def _rss() -> tuple[int, int, int]:
+    """(VmRSS, VmHWM, RssAnon) of this process, in bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"], fields["RssAnon"]
+
+
+def _child(case: str, path: str, mib: int, leaf_mib: int) -> None:
+    import threading
+
+    _setup_jax()
+    import jax
+    import safetensors.numpy
+
+    import eqshard
+
+    mesh = _mesh((2, 4))
+    like = eqshard.abstract(_tree(1, 1))  # compile nothing; warm the imports
+    del like
+    tree_like = None
+    with open(path, "rb") as f:  # the shapes, from the file's header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    tree_like = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        layer, leaf = name.split(".")
+        tree_like.setdefault(layer, {})[leaf] = jax.ShapeDtypeStruct(
+            tuple(info["shape"]), "float32"
+        )
+    specs = _specs(tree_like)
+    gc.collect()
+    base_rss, _, base_anon = _rss()
+    peak_anon = [base_anon]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak_anon[0] = max(peak_anon[0], _rss()[2])
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    gc.disable()
+    start = time.perf_counter()
+    if case == "eqshard":
+        out = eqshard.load_safetensors(path, tree_like, specs, mesh)
+    else:
+        flat = safetensors.numpy.load_file(path)
+        out = eqshard.shard(eqshard.unflatten_tree(flat, sep="."), specs, mesh)
+        del flat
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    gc.enable()
+    gc.collect()
+    stop.set()
+    sampler.join()
+    rss, hwm, anon = _rss()
+    peak_anon[0] = max(peak_anon[0], anon)
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak": hwm - base_rss,
+                "peak_anon": peak_anon[0] - base_anon,
+                "after": rss - base_rss,
+            }
+        )
+    )
+
+
+def _run_child(case: str, path: str, args: argparse.Namespace) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            case,
+            path,
+            str(args.mib),
+            str(args.leaf_mib),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------
+# The parent: orbax in process, safetensors in children.
+# ---------------------------------------------------------------------------------
+
+
+def _timed(fn) -> float:
+    import jax
+
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+    finally:
+        del out
+        gc.enable()
+        gc.collect()
+
+
+def _row(name: str, values: list[float], unit: str = "s") -> str:
+    scale = 1 if unit == "s" else 2**20
+    lo, mid = min(values) / scale, statistics.median(values) / scale
+    return f"{name:<46} {lo:>10.3f} {mid:>10.3f} {unit}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--leaf-mib", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--child", nargs=4)
+    args = parser.parse_args()
+    if args.child:
+        case, path, mib, leaf_mib = args.child
+        _child(case, path, int(mib), int(leaf_mib))
+        return
+
+    _setup_jax()
+    import jax
+    import orbax.checkpoint as ocp
+    import safetensors.numpy
+    from jax.sharding import NamedSharding
+
+    import eqshard
+
+    work = tempfile.mkdtemp(prefix="bench_checkpoint_")
+    try:
+        host = _tree(args.mib, args.leaf_mib)
+        specs = _specs(host)
+        total = sum(x.nbytes for x in jax.tree.leaves(host))
+        largest = max(x.nbytes for x in jax.tree.leaves(host))
+        print(
+            f"tree: {total / 2**20:.0f} MiB in {len(jax.tree.leaves(host))} arrays, "
+            f"largest {largest / 2**20:.0f} MiB; {args.runs} runs; min / median"
+        )
+
+        # orbax: saved from (4, 2), restored onto (2, 4).
+        saved_on, restored_on = _mesh((4, 2)), _mesh((2, 4))
+        ckpt = os.path.join(work, "ckpt")
+        eqshard.save(ckpt, eqshard.shard(host, specs, saved_on))
+        like = eqshard.abstract(host)
+        target = {
+            f"{layer}/{leaf}": jax.ShapeDtypeStruct(
+                x.shape,
+                x.dtype,
+                sharding=NamedSharding(restored_on, specs[layer][leaf]),
+            )
+            for layer, leaves in host.items()
+            for leaf, x in leaves.items()
+        }
+
+        def by_orbax():
+            checkpointer = ocp.StandardCheckpointer()
+            try:
+                return checkpointer.restore(ckpt, target)
+            finally:
+                checkpointer.close()
+
+        def by_eqshard():
+            return eqshard.restore(ckpt, like, specs, restored_on)
+
+        by_eqshard(), by_orbax()  # warm up
+        ours, theirs = [], []
+        for _ in range(args.runs):
+            ours.append(_timed(by_eqshard))
+            theirs.append(_timed(by_orbax))
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        print("\norbax restore (4, 2) -> (2, 4)")
+        print(_row("eqshard.restore", ours))
+        print(_row("orbax StandardCheckpointer, target by hand", theirs))
+        print(
+            f"{'ratio (target <= 1.05)':<46} {min(ratios):>10.3f} "
+            f"{statistics.median(ratios):>10.3f}"
+        )
+        shutil.rmtree(ckpt)
+
+        # safetensors: one file, read in a fresh process per run.
+        file = os.path.join(work, "model.safetensors")
+        safetensors.numpy.save_file(
+            {f"{l}.{n}": x for l, leaves in host.items() for n, x in leaves.items()},
+            file,
+        )
+        del host
+        gc.collect()
+        runs: dict[str, list[dict]] = {"eqshard": [], "raw": []}
+        for _ in range(args.runs):
+            for case in runs:
+                runs[case].append(_run_child(case, file, args))
+        print("\nsafetensors file -> (2, 4) mesh (each run a fresh process)")
+        labels = {
+            "eqshard": "eqshard.load_safetensors",
+            "raw": "safetensors.numpy.load_file + eqshard.shard",
+        }
+        for case, label in labels.items():
+            got = runs[case]
+            print(_row(f"{label}: time", [r["seconds"] for r in got]))
+            print(_row("  peak RSS added (VmHWM)", [r["peak"] for r in got], "MiB"))
+            print(
+                _row("  peak anonymous RSS added", [r["peak_anon"] for r in got], "MiB")
+            )
+            print(
+                _row("  resident after (the result)", [r["after"] for r in got], "MiB")
+            )
+            print(
+                _row(
+                    "  transient (peak anon - result)",
+                    [r["peak_anon"] - r["after"] for r in got],
+                    "MiB",
+                )
+            )
+        ratios = [
+            a["seconds"] / b["seconds"] for a, b in zip(runs["eqshard"], runs["raw"])
+        ]
+        print(
+            f"{'time ratio (target <= 1.2)':<46} {min(ratios):>10.3f} "
+            f"{statistics.median(ratios):>10.3f}"
+        )
+        print(f"{'largest leaf + 10% (MiB)':<46} {largest * 1.1 / 2**20:>10.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
