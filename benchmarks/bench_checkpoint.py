@@ -14,7 +14,9 @@
   anonymous part (sampled every 2 ms; file pages mapped by safetensors are page
   cache the kernel can drop), and what stays resident after the load (the
   sharded result itself lives in host memory on CPU devices). "Transient" is the
-  peak minus what stays: the host memory the load needs beyond its result.
+  anonymous peak minus what stays: the host memory the load needs beyond its
+  result. The children run with `MALLOC_MMAP_THRESHOLD_=131072`, so that freed
+  blocks return to the OS and "resident after" is the result itself.
 
 Prints min and median of each and of the ratios. Run with
 `python benchmarks/bench_checkpoint.py` (a few minutes; `--mib 256` for a quick
@@ -163,6 +165,10 @@ def _run_child(case: str, path: str, args: argparse.Namespace) -> dict:
         check=True,
         capture_output=True,
         text=True,
+        # A fixed mmap threshold: freed blocks go back to the OS at once, so what
+        # stays resident is the result (glibc's adaptive threshold otherwise
+        # keeps ~0.2x of the tree in freed heap after 8 MiB blocks).
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
