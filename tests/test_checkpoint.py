@@ -262,3 +262,15 @@ def test_multiprocess_save_restore(tmp_path):
                 (r0, r1), (c0, c1) = index
                 assert c1 - c0 == full.shape[1] // 4
                 assert data.tobytes() == full[r0:r1, c0:c1].tobytes()
+
+
+def test_typed_prng_keys_round_trip(tmp_path):
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    keys = jax.random.split(jax.random.key(3), 8)
+    eqshard.save(tmp_path / "c", {"keys": eqshard.shard(keys, P("dp"), mesh)})
+    like = {"keys": jax.eval_shape(lambda: keys)}
+    out = eqshard.restore(tmp_path / "c", like, {"keys": P("tp")}, mesh)
+    assert jax.dtypes.issubdtype(out["keys"].dtype, jax.dtypes.prng_key)
+    want = np.asarray(jax.random.key_data(keys))
+    assert np.array_equal(np.asarray(jax.random.key_data(out["keys"])), want)
+    assert out["keys"].sharding == NamedSharding(mesh, P("tp"))
