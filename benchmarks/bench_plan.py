@@ -32,6 +32,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from bench_rules import make_tree  # the same 10,000-leaf tree
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -123,21 +124,6 @@ def raw_plan(shapes, specs):
     return total + sum(x.dtype.itemsize for x in count)
 
 
-def big_tree():
-    def leaf(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-    def layer():
-        attn = {n: {"kernel": leaf(512, 512), "bias": leaf(512)} for n in "qkvo"}
-        mlp = {
-            n: {"kernel": leaf(512, 2048), "bias": leaf(2048)}
-            for n in ("up", "gate", "down")
-        }
-        return {"attn": attn, "mlp": mlp, "norm1": leaf(512), "norm2": leaf(512)}
-
-    return {"layers": [layer() for _ in range(625)]}
-
-
 def timed(variants):
     for _, fn in variants:
         fn()  # warm up
@@ -161,7 +147,7 @@ def main():
     assert result.max_bytes_per_device == raw_plan(shapes, specs)
     assert result.params.problems == ()
 
-    big = big_tree()
+    big = make_tree()
     big_specs = eqshard.match_partition_rules(
         [(".*", eqshard.auto_fsdp("fsdp", min_size=0, mesh=MESH))], big
     )
