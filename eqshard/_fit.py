@@ -7,8 +7,15 @@ optimizer, and propose partition rules that fit a per-device budget.
 `auto_fsdp` over the mesh's data axes to every rule, lowering its size threshold
 until the plan fits, and `rules_text` writes the specs it chose as a rules file
 (one line per group of arrays that differ only in layer numbers).
+
+The plans the command prints live here too: `show_plan` (the table of where each
+array goes, and the checks that every spec can apply), `training_memory` (the
+per-device plan of parameters, gradients and optimizer state, or `--fit`'s rules),
+and `UsageError`, the command's one-line errors.
 """
 
+import argparse
+import dataclasses
 import importlib
 import importlib.util
 import pathlib
@@ -18,21 +25,31 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+import eqshard
+
 from ._auto import auto_fsdp
-from ._plan import TrainingPlan
+from ._demo import Config, timed, Timer
+from ._inspect import format_bytes
+from ._plan import parse_bytes, TrainingPlan
 from ._rules import match_partition_rules
 from ._specs import entry_axes
 from ._tree import is_array, path_name
 
 
+PROG = "python -m eqshard"
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "none")
 # The size thresholds `propose_rules` tries, largest first: arrays below it stay
 # replicated, which costs memory but no communication.
 THRESHOLDS = (2**20, 2**14, 0)
+
+
+class UsageError(Exception):
+    """A bad option: reported as one line on stderr, with exit code 2."""
 
 
 def _import(module: str) -> Any:
@@ -193,3 +210,272 @@ def propose_rules(
         if tried[-1][1].fits:
             break
     return tried[-1]
+
+
+# ---------------------------------------------------------------------------------
+# The plans the command prints.
+# ---------------------------------------------------------------------------------
+
+
+def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) -> PyTree:
+    try:
+        return eqshard.match_partition_rules(rules, tree)
+    except (ValueError, TypeError) as error:
+        lines = str(error).splitlines()
+        hint = ""
+        if "no rule matches" in str(error):
+            hint = " (a last rule '.*  ()' replicates the rest)"
+        summary = " ".join(line.strip() for line in lines[:2])
+        raise UsageError(f"{origin}: {summary}{hint}") from None
+
+
+# ---------------------------------------------------------------------------------
+# Output.
+# ---------------------------------------------------------------------------------
+
+
+def _check_plan(report: eqshard.ShardingReport) -> None:
+    if report.problems:
+        first = report.problems[0]
+        count = len(report.problems)
+        raise UsageError(
+            f"{count} {'array has a spec' if count == 1 else 'arrays have specs'} "
+            f"that cannot apply on mesh "
+            f"{report.mesh_shape} (listed under the plan), e.g. '{first.path}' "
+            f"{first.spec}: {first.reasons[0]}; fix the rules or the mesh"
+        )
+
+
+def show_plan(
+    tree: PyTree,
+    config: Config,
+    mesh: Mesh,
+    rules: list[tuple[str, PartitionSpec]],
+    origin: str,
+    timer: Timer,
+) -> PyTree:
+    """Matches the rules, prints the plan of `tree` (concrete or abstract), and
+    returns the specs. A plan that cannot apply is a usage error."""
+    specs, seconds = timed(lambda: _match(rules, tree, origin))
+    timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    report, seconds = timed(
+        lambda: eqshard.analyze_sharding_strategy(tree, specs, mesh)
+    )
+    timer("plan", seconds, "analyze_sharding_strategy")
+    print(report.table())
+    print()
+    print(
+        f"model: {config.layers} blocks, dim {config.dim}, {config.heads} heads, "
+        f"vocab {config.vocab}: {report.total_parameters:,} parameters in "
+        f"{len(report.rows)} arrays"
+    )
+    print(
+        f"plan: at most {format_bytes(report.max_bytes_per_device)} per device "
+        f"(balance {report.balance_score:.2f}) over the "
+        f"{len(report.bytes_per_device)} devices of mesh {report.mesh_shape}"
+    )
+    _note_dead_rules(rules, tree)
+    _check_plan(report)
+    return specs
+
+
+def _note_dead_rules(rules: list[tuple[str, PartitionSpec]], tree: PyTree) -> None:
+    dead = eqshard.explain_partition_rules(rules, tree).dead_rules
+    if dead:
+        listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
+        print(
+            f"note: {len(dead)} of the {len(rules)} rules matched no array (a typo, "
+            f"or shadowed by an earlier rule): {listed}"
+        )
+
+
+# ---------------------------------------------------------------------------------
+# Training-memory plans (--size, --model, --plan-only) and --fit.
+# ---------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------
+# Training-memory plans (--size, --model, --plan-only) and --fit.
+# ---------------------------------------------------------------------------------
+
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "f32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+}
+# The rules of --model when no --rules are given: everything replicated.
+REPLICATED = [(".*", PartitionSpec())]
+
+
+def _dtype(option: str, text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise UsageError(
+            f"{option} {text!r}: choose float32, bfloat16 or float16"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The options of a training-memory plan, checked."""
+
+    optimizer: Any
+    optimizer_name: str
+    param_dtype: Any
+    state_dtype: Any
+    device_memory: int | None
+    fit: bool
+    save_rules: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PlanOptions":
+        memory = None
+        if args.device_memory is not None:
+            try:
+                memory = parse_bytes(args.device_memory)
+            except ValueError:
+                raise UsageError(
+                    f"--device-memory {args.device_memory!r}: write an amount of "
+                    "memory such as 80GiB, 16GB or 512MiB"
+                ) from None
+        if args.fit and memory is None:
+            raise UsageError("--fit needs --device-memory, the budget to fit in")
+        if args.save_rules is not None and not args.fit:
+            raise UsageError("--save-rules writes the rules that --fit proposes")
+        try:
+            optimizer = make_optimizer(args.optimizer)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        return cls(
+            optimizer=optimizer,
+            optimizer_name=args.optimizer,
+            param_dtype=_dtype("--param-dtype", args.param_dtype),
+            state_dtype=_dtype("--state-dtype", args.state_dtype),
+            device_memory=memory,
+            fit=args.fit,
+            save_rules=args.save_rules,
+        )
+
+
+def _plan_for(
+    shapes: PyTree, mesh: Mesh, options: PlanOptions
+) -> Callable[[PyTree], eqshard.TrainingPlan]:
+    def plan(specs: PyTree) -> eqshard.TrainingPlan:
+        return eqshard.plan_training(
+            shapes,
+            specs,
+            mesh,
+            optimizer=options.optimizer,
+            param_dtype=options.param_dtype,
+            state_dtype=options.state_dtype,
+            device_memory=options.device_memory,
+        )
+
+    return plan
+
+
+def _print_plan(plan: eqshard.TrainingPlan) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.flush()
+        plan.show()  # with rich, if installed
+    else:
+        print(plan.table())
+
+
+def training_memory(
+    shapes: PyTree,
+    specs: PyTree,
+    mesh: Mesh,
+    rules: list[tuple[str, PartitionSpec]],
+    origin: str,
+    options: PlanOptions,
+    timer: Timer,
+) -> int:
+    """Prints the training-memory plan of `specs`, or with --fit the rules
+    proposed and their plan; returns the exit status (1 if it does not fit)."""
+    what = "parameters and gradients"
+    if options.optimizer is not None:
+        what += f", {options.optimizer_name} state"
+    plan_for = _plan_for(shapes, mesh, options)
+    print()
+    if not options.fit:
+        plan, seconds = timed(lambda: plan_for(specs))
+        timer("training plan", seconds, what)
+        _print_plan(plan)
+        return 0 if plan.fits else 1
+    try:
+        (specs, plan, min_size), seconds = timed(
+            lambda: propose_rules(shapes, rules, mesh, plan_for)
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    timer("fit", seconds, f"rules + auto_fsdp, {what}")
+    axes = ", ".join(data_axes(mesh))
+    header = [
+        f"proposed by `{PROG} --fit` for mesh {dict(mesh.shape)} and "
+        f"{format_bytes(options.device_memory or 0)} per device:",
+        f"from {origin}, plus FSDP over {axes} for arrays of at least "
+        f"{min_size:,} elements (eqshard.auto_fsdp).",
+    ]
+    text = rules_text(shapes, specs, header=header)
+    if plan.fits:
+        print("rules that fit (a --rules file):")
+    else:
+        print(
+            "no rules fit: even with FSDP over the data axes on every array, the "
+            "plan below is over budget. Use more devices, a larger data axis, or "
+            "a smaller --param-dtype / --state-dtype. The closest rules:"
+        )
+    print(text)
+    if options.save_rules is not None:
+        try:
+            with open(options.save_rules, "w") as file:
+                file.write(text)
+        except OSError as error:
+            raise UsageError(
+                f"--save-rules {options.save_rules}: cannot write the file "
+                f"({error.strerror or error})"
+            ) from None
+        print(f"saved to {options.save_rules}")
+        print()
+    _print_plan(plan)
+    return 0 if plan.fits else 1
+
+
+def run_model(
+    args: argparse.Namespace,
+    mesh: Mesh,
+    rules: list[tuple[str, PartitionSpec]],
+    origin: str,
+    options: PlanOptions,
+    timer: Timer,
+) -> int:
+    """Plans the user's own model (`--model`); returns the exit status."""
+    try:
+        shapes, load_seconds = timed(lambda: load_model(args.model))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    timer("load model", load_seconds, "eqx.filter_eval_shape")
+    specs, seconds = timed(lambda: _match(rules, shapes, origin))
+    timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
+    if args.table:
+        print(report.table())
+        print()
+    print(
+        f"model {args.model}: {report.total_parameters:,} parameters in "
+        f"{len(report.rows)} arrays, made abstractly with eqx.filter_eval_shape in "
+        f"{load_seconds:.2f} s"
+    )
+    print(f"rules: {origin}")
+    _note_dead_rules(rules, shapes)
+    _check_plan(report)
+    return training_memory(shapes, specs, mesh, rules, origin, options, timer)

@@ -135,7 +135,8 @@ def test_rules_file(tmp_path):
 
 def test_rules_file_arrow_between_regex_and_spec():
     # Parsed in this process: no need for a subprocess to read a text format.
-    from eqshard.__main__ import parse_rules, UsageError
+    from eqshard.__main__ import parse_rules
+    from eqshard._fit import UsageError
 
     text = "attn/(q|k)/weight -> tp,fsdp\nmlp/up/bias->  tp\n.*  ()\n"
     assert parse_rules(text, "rules.txt") == [
