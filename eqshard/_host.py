@@ -25,8 +25,9 @@ needed, converted on host, in one pass over its data:
    see `benchmarks/bench_host.py`). Arrays placed on other devices are copied
    there anyway.
 
-JAX arrays are cast on their devices (`astype`), where the values are not
-checked.
+JAX arrays cast with `dtype=` are checked alike: on CPU they come through the
+host and this same path, elsewhere the check runs in the program that casts them
+(see `_resident.py`).
 """
 
 import functools as ft
@@ -135,12 +136,19 @@ def _lost(source: np.ndarray, out: np.ndarray) -> str | None:
         if bad.any():
             bad &= np.isfinite(source)
             if bad.any():
-                largest = np.abs(source[bad]).max()
-                return (
-                    f"{int(bad.sum())} of its finite values (up to {largest:g} in "
-                    f"magnitude) become inf or nan in {out.dtype}"
+                return overflow_text(
+                    int(bad.sum()), float(np.abs(source[bad]).max()), out.dtype
                 )
     return None
+
+
+def overflow_text(count: int, largest: float, dtype: np.dtype) -> str:
+    """What a floating cast to `dtype` lost: `count` finite values, the largest
+    `largest` in magnitude, became inf or nan."""
+    return (
+        f"{count} of its finite values (up to {largest:g} in magnitude) become inf "
+        f"or nan in {dtype}"
+    )
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -9,7 +9,11 @@ How data moves, in the order of this file:
    mesh before any data moves, and all the leaves that do not fit are reported in
    one error.
 3. **Shard.** In one process, all arrays move in one batched `jax.device_put`: no
-   per-leaf `jax.jit`, no compilation. In a multi-process run, each process first
+   per-leaf `jax.jit`, no compilation. JAX arrays whose sharding or dtype must
+   change are the exception, as `device_put` would compile a program per shape
+   for them: on CPU they come to host first and are placed like NumPy data; on
+   GPU and TPU one program moves them all (why: `_resident.py`). In a
+   multi-process run, each process first
    checks with the others that they all passed the same tree (one 16-byte
    all-gather), then supplies only the shards its own devices hold, from a full
    copy of each array or (for `Partitioner.move_to_devices(host_local=True)`)
@@ -44,6 +48,7 @@ from ._host import (
     leaf_casts,
     loss_error,
     may_alias,
+    overflow_text,
     private_copy,
     shares_memory,
 )
@@ -57,6 +62,7 @@ from ._multiprocess import (
     host_value,
     is_global,
 )
+from ._resident import move_in_programs, route
 from ._specs import (
     bad_spec_leaf_message,
     check_leaves,
@@ -317,7 +323,7 @@ def _place(
     cast as `casts` says (see `_host.py`). An array that stands at several leaves
     with one sharding is placed once, and the result stands at all of them. With
     `donate`, in one process, JAX arrays give up their old buffers. Raises, before
-    anything moves, if NumPy data would lose values."""
+    anything is returned, if data would lose values."""
     out = [leaf for _, leaf, _ in matched]
     first: dict[tuple[int, NamedSharding, Any], int] = {}
     unique: list[int] = []  # the leaves to place, one per distinct array
@@ -330,44 +336,71 @@ def _place(
             first[key] = len(unique)
             unique.append(i)
         slots.append((i, first[key]))
+    given = [matched[i][1] for i in unique]
+    shardings = [typing.cast(NamedSharding, matched[i][2]) for i in unique]
+    cast_of = [casts[i] for i in unique]
+    # JAX arrays whose sharding or dtype must change would compile a program per
+    # shape in `jax.device_put`: they go through the host on CPU, and through one
+    # program for the whole tree elsewhere (why: `_resident.py`).
+    routes = [route(x, s, c) for x, s, c in zip(given, shardings, cast_of, strict=True)]
+    by_host = [k for k, r in enumerate(routes) if r == "host"]
+    by_program = [k for k, r in enumerate(routes) if r == "program"]
+    sources = list(given)  # what is placed: fetched host copies for the host route
+    for k, value in zip(by_host, _fetch([given[k] for k in by_host]), strict=True):
+        sources[k] = value
     ready: list[Any] = []
     lost = []
-    for i in unique:
-        path, leaf, sharding = matched[i]
+    for k, leaf in enumerate(sources):
+        path = matched[unique[k]][0]
         if isinstance(leaf, jax.Array):
-            cast = casts[i]
+            cast = None if k in by_program else cast_of[k]
             ready.append(leaf if cast is None else leaf.astype(cast))
             continue
-        array, what, asked = host_ready(leaf, casts[i], sharding)
+        array, what, asked = host_ready(leaf, cast_of[k], shardings[k])
         if what is not None:
             lost.append((path, np.asarray(leaf).dtype, array.dtype, what, asked))
         ready.append(array)
+    moved: dict[int, jax.Array] = {}
+    if by_program:
+        placed, overflowed = move_in_programs(
+            [given[k] for k in by_program],
+            [shardings[k] for k in by_program],
+            [cast_of[k] for k in by_program],
+        )
+        moved = dict(zip(by_program, placed, strict=True))
+        for j, count, largest in overflowed:
+            k = by_program[j]
+            target = np.dtype(typing.cast(np.dtype, cast_of[k]))
+            what = overflow_text(count, largest, target)
+            lost.append((matched[unique[k]][0], given[k].dtype, target, what, True))
     if lost:
         raise loss_error(caller, lost)
-    shardings = [typing.cast(NamedSharding, matched[i][2]) for i in unique]
     if jax.process_count() == 1:
-        if donate:
-            # An array that stands at several leaves cannot give its buffer twice.
-            shared = set(
-                itertools.chain(*repeated_arrays([matched[i][1] for i in unique]))
-            )
-            placed = jax.device_put(
-                ready,
-                shardings,
-                donate=[
-                    isinstance(x, jax.Array) and slot not in shared
-                    for slot, x in enumerate(ready)
-                ],
-            )
-        else:
-            placed = jax.device_put(ready, shardings)
-        placed = _unaliased(placed, ready, [matched[i][1] for i in unique], shardings)
-    else:
-        placed = [
-            _to_global(x, s, host_local) for x, s in zip(ready, shardings, strict=True)
+        # Arrays placed by a program are in place already: the others move in one
+        # batched `device_put`.
+        rest = [k for k in range(len(ready)) if k not in moved]
+        rest_ready = [ready[k] for k in rest]
+        rest_shardings = [shardings[k] for k in rest]
+        # An array that stands at several leaves cannot give its buffer twice.
+        shared = set(itertools.chain(*repeated_arrays(given))) if donate else set()
+        donated = [
+            donate and isinstance(ready[k], jax.Array) and k not in shared for k in rest
         ]
+        if any(donated):
+            placed = jax.device_put(rest_ready, rest_shardings, donate=donated)
+        else:
+            placed = jax.device_put(rest_ready, rest_shardings)
+        placed = _unaliased(
+            placed, rest_ready, [sources[k] for k in rest], rest_shardings
+        )
+        moved.update(zip(rest, placed, strict=True))
+    else:
+        moved = {
+            k: _to_global(x, s, host_local)
+            for k, (x, s) in enumerate(zip(ready, shardings, strict=True))
+        }
     for i, slot in slots:
-        out[i] = placed[slot]
+        out[i] = moved[slot]
     return out
 
 
@@ -424,7 +457,9 @@ def shard(
     Every array leaf (`jax.Array` or NumPy) gets `NamedSharding(mesh, spec)`;
     everything else (static fields, callables, Python scalars, `None`) is returned
     untouched, so an Equinox module comes back as a module of the same type. All
-    arrays move in one batched `jax.device_put`, with no compilation.
+    arrays move in one batched `jax.device_put`, with no compilation, and JAX
+    arrays already on other devices or meshes move without one compilation per
+    shape (on CPU through the host, on GPU and TPU in one program for the tree).
 
     In a multi-process run, every process of the mesh makes the same call with a
     full copy of every array, and copies to its devices only the shards they hold.
@@ -449,8 +484,9 @@ def shard(
       float32 checkpoint loaded as bfloat16): a floating dtype for all of them,
       or a tree of dtypes and `None`s (keep) that is a prefix of `tree`, to keep
       some in float32 on purpose (e.g. `{"layers": jnp.bfloat16, "norm": None}`).
-      NumPy arrays are cast on host, and refused if a value overflows; JAX arrays
-      on their devices, which compiles one small cast per distinct shape.
+      NumPy arrays are cast on host and JAX arrays with the rest of the tree
+      (through the host on CPU, in one program elsewhere); a cast that would
+      turn finite values into inf is refused.
 
     NumPy data loses nothing: with `jax_enable_x64` off, 64-bit arrays are placed
     as 32-bit ones (as JAX does) only if every value survives (integers in range,

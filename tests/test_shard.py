@@ -561,3 +561,113 @@ def test_shard_fns_take_one_floating_dtype(mesh):
         eqshard.make_shard_and_gather_fns({"a": P()}, mesh, dtype={"a": jnp.bfloat16})
     shard_fns, _ = eqshard.make_shard_and_gather_fns({"a": P()}, mesh, dtype="bfloat16")
     assert shard_fns["a"](np.ones(8, np.float32)).dtype == jnp.bfloat16
+
+
+# Arrays already on devices move without a compilation per shape (`_resident.py`).
+
+
+class _Compiles:
+    """Counts XLA compilations while active."""
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def _distinct_shapes(count, dtype=np.float32):
+    rng = np.random.default_rng(count)
+    shapes = [(8 * (1 + i), 4 * (1 + (3 * i) % 5)) for i in range(count)]
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+_PERMUTED = [6, 1, 4, 3, 2, 5, 0, 7]
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["device 3", "uncommitted", "same mesh", "permuted (4, 2) mesh"],
+)
+def test_device_resident_arrays_move_bit_exact_without_compiling(mesh, source):
+    values = _distinct_shapes(6) + [np.float32(2.5), np.arange(8, dtype=np.int8)]
+    permuted = jax.sharding.Mesh(
+        np.array(jax.devices())[_PERMUTED].reshape(4, 2), ("a", "b")
+    )
+    put = {
+        "device 3": lambda x: jax.device_put(x, jax.devices()[3]),
+        "uncommitted": jnp.asarray,
+        "same mesh": lambda x: jax.device_put(x, NamedSharding(mesh, P())),
+        "permuted (4, 2) mesh": lambda x: jax.device_put(
+            x, NamedSharding(permuted, P("a") if np.ndim(x) else P())
+        ),
+    }[source]
+    tree = [put(v) for v in values]
+    specs = [P("dp", "tp"), P("tp"), P(None, "dp"), P(), P("tp", "dp"), P("dp")]
+    specs += [P(), P("tp")]
+    with _Compiles() as compiles:
+        out = eqshard.shard(tree, specs, mesh)
+    assert compiles.count == 0
+    for array, value, spec in zip(out, values, specs):
+        assert array.sharding == NamedSharding(mesh, spec)
+        assert np.asarray(array).dtype == value.dtype
+        assert np.asarray(array).tobytes() == np.asarray(value).tobytes()
+    # Nothing moved shares memory with the arrays given: deleting those leaves
+    # `out` intact (an array already as asked comes back as it is).
+    for x, array in zip(tree, out):
+        if x is not array:
+            x.delete()
+    for array, value in zip(out, values):
+        assert np.asarray(array).tobytes() == np.asarray(value).tobytes()
+
+
+def test_device_resident_arrays_keep_memory_kind_and_tied_arrays(mesh):
+    tied = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4))
+    tree = {"w": tied, "head": tied, "off": jax.device_put(np.ones(4, np.float32))}
+    specs = {"w": P("dp"), "head": P("dp"), "off": _pinned(mesh, P("tp"))}
+    out = eqshard.shard(tree, specs, mesh)
+    assert out["w"] is out["head"]
+    assert out["off"].sharding == _pinned(mesh, P("tp"))
+    np.testing.assert_array_equal(eqshard.gather(out)["off"], np.ones(4))
+
+
+def test_dtype_casts_device_resident_arrays_in_one_pass(mesh):
+    values = _distinct_shapes(5) + [np.arange(8, dtype=np.int32)]
+    tree = [jax.device_put(v, NamedSharding(mesh, P("dp"))) for v in values]
+    with _Compiles() as compiles:
+        out = eqshard.shard(tree, P("dp"), mesh, dtype=jnp.bfloat16)
+    assert compiles.count == 0
+    for array, value in zip(out, values):
+        want = value.astype(jnp.bfloat16) if value.dtype == np.float32 else value
+        assert np.asarray(array).dtype == want.dtype
+        assert np.asarray(array).tobytes() == want.tobytes()
+        assert array.sharding == NamedSharding(mesh, P("dp"))
+
+
+def test_dtype_casts_of_device_arrays_that_overflow_are_refused(mesh):
+    tree = {
+        "big": jax.device_put(np.full((8,), 1e6, np.float32)),
+        "ok": jax.device_put(np.ones(8, np.float32)),
+    }
+    with pytest.raises(ValueError, match=r"'big' \(float32; `dtype=` casts it"):
+        eqshard.shard(tree, P(), mesh, dtype=jnp.float16)
+    out = eqshard.shard(tree, P(), mesh, dtype={"big": None, "ok": jnp.float16})
+    assert out["big"].dtype == np.float32 and out["ok"].dtype == jnp.float16
+
+
+def test_move_to_devices_moves_device_resident_arrays_without_compiling(mesh):
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    tree = {"w": jax.device_put(value), "b": jax.device_put(value[0])}
+    partitioner = eqshard.Partitioner(mesh=mesh, logical_axis_rules=[("x", "dp")])
+    with _Compiles() as compiles:
+        out = partitioner.move_to_devices(tree, {"w": P("dp", "tp"), "b": P("tp")})
+    assert compiles.count == 0
+    assert out["w"].sharding == NamedSharding(mesh, P("dp", "tp"))
+    np.testing.assert_array_equal(np.asarray(out["w"]), value)
+    np.testing.assert_array_equal(np.asarray(out["b"]), value[0])

@@ -1,0 +1,207 @@
+"""JAX arrays already on devices, moved to other shardings without a compile per shape.
+
+`jax.device_put` moves a `jax.Array` onto a sharding whose blocks its buffers do not
+already hold by compiling a program for each distinct shape: a slicing program when
+the array is whole on one device, a resharding `jit` when it is on the same devices
+in another order, and `astype` (for `dtype=`) compiles a cast per shape too. For a
+model of 60 distinct shapes made on device 0, that was 7 s of compiling on this
+project's CPU before training could start (`benchmarks/bench_device_resident.py`).
+`shard` moves such arrays (those whose sharding or dtype must change) together, by
+the route that is cheapest on their backend:
+
+- **Through the host, on CPU.** A CPU device's memory is host memory: copying the
+  arrays to NumPy and placing them as NumPy data (`_shard.py`'s path for host
+  arrays, with its checks: casts that overflow are refused, nothing aliased) costs
+  two memory copies and no compilation, ~15 ms for 64 MiB. Even one program for
+  the whole tree costs far more there: XLA's CPU compiler took 4 s to build the
+  60-array resharding identity.
+- **In one program, on GPU and TPU.** There a round trip crosses the host link
+  twice, while device-to-device copies run over NVLink or ICI, and a single
+  compilation is amortised over the whole tree. Arrays already spread over the
+  target's devices, in the same order, go through one `jax.jit` identity with
+  `out_shardings` (casts included); arrays whole on one device are cut into their
+  blocks by one jitted program on that device, and the blocks are copied to their
+  devices (a copy between devices compiles nothing). Arrays spread over other
+  devices, and targets in host memory kinds, take the host route.
+
+Each program also counts, for the arrays it casts, the finite values that became
+inf or nan, so a lossy `dtype=` cast raises as it does for NumPy data. Arrays of
+several processes (not fully addressable) and typed PRNG keys are left to
+`jax.device_put`, as before.
+"""
+
+import functools as ft
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ._keys import is_key
+
+
+Route = Literal["host", "program"]
+
+
+@ft.lru_cache(maxsize=1024)
+def _on_cpu_or_host_memory(sharding: Any) -> bool:
+    return sharding.memory_kind not in (None, "device") or any(
+        device.platform == "cpu" for device in sharding.device_set
+    )
+
+
+def _device_order(sharding: Any) -> tuple[Any, ...] | None:
+    """The devices of a `NamedSharding` in the order `jit` requires them, or `None`
+    for other shardings (whose order is not public)."""
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return tuple(sharding.mesh.devices.flat)
+    return None
+
+
+def route(leaf: Any, sharding: NamedSharding, cast: np.dtype | None) -> Route | None:
+    """How `leaf` reaches `sharding` (cast to `cast`): `None` if `jax.device_put`
+    moves it without compiling (NumPy data, an array already laid out as asked,
+    arrays of several processes, PRNG keys), else the route of the docstring."""
+    if (
+        not isinstance(leaf, jax.Array)
+        or not leaf.is_fully_addressable
+        or is_key(leaf)
+        or jax.process_count() > 1
+    ):
+        return None
+    if cast is None and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+        return None
+    if _on_cpu_or_host_memory(leaf.sharding) or _on_cpu_or_host_memory(sharding):
+        return "host"
+    one_device = len(leaf.sharding.device_set) == 1
+    same_order = _device_order(leaf.sharding) == _device_order(sharding)
+    return "program" if one_device or same_order else "host"
+
+
+def _cast_checked(
+    x: jax.Array, cast: np.dtype | None
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """`x` cast to `cast`, and (for a cast) how many finite values became inf or
+    nan, with the largest of them in magnitude."""
+    if cast is None:
+        return x, None
+    y = x.astype(cast)
+    bad = jnp.isfinite(x) & ~jnp.isfinite(y)
+    largest = jnp.max(jnp.where(bad, jnp.abs(x), 0), initial=0).astype(jnp.float32)
+    return y, (jnp.sum(bad), largest)
+
+
+@ft.lru_cache(maxsize=64)
+def _reshard_program(
+    shardings: tuple[NamedSharding, ...], casts: tuple[np.dtype | None, ...]
+) -> Any:
+    """One `jit` that lays every array out on its sharding, cast as asked."""
+    replicated = NamedSharding(shardings[0].mesh, jax.sharding.PartitionSpec())
+
+    def reshard(arrays: list[jax.Array]) -> tuple[list[jax.Array], list[Any]]:
+        out = [_cast_checked(x, c) for x, c in zip(arrays, casts, strict=True)]
+        return [y for y, _ in out], [loss for _, loss in out]
+
+    losses = [None if c is None else (replicated, replicated) for c in casts]
+    return jax.jit(reshard, out_shardings=(list(shardings), losses))
+
+
+Blocks = tuple[tuple[tuple[int, int], ...], ...]  # per block: (start, stop) per dim
+
+
+@ft.lru_cache(maxsize=64)
+def _slice_program(blocks: tuple[Blocks, ...], casts: tuple[np.dtype | None, ...]):
+    """One `jit`, run on the device that holds the arrays, that cuts every array
+    into its distinct blocks (cast as asked)."""
+
+    def cut(arrays: list[jax.Array]) -> tuple[list[list[jax.Array]], list[Any]]:
+        out, losses = [], []
+        for x, cast, indices in zip(arrays, casts, blocks, strict=True):
+            y, loss = _cast_checked(x, cast)
+            out.append([y[tuple(slice(a, b) for a, b in index)] for index in indices])
+            losses.append(loss)
+        return out, losses
+
+    return jax.jit(cut)
+
+
+def _block_key(index: Any, shape: tuple[int, ...]) -> Any:
+    """A block's index (a tuple of slices) as hashable `(start, stop)` pairs."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _from_one_device(
+    arrays: Sequence[jax.Array],
+    shardings: Sequence[NamedSharding],
+    casts: Sequence[np.dtype | None],
+) -> tuple[list[jax.Array], list[Any]]:
+    """Arrays whole on one device (the same one), each placed on its sharding: one
+    program cuts out all the blocks, which are then copied to their devices."""
+    maps = [
+        s.addressable_devices_indices_map(x.shape)
+        for x, s in zip(arrays, shardings, strict=True)
+    ]
+    keys = [
+        [_block_key(index, x.shape) for index in m.values()]
+        for x, m in zip(arrays, maps, strict=True)
+    ]
+    distinct = tuple(tuple(dict.fromkeys(k)) for k in keys)
+    pieces, losses = _slice_program(distinct, tuple(casts))(list(arrays))
+    wanted, devices = [], []
+    for m, k, blocks, distinct_k in zip(maps, keys, pieces, distinct, strict=True):
+        position = {key: j for j, key in enumerate(distinct_k)}
+        for device, key in zip(m, k, strict=True):
+            wanted.append(blocks[position[key]])
+            devices.append(device)
+    copied = iter(jax.device_put(wanted, devices))
+    out = []
+    for x, s, m, cast in zip(arrays, shardings, maps, casts, strict=True):
+        shards = [next(copied) for _ in m]
+        shape, dtype = x.shape, x.dtype if cast is None else cast
+        out.append(
+            jax.make_array_from_single_device_arrays(
+                shape, s, shards, dtype=jnp.dtype(dtype)
+            )
+        )
+    return out, losses
+
+
+def move_in_programs(
+    arrays: Sequence[jax.Array],
+    shardings: Sequence[NamedSharding],
+    casts: Sequence[np.dtype | None],
+) -> tuple[list[jax.Array], list[tuple[int, int, float]]]:
+    """The arrays of the `"program"` route, placed on their shardings and cast:
+    one program per group of arrays on the same devices (in practice, one). Also
+    returns `(position, count, largest)` for each cast that turned `count` finite
+    values (the largest `largest` in magnitude) into inf or nan."""
+    groups: dict[Any, list[int]] = {}
+    for k, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
+        if len(x.sharding.device_set) == 1:
+            key = ("device", next(iter(x.sharding.device_set)))
+        else:
+            key = ("mesh", _device_order(s))
+        groups.setdefault(key, []).append(k)
+    out: list[Any] = [None] * len(arrays)
+    found: list[tuple[int, Any]] = []
+    for (kind, _), members in groups.items():
+        xs = [arrays[k] for k in members]
+        ss = [shardings[k] for k in members]
+        cs = [casts[k] for k in members]
+        if kind == "device":
+            placed, losses = _from_one_device(xs, ss, cs)
+        else:
+            placed, losses = _reshard_program(tuple(ss), tuple(cs))(xs)
+        for k, array, loss in zip(members, placed, losses, strict=True):
+            out[k] = array
+            if loss is not None:
+                found.append((k, loss))
+    counts = jax.device_get([loss for _, loss in found])
+    lost = [
+        (k, int(count), float(largest))
+        for (k, _), (count, largest) in zip(found, counts, strict=True)
+        if count
+    ]
+    return out, lost
