@@ -45,6 +45,7 @@ from ._fit import (
     training_memory,
     UsageError,
 )
+from ._rules import parse_spec, SPEC_SYNTAX
 
 
 _DEFAULT_NAMES = {
@@ -82,10 +83,10 @@ def _parser() -> argparse.ArgumentParser:
             "fit), and with --fit, rules that make it fit."
         ),
         epilog=(
-            "Rules files have one rule a line, 'REGEX SPEC' or 'REGEX -> SPEC': the "
-            "SPEC is the last field, mesh axis names or None separated by ',' "
-            "(dp,tp  None,tp), "
-            "'dp+fsdp' for one dimension over two axes, '()' for replicated. "
+            "Rules files have one rule a line, 'REGEX SPEC' or 'REGEX -> SPEC' (the "
+            "spec is the last field, or all that follows '->'): "
+            f"{SPEC_SYNTAX}. This is the spec syntax of "
+            "eqshard.create_pattern_based_partition_spec too. "
             "Lines starting with # are comments. The first matching rule wins."
         ),
     )
@@ -211,45 +212,47 @@ def _rules_error(path: str, number: int, line: str, problem: str) -> UsageError:
     return UsageError(f"--rules {path}, line {number}: {problem}: {line.strip()!r}")
 
 
-def _parse_spec(text: str) -> P:
-    """A spec such as `dp,tp`, `None,tp`, `dp+fsdp,tp` or `()`."""
-    if text in ("()", "P()"):
-        return P()
-    entries: list[str | tuple[str, ...] | None] = []
-    for entry in text.split(","):
-        if entry == "None":
-            entries.append(None)
-            continue
-        names = entry.split("+")
-        if not all(name.isidentifier() for name in names):
-            where = "" if entry == text else f" in the spec {text!r}"
-            raise ValueError(
-                f"{entry!r}{where} is not a mesh axis name, None, or axis names "
-                "joined by '+' (a spec is entries separated by ',' without spaces, "
-                "e.g. dp,tp or None,tp; '()' replicates)"
-            )
-        entries.append(names[0] if len(names) == 1 else tuple(names))
-    return P(*entries)
+def _split_rule(stripped: str) -> tuple[str, str] | None:
+    """A rule line's regex and spec: `REGEX -> SPEC` (the spec may have spaces),
+    `REGEX P(...)`, or `REGEX SPEC` (the spec is the last field); `None` if there
+    is one field only."""
+    if "->" in stripped:
+        regex, _, spec = stripped.rpartition("->")
+        return regex.strip(), spec
+    start = stripped.rfind("P(")
+    if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
+        return stripped[:start].strip(), stripped[start:]
+    fields = stripped.split()
+    if len(fields) < 2:
+        return None
+    return stripped[: -len(fields[-1])].strip(), fields[-1]
 
 
 def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
     """The rules of a rules file: one `REGEX SPEC` (or `REGEX -> SPEC`) a line,
-    `#` comment lines."""
+    `#` comment lines; the spec syntax is `_rules.parse_spec`'s."""
     rules = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
-        fields = stripped.split()
-        if len(fields) < 2:
+        split = _split_rule(stripped)
+        if split is None:
             raise _rules_error(
                 path, number, line, "expected a regex, then a spec such as dp,tp"
             )
-        # `REGEX -> SPEC` reads as well: without this, the arrow would silently
-        # become part of a regex that matches nothing.
-        regex = stripped[: -len(fields[-1])].strip().removesuffix("->").rstrip()
+        regex, spec_text = split
         if not regex:
             raise _rules_error(path, number, line, "expected a regex before the spec")
+        if regex.endswith((",", ".", "+")) and "->" not in stripped:
+            # `attn  dp, tp`: without this, `dp,` would silently end the regex.
+            raise _rules_error(
+                path,
+                number,
+                line,
+                "a spec without '->' before it has no spaces (attn dp,tp); "
+                "write 'REGEX -> SPEC' to space it out",
+            )
         try:
             re.compile(regex)
         except re.error as error:
@@ -257,7 +260,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
                 path, number, line, f"invalid regex {regex!r} ({error})"
             ) from None
         try:
-            spec = _parse_spec(fields[-1])
+            spec = parse_spec(spec_text)
         except ValueError as error:
             raise _rules_error(path, number, line, str(error)) from None
         rules.append((regex, spec))

@@ -9,6 +9,7 @@ becomes a leaf's spec. One private core, `_match_leaves`, does the matching for 
 per call and each path is built and matched once.
 """
 
+import ast
 import dataclasses
 import math
 import operator
@@ -582,47 +583,99 @@ def explain_partition_rules(
 # ---------------------------------------------------------------- pattern strings
 
 
-def _pattern_error(pattern: str, index: int, token: str, why: str) -> ValueError:
-    return ValueError(
-        f"eqshard.create_pattern_based_partition_spec: bad rule {index} {token!r} in "
-        f"{pattern!r}: {why}. Rules are `REGEX->SPEC`, separated by ','; a SPEC is "
-        "dimensions separated by '.', each an axis name, `None`, or axis names "
-        "joined by '+'; `()` is the replicated spec. Example: "
-        "'attention|mlp->dp.tp,embed->None.tp,norm->()'."
+SPEC_SYNTAX = (
+    "a SPEC is dimensions separated by ',' or '.', each an axis name, None, or "
+    "axis names joined by '+' (dp,tp  None.tp  dp+fsdp,None); () or P() is the "
+    "replicated spec, and P('dp', None) or P(('dp', 'fsdp'), 'tp') reads as in Python"
+)
+
+
+def _spec_entry(entry: Any, text: str) -> str | tuple[str, ...] | None:
+    """One dimension of a `P(...)` literal, checked."""
+    names = entry if isinstance(entry, tuple | list) else (entry,)
+    if entry is None or (
+        names and all(isinstance(n, str) and n.isidentifier() for n in names)
+    ):
+        return entry if not isinstance(entry, list) else tuple(entry)
+    raise ValueError(
+        f"{entry!r} in the spec {text!r} is not an axis name, None, or a tuple of "
+        "axis names"
     )
 
 
-def _parse_spec(text: str, pattern: str, index: int, token: str) -> PartitionSpec:
-    if text == "()":
+def parse_spec(text: str) -> PartitionSpec:
+    """The `PartitionSpec` written as `text`, in the one spec syntax of rules files
+    (`python -m eqshard --rules`) and rule strings
+    (`create_pattern_based_partition_spec`): see `SPEC_SYNTAX`. Whitespace around
+    dimensions is ignored. Raises `ValueError` saying what is wrong; each caller
+    adds where."""
+    body = text.strip()
+    if not body:
+        raise ValueError("the spec is empty (write () for P())")
+    if body in ("()", "P()"):
         return PartitionSpec()
-    if not text:
-        raise _pattern_error(
-            pattern, index, token, "the spec is empty (write `()` for P())"
+    if body.startswith("P(") and body.endswith(")"):
+        inner = body[2:-1]
+        if not inner.strip():
+            return PartitionSpec()
+        if not any(c in inner for c in "'\"()[]"):
+            return parse_spec(inner)  # P(dp, None): the compact form inside P()
+        try:
+            entries = ast.literal_eval(f"[{inner}]")
+        except (ValueError, SyntaxError):
+            raise ValueError(
+                f"the spec {body!r} is not a PartitionSpec literal (quote the axis "
+                "names: P('dp', None))"
+            ) from None
+        return PartitionSpec(*(_spec_entry(entry, body) for entry in entries))
+    if body.startswith("("):
+        raise ValueError(
+            f"the spec {body!r} is ambiguous: write dp+tp for one dimension over "
+            "both axes, or dp,tp for two dimensions"
         )
     dims: list[str | tuple[str, ...] | None] = []
-    for dim in (d.strip() for d in text.split(".")):
+    for dim in (d.strip() for d in re.split(r"[,.]", body)):
         if dim == "None":
             dims.append(None)
             continue
         names = [name.strip() for name in dim.split("+")]
         for name in names:
             if not name.isidentifier():
-                raise _pattern_error(
-                    pattern,
-                    index,
-                    token,
-                    f"{name!r} in spec {text!r} is not an axis name",
+                where = "" if name == body else f" in the spec {body!r}"
+                raise ValueError(
+                    f"{name!r}{where} is not an axis name, None, or axis names "
+                    "joined by '+'"
                 )
         dims.append(names[0] if len(names) == 1 else tuple(names))
     return PartitionSpec(*dims)
 
 
+def _pattern_error(pattern: str, index: int, token: str, why: str) -> ValueError:
+    return ValueError(
+        f"eqshard.create_pattern_based_partition_spec: bad rule {index} {token!r} in "
+        f"{pattern!r}: {why}. Rules are `REGEX->SPEC`, separated by ','; "
+        f"{SPEC_SYNTAX}. Example: 'attention|mlp->dp,tp,embed->None.tp,norm->()'."
+    )
+
+
+def _rule_tokens(pattern: str) -> list[str]:
+    """The rules of `pattern`: split at ',', where a piece without `->` continues
+    the spec before it (`attn->dp,tp` and `attn->P('dp', None)` are one rule)."""
+    tokens: list[str] = []
+    for index, piece in enumerate(pattern.split(",")):
+        if not piece.strip():
+            raise _pattern_error(pattern, index, piece, "the rule is empty")
+        if "->" in piece or not tokens:
+            tokens.append(piece)
+        else:
+            tokens[-1] += "," + piece
+    return tokens
+
+
 def _parse_pattern(pattern: str) -> list[tuple[re.Pattern[str], PartitionSpec]]:
     rules = []
-    for index, token in enumerate(pattern.split(",")):
+    for index, token in enumerate(_rule_tokens(pattern)):
         parts = token.split("->")
-        if not token.strip():
-            raise _pattern_error(pattern, index, token, "the rule is empty")
         if len(parts) != 2:
             raise _pattern_error(
                 pattern,
@@ -639,7 +692,11 @@ def _parse_pattern(pattern: str) -> list[tuple[re.Pattern[str], PartitionSpec]]:
             raise _pattern_error(
                 pattern, index, token, f"invalid regex ({error})"
             ) from None
-        rules.append((compiled, _parse_spec(spec, pattern, index, token)))
+        try:
+            parsed = parse_spec(spec)
+        except ValueError as error:
+            raise _pattern_error(pattern, index, token, str(error)) from None
+        rules.append((compiled, parsed))
     return rules
 
 
@@ -665,16 +722,19 @@ def create_pattern_based_partition_spec(
     The string is rules `REGEX->SPEC` separated by `,`, first match wins
     (`re.search` on the path). `REGEX` is one regular expression, so `|` is
     alternation and groups work; it cannot contain `,` or `->`. `SPEC` is
-    dimensions separated by `.`, each one of:
+    dimensions separated by `,` or `.`, each one of:
 
     - an axis name: `dp`;
     - `None`: that dimension is not sharded;
     - axis names joined by `+`: `dp+fsdp` shards one dimension over both axes;
 
-    and `()` alone is the replicated spec. So `"attention|mlp->dp.tp,embed->None.tp"`
-    gives `P("dp", "tp")` for attention and MLP weights, and `P(None, "tp")` for
-    embeddings. The string is parsed once, strictly; whitespace around tokens is
-    ignored.
+    and `()` or `P()` alone is the replicated spec; `P('dp', None)` and
+    `P(('dp', 'fsdp'), 'tp')` read as in Python. So
+    `"attention|mlp->dp,tp,embed->None.tp"` gives `P("dp", "tp")` for attention
+    and MLP weights, and `P(None, "tp")` for embeddings (a piece without `->`
+    continues the spec before it). This is the spec syntax of the rules files of
+    `python -m eqshard --rules` too. The string is parsed once, strictly;
+    whitespace around tokens is ignored.
 
     **Arguments:**
 

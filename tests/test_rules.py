@@ -422,6 +422,74 @@ def test_pattern_based_spec_malformed(pattern, token):
         eqshard.create_pattern_based_partition_spec(pattern)
 
 
+# The one spec syntax: rules files (`python -m eqshard --rules`) and rule strings
+# read every spelling alike. A rules file takes spaces inside a spec after `->`.
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("dp,tp", P("dp", "tp")),
+        ("dp.tp", P("dp", "tp")),
+        ("None,tp", P(None, "tp")),
+        ("None.tp", P(None, "tp")),
+        ("dp", P("dp")),
+        ("None", P(None)),
+        ("dp+fsdp,None", P(("dp", "fsdp"), None)),
+        ("tp.dp+fsdp", P("tp", ("dp", "fsdp"))),
+        ("()", P()),
+        ("P()", P()),
+        ("P('dp',None)", P("dp", None)),
+        ("P('dp', None)", P("dp", None)),
+        ('P("dp", "tp")', P("dp", "tp")),
+        ("P(('dp', 'fsdp'), 'tp')", P(("dp", "fsdp"), "tp")),
+        ("P(dp, None)", P("dp", None)),
+        ("P(dp+fsdp,tp)", P(("dp", "fsdp"), "tp")),
+        (" dp , tp ", P("dp", "tp")),
+        ("dp + fsdp", P(("dp", "fsdp"))),
+    ],
+)
+def test_one_spec_syntax(text, expected):
+    from eqshard.__main__ import parse_rules
+
+    pattern = eqshard.create_pattern_based_partition_spec(f"x->{text},y->tp")
+    assert pattern.rules == (("x", expected), ("y", P("tp")))
+    assert parse_rules(f"x -> {text}\n", "r") == [("x", expected)]
+    if " " not in text.strip():
+        assert parse_rules(f"x  {text}\n", "r") == [("x", expected)]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("(dp,tp)", "ambiguous"),
+        ("P(1)", "'1' is not an axis name"),
+        ("P('dp'", "not an axis name"),
+        ("dp,,tp", "empty|'' in the spec"),
+        ("dp-x", "'dp-x' is not an axis name"),
+        ("P(('dp', 1))", "not an axis name"),
+        ("P(dp, 'tp')", "not a PartitionSpec literal"),
+    ],
+)
+def test_one_spec_syntax_refused(text, match):
+    from eqshard.__main__ import parse_rules
+    from eqshard._fit import UsageError
+
+    pattern = f"x->{text}"
+    with pytest.raises(ValueError, match=re.escape(f"in {pattern!r}: ")) as info:
+        eqshard.create_pattern_based_partition_spec(pattern)
+    assert re.search(match, str(info.value))
+    with pytest.raises(UsageError, match="rules.txt, line 2: ") as info:
+        parse_rules(f"# rules\nx -> {text}\n", "rules.txt")
+    assert re.search(match, str(info.value))
+
+
+def test_rules_file_spaced_spec_needs_an_arrow():
+    from eqshard.__main__ import parse_rules
+    from eqshard._fit import UsageError
+
+    with pytest.raises(UsageError, match="r, line 1: a spec without '->'"):
+        parse_rules("attn  dp, tp\n", "r")
+
+
 # ---------------------------------------------------------------- weight decay
 
 
