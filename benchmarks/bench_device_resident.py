@@ -1,0 +1,213 @@
+"""Times `eqshard.shard` of trees already on devices against raw JAX, on 8 CPU devices.
+
+60 float32 arrays of 60 distinct shapes (~65 MiB) are placed on a (2, 4)
+('dp', 'tp') mesh with Auto axes, each split over both axes, from:
+
+- **one device**: every array on device 0, as an eager model is made;
+- **(4, 2) mesh**: every array on a (4, 2) mesh whose devices are in another
+  order (as a mesh built for other hardware, or a restore, can be), split the
+  other way;
+- **cast to bf16**: the arrays already on the (2, 4) mesh, cast with `dtype=`;
+- **NumPy**: the same arrays as host NumPy data (eqshard's fast path, which must
+  stay at raw `device_put` speed).
+
+Each variant is compared with raw JAX in the same run: one batched
+`jax.device_put(leaves, shardings)` (for the cast: `astype` per leaf, then
+`device_put`), and, for device-resident data, the two ways around it: a host
+round trip by hand (`jax.device_put(jax.device_get(leaves), shardings)`) and one
+batched `jax.jit` identity with `out_shardings` over the whole tree (possible only
+where inputs and outputs share their devices, in the same order). Every run starts
+cold (`jax.clear_caches()`: a model is sharded once, so the first call is the one
+that counts), with the garbage collector run and then disabled while timing;
+runs of the variants are interleaved. XLA backend compilations are counted with
+`jax.monitoring`. Prints min and median seconds, the ratio of raw
+`device_put`'s median to each median, and the compile count of the last run.
+
+    python benchmarks/bench_device_resident.py            # 3 runs, ~2-3 minutes
+    python benchmarks/bench_device_resident.py --runs 5
+
+Exits non-zero if a target is missed: eqshard >= 20x faster than raw `device_put`
+from one device with at most one compilation, and within 1.5x of it on NumPy.
+"""
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import eqshard
+
+
+MiB = 2**20
+_compiles = [0]
+
+
+def _listen(event: str, duration: float, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def make_values(count: int = 60) -> list[np.ndarray]:
+    """`count` float32 arrays of distinct shapes, each divisible by (2, 4)."""
+    rng = np.random.default_rng(0)
+    shapes = [(8 * (30 + i), 8 * (65 + (7 * i) % 20)) for i in range(count)]
+    return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """Seconds and compilations of one cold call of `fn`, and its result."""
+    jax.clear_caches()
+    gc.collect()
+    gc.disable()
+    try:
+        before = _compiles[0]
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        seconds = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return seconds, _compiles[0] - before, out
+
+
+def check(out: list[jax.Array], want: list[np.ndarray], shardings: list[Any]):
+    for array, value, sharding in zip(out, want, shardings, strict=True):
+        assert array.sharding == sharding, (array.sharding, sharding)
+        assert np.asarray(array).tobytes() == value.tobytes()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    auto = (AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=auto)
+    permuted = np.array(jax.devices())[[6, 1, 4, 3, 2, 5, 0, 7]].reshape(4, 2)
+    other = Mesh(permuted, ("dp", "tp"), axis_types=auto)
+    values = make_values()
+    total = sum(v.nbytes for v in values)
+    spec = P("dp", "tp")
+    target = [NamedSharding(mesh, spec)] * len(values)
+    bf16 = [v.astype(jnp.bfloat16) for v in values]
+
+    on_device0 = [jax.device_put(v, jax.devices()[0]) for v in values]
+    on_other = jax.device_put(values, [NamedSharding(other, P("tp", "dp"))] * 60)
+    on_mesh = jax.device_put(values, target)
+    on_replicated = jax.device_put(values, [NamedSharding(mesh, P())] * 60)
+    identity = jax.jit(lambda xs: xs, out_shardings=target)
+    cast_identity = jax.jit(
+        lambda xs: [x.astype(jnp.bfloat16) for x in xs], out_shardings=target
+    )
+
+    # variant -> [(name, fn, expected values)], raw device_put first.
+    variants: dict[str, list[tuple[str, Callable[[], Any], list[np.ndarray]]]] = {
+        "one device -> (2, 4)": [
+            ("raw device_put", lambda: jax.device_put(on_device0, target), values),
+            (
+                "host round trip by hand",
+                lambda: jax.device_put(jax.device_get(on_device0), target),
+                values,
+            ),
+            ("eqshard.shard", lambda: eqshard.shard(on_device0, spec, mesh), values),
+        ],
+        "(4, 2) permuted -> (2, 4)": [
+            ("raw device_put", lambda: jax.device_put(on_other, target), values),
+            (
+                "host round trip by hand",
+                lambda: jax.device_put(jax.device_get(on_other), target),
+                values,
+            ),
+            ("eqshard.shard", lambda: eqshard.shard(on_other, spec, mesh), values),
+        ],
+        "cast to bf16 on (2, 4)": [
+            (
+                "raw astype + device_put",
+                lambda: jax.device_put(
+                    [x.astype(jnp.bfloat16) for x in on_mesh], target
+                ),
+                bf16,
+            ),
+            ("one jit (cast + out_shardings)", lambda: cast_identity(on_mesh), bf16),
+            (
+                "eqshard.shard(dtype=)",
+                lambda: eqshard.shard(on_mesh, spec, mesh, dtype=jnp.bfloat16),
+                bf16,
+            ),
+        ],
+        "(2, 4) replicated -> (2, 4) split": [
+            (
+                "raw device_put",
+                lambda: jax.device_put(on_replicated, target),
+                values,
+            ),
+            ("one jit (out_shardings)", lambda: identity(on_replicated), values),
+            ("eqshard.shard", lambda: eqshard.shard(on_replicated, spec, mesh), values),
+        ],
+        "NumPy -> (2, 4)": [
+            ("raw device_put", lambda: jax.device_put(values, target), values),
+            ("eqshard.shard", lambda: eqshard.shard(values, spec, mesh), values),
+        ],
+    }
+
+    print(
+        f"{len(values)} float32 arrays of distinct shapes, {total / MiB:.0f} MiB, "
+        f"to P('dp', 'tp') on a (2, 4) mesh; {args.runs} cold runs each\n"
+    )
+    header = (
+        f"{'case':<34} {'variant':<32} {'min s':>7} {'median s':>9} "
+        f"{'raw/this':>9} {'compiles':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    ratios: dict[str, float] = {}  # case -> raw median / eqshard median
+    compiled: dict[str, int] = {}  # case -> eqshard's compilations
+    for case, rows in variants.items():
+        times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+        compiles: dict[str, int] = {}
+        for _ in range(args.runs):
+            for name, fn, want in rows:
+                seconds, count, out = timed(fn)
+                check(out, want, target)
+                del out
+                times[name].append(seconds)
+                compiles[name] = count
+        raw = statistics.median(times[rows[0][0]])
+        label = case
+        for name, _, _ in rows:
+            median = statistics.median(times[name])
+            print(
+                f"{label:<34} {name:<32} {min(times[name]):>7.3f} {median:>9.3f} "
+                f"{raw / median:>8.1f}x {compiles[name]:>8}"
+            )
+            label = ""
+        ours = rows[-1][0]
+        ratios[case] = raw / statistics.median(times[ours])
+        compiled[case] = compiles[ours]
+    failed = []
+    if ratios["one device -> (2, 4)"] < 20:
+        failed.append("one device: eqshard under 20x faster than raw device_put")
+    failed += [f"{c}: eqshard compiled {n} times" for c, n in compiled.items() if n > 1]
+    if ratios["NumPy -> (2, 4)"] < 1 / 1.5:
+        failed.append("NumPy: eqshard over 1.5x raw device_put")
+    for line in failed:
+        print(f"target missed: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
