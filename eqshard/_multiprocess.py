@@ -25,10 +25,15 @@ arrays, for [`eqshard.shard`][], [`eqshard.gather`][] and
   all-gather of the full descriptions lets every process raise the same error,
   naming the leaves that differ, instead of some raising and the others waiting
   forever in a collective.
+- **Waiting for the others.** Before a collective that gathers arrays, every
+  process meets the others at a barrier of the distributed client, with a
+  timeout: a process that gathers alone raises, naming the arrays, instead of
+  waiting forever.
 """
 
 import functools as ft
 import hashlib
+import itertools
 import json
 import math
 import typing
@@ -37,6 +42,7 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -218,6 +224,13 @@ def _process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedShard
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def needs_collective(x: Any) -> bool:
+    """Whether copying `x` to host takes the other processes: it is spread over
+    several processes and not every one of them holds all of it. The same answer
+    on every process."""
+    return is_global(x) and not _every_process_holds_all(x.sharding, tuple(x.shape))
+
+
 def host_value(array: jax.Array) -> np.ndarray:
     """The full value of an array spread over several processes, on this host.
 
@@ -228,7 +241,7 @@ def host_value(array: jax.Array) -> np.ndarray:
     out = np.empty(shape, array.dtype)
     if out.size == 0:
         return out
-    if not _every_process_holds_all(array.sharding, shape):
+    if needs_collective(array):
         array = jax.device_put(array, _process_local_sharding(array.sharding, shape))
     copied = set()
     for shard in array.addressable_shards:
@@ -237,6 +250,58 @@ def host_value(array: jax.Array) -> np.ndarray:
             copied.add(key)
             out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def _distributed_client() -> Any:
+    """The client of `jax.distributed.initialize`, or `None`.
+
+    JAX 0.10 has no public accessor for it. This reads the one attribute
+    `jax.experimental.multihost_utils` itself uses (`distributed.global_state.client`),
+    through that public module rather than `jax._src`, and gives `None` if a
+    later JAX moves it (the barrier is then skipped, as without a client)."""
+    state = getattr(getattr(multihost_utils, "distributed", None), "global_state", None)
+    return getattr(state, "client", None)
+
+
+# Per-process count of barriers met with each set of processes: every process of
+# the set makes the same calls in the same order, so the ids agree across them.
+_barriers: dict[tuple[int, ...], itertools.count] = {}
+
+
+def wait_for_processes(
+    caller: str, found: list[tuple[KeyPath, jax.Array]], timeout: float | int
+) -> None:
+    """Meets the other processes of the arrays in `found` at a barrier before they
+    are gathered together, and raises a `ValueError` naming the arrays if they do
+    not all arrive within `timeout` seconds (a process that makes the call alone
+    would otherwise wait forever in the collective). Nothing happens without a
+    distributed client (a single process)."""
+    client = _distributed_client()
+    if client is None or not found:
+        return
+    processes = tuple(
+        sorted({d.process_index for _, x in found for d in x.sharding.device_set})
+    )
+    count = next(_barriers.setdefault(processes, itertools.count()))
+    barrier = f"eqshard.{caller}:{','.join(map(str, processes))}:{count}"
+    others = None if processes == tuple(range(jax.process_count())) else processes
+    try:
+        client.wait_at_barrier(
+            barrier, timeout_in_ms=max(1, math.ceil(timeout * 1000)), process_ids=others
+        )
+    except jax.errors.JaxRuntimeError as e:
+        names = ", ".join(f"'{path_str(path)}'" for path, _ in found[:10])
+        more = f" and {len(found) - 10} more" if len(found) > 10 else ""
+        said = str(e).strip().splitlines()[0]
+        raise ValueError(
+            f"eqshard.{caller}: on process {jax.process_index()}, processes "
+            f"{list(processes)} did not all make this call within {timeout:g} s, so "
+            f"the arrays at {names}{more} cannot be gathered (all of them take part). "
+            "Every process whose devices hold a shard of these arrays must make the "
+            "same call at the same point (e.g. gather on every process, then save "
+            "on process 0 only); if the others are only slow, raise `timeout=`. "
+            f"The distributed client said: {said}"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------

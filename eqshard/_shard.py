@@ -61,6 +61,8 @@ from ._multiprocess import (
     host_local_shape,
     host_value,
     is_global,
+    needs_collective,
+    wait_for_processes,
 )
 from ._resident import move_in_programs, route
 from ._specs import (
@@ -674,7 +676,7 @@ def _host_leaves(
 
 
 @typecheck
-def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
+def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> PyTree:
     """Copies every `jax.Array` of a pytree to host, as `numpy.ndarray`s.
 
     Values are bit-exact and keep their dtype (bfloat16 included) unless `dtype`
@@ -685,6 +687,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     on every device, and every process gets the full value. Every process must
     then make the same call, since those arrays are gathered by all of them
     together (arrays every process already holds whole need no communication).
+    Before that, the processes meet at a barrier of the distributed client: a
+    process that gathers alone raises after `timeout` seconds, naming the arrays,
+    instead of waiting forever.
 
     Use it before `eqx.tree_serialise_leaves`; [`eqshard.shard`][] puts the
     deserialised tree back. A typed PRNG key array (`jax.random.key`), which NumPy
@@ -699,6 +704,8 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     - `dtype`: if given, floating arrays (NumPy ones too) are cast to it on host:
       a floating dtype, or a tree of them and `None`s, as for
       [`eqshard.shard`][]. A cast that would overflow raises.
+    - `timeout`: in a multi-process run, how many seconds to wait for the other
+      processes to make the same call before raising.
 
     **Returns:**
 
@@ -708,7 +715,8 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
 
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
     - `ValueError` in a multi-process run, naming the arrays of which this process
-      holds no shard (their meshes have none of its devices).
+      holds no shard (their meshes have none of its devices), or if the other
+      processes of its arrays do not make the same call within `timeout` seconds.
 
     !!! Example
 
@@ -717,6 +725,10 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
         eqx.tree_serialise_leaves("model.eqx", host)
         ```
     """
+    if not timeout > 0:
+        raise ValueError(
+            f"eqshard.gather: timeout must be a number of seconds > 0, got {timeout!r}."
+        )
     path_leaves, treedef = _host_leaves(tree, "gather")
     casts = leaf_casts(dtype, tree, caller="gather")
     leaves = [x for _, x in path_leaves]
@@ -736,6 +748,9 @@ def gather(tree: PyTree, *, dtype: Any = None) -> PyTree:
     out = list(leaves)
     for i, value in zip(local, _fetch([leaves[i] for i in local]), strict=True):
         out[i] = value
+    shared = [(path, x) for (path, _), x in zip(path_leaves, leaves, strict=True)]
+    shared = [(path, x) for path, x in shared if needs_collective(x)]
+    wait_for_processes("gather", shared, timeout)
     for i, x in enumerate(leaves):
         if is_global(x):
             out[i] = host_value(x)

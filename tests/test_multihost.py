@@ -531,3 +531,45 @@ def test_four_processes_of_two_devices():
         "shape (4, 8) float32 on process 2"
     ) in message
     assert "'a'" not in message
+
+
+# ---------------------------------------------------------------------------------
+# A process that gathers alone raises instead of waiting forever: 2 processes x 4.
+# ---------------------------------------------------------------------------------
+
+
+def _child_gather_alone():
+    from jax.experimental import multihost_utils
+
+    p = jax.process_index()
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    placed = eqshard.shard({"w": W}, {"w": P("dp", "tp")}, mesh)
+    out = {"together": eqshard.gather(placed, timeout=60)["w"]}
+    # Only process 0 gathers: it waits 1 s for process 1 at the barrier, then raises.
+    if p == 0:
+        out["alone"] = _error(eqshard.gather, {"stage": placed}, timeout=1)
+    multihost_utils.sync_global_devices("eqshard test: after the lone gather")
+    # Process 1 makes the call late, when process 0 has given up: it raises too.
+    if p == 1:
+        out["late"] = _error(eqshard.gather, {"stage": placed}, timeout=1)
+    multihost_utils.sync_global_devices("eqshard test: after the late gather")
+    # Both made the same calls, so the next gather meets again.
+    out["again"] = eqshard.gather(placed, timeout=60)["w"]
+    out["bad_timeout"] = _error(eqshard.gather, placed, timeout=0)
+    return out
+
+
+def test_gather_alone_raises_instead_of_hanging():
+    results = run_processes(_child_gather_alone, timeout=120)
+    for r in results:
+        np.testing.assert_array_equal(r["together"], W)
+        np.testing.assert_array_equal(r["again"], W)
+        assert r["bad_timeout"].startswith("eqshard.gather: timeout must be")
+    for p, key in ((0, "alone"), (1, "late")):
+        message = results[p][key]
+        assert message is not None, f"process {p} did not raise"
+        assert message.startswith(
+            f"eqshard.gather: on process {p}, processes [0, 1] did not all make "
+            "this call within 1 s, so the arrays at 'stage/w' cannot be gathered"
+        )
+        assert "must make the same call" in message
