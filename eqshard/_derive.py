@@ -83,7 +83,13 @@ def abstract(
         target["n"]  # 3
         ```
     """
-    caller = "abstract"
+    return abstract_tree(tree, specs, mesh, caller="abstract")
+
+
+def abstract_tree(
+    tree: PyTree, specs: PyTree, mesh: Mesh | AbstractMesh | None, *, caller: str
+) -> PyTree:
+    """[`eqshard.abstract`][], its errors in the name of `caller`."""
     leaves, treedef = jtu.tree_flatten(tree)
     if specs is None:
         out = [_struct(x, None) if is_array(x) else x for x in leaves]

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import operator
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -27,7 +26,7 @@ from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec
 from ._mesh import mesh_repr
 from ._specs import check_spec
 from ._tree import is_array, path_name
-from ._typing import Int, PyTreeDef, RulesArg, sequence_fix, typecheck
+from ._typing import Int, PyTreeDef, RulesArg, sequence_fix, typecheck, warn
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
@@ -332,9 +331,35 @@ def match_partition_rules(
         # {"attn": {"q": {"weight": P("dp", "tp"), "bias": P()}}}
         ```
     """
+    return rules_to_specs(
+        rules,
+        tree,
+        min_size=min_size,
+        strict=strict,
+        sep=sep,
+        mesh=mesh,
+        exact_rank=exact_rank,
+        on_unused=on_unused,
+        caller="match_partition_rules",
+    )
+
+
+def rules_to_specs(
+    rules: Rules,
+    tree: PyTree,
+    *,
+    min_size: Int = 0,
+    strict: bool = True,
+    sep: str = "/",
+    mesh: Mesh | AbstractMesh | None = None,
+    exact_rank: bool = False,
+    on_unused: str = "ignore",
+    caller: str,
+) -> PyTree:
+    """[`eqshard.match_partition_rules`][], its errors in the name of `caller`."""
     min_size = operator.index(min_size)
-    compiled = _compile_rules(rules, "match_partition_rules")
-    matches = _match_leaves(compiled, tree, min_size, sep, "match_partition_rules")
+    compiled = _compile_rules(rules, caller)
+    matches = _match_leaves(compiled, tree, min_size, sep, caller)
     specs: list[PartitionSpec | None] = []
     bad = []
     for leaf, name, rule in zip(
@@ -344,9 +369,7 @@ def match_partition_rules(
             specs.append(None)
             continue
         shape = tuple(leaf.shape)
-        spec, problem, _ = _strict_spec(
-            rule, shape, compiled, "match_partition_rules", name, mesh
-        )
+        spec, problem, _ = _strict_spec(rule, shape, compiled, caller, name, mesh)
         short = spec is not None and rule >= 0 and 0 < len(spec) < len(shape)
         if problem is None and exact_rank and short:
             problem = (
@@ -364,9 +387,7 @@ def match_partition_rules(
             spec = _relax(spec, shape, mesh)
         specs.append(spec)
     if bad:
-        raise ValueError(
-            _bad_leaves_message(bad, compiled, sep, "match_partition_rules")
-        )
+        raise ValueError(_bad_leaves_message(bad, compiled, sep, caller))
     if on_unused == "warn":
         used = {rule for rule in matches.rules if rule is not None}
         unused = [
@@ -375,12 +396,11 @@ def match_partition_rules(
             if i not in used
         ]
         if unused:
-            warnings.warn(
-                "eqshard.match_partition_rules: these rules matched no array leaf: "
+            warn(
+                f"eqshard.{caller}: these rules matched no array leaf: "
                 f"{', '.join(unused)}. Check them for typos or for an earlier rule "
                 "that shadows them (eqshard.explain_partition_rules shows which rule "
-                "decided each leaf).",
-                stacklevel=2,
+                "decided each leaf)."
             )
     return jtu.tree_unflatten(matches.treedef, specs)
 

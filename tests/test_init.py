@@ -1,0 +1,155 @@
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqshard
+from eqshard._init import sharded_init
+
+
+class Model(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    embed: eqx.nn.Embedding
+    act: Callable
+    scale: float
+    name: str = eqx.field(static=True)
+
+    def __init__(self, dim: int, vocab: int, *, key: jax.Array):
+        kl, ke = jax.random.split(key)
+        self.linear = eqx.nn.Linear(dim, 2 * dim, key=kl)
+        self.norm = eqx.nn.LayerNorm(2 * dim)
+        self.embed = eqx.nn.Embedding(vocab, dim, key=ke)
+        self.act = jax.nn.gelu
+        self.scale = 0.5
+        self.name = "tiny"
+
+
+RULES = [
+    ("linear/weight", P("tp", "dp")),
+    ("linear/bias", P("tp")),
+    ("embed/weight", P(None, "tp")),
+    (".*", P()),
+]
+
+
+def _spec_tree(model):
+    """The spec tree of `RULES`, written out by hand."""
+    specs = jtu.tree_map(lambda _: P(), model)
+    return eqx.tree_at(
+        lambda m: (m.linear.weight, m.linear.bias, m.embed.weight),
+        specs,
+        (P("tp", "dp"), P("tp"), P(None, "tp")),
+    )
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("form", ["tree", "rules", "callable"])
+def test_equals_eager_then_shard(mesh, form):
+    key = jax.random.key(3)
+    eager = Model(8, 32, key=key)
+    expected = eqshard.shard(eager, _spec_tree(eager), mesh)
+    specs = {"tree": _spec_tree(eager), "rules": RULES, "callable": _spec_tree}[form]
+    model = eqshard.init_sharded(Model, 8, 32, key=key, specs=specs, mesh=mesh)
+    assert jtu.tree_structure(model) == jtu.tree_structure(eager)
+    assert model.name == "tiny" and model.scale == 0.5 and model.act is jax.nn.gelu
+    leaves = jtu.tree_leaves(model)
+    assert len(leaves) == len(jtu.tree_leaves(eager))
+    arrays = 0
+    for got, want in zip(leaves, jtu.tree_leaves(expected), strict=True):
+        if isinstance(want, jax.Array):
+            arrays += 1
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+            assert got.sharding == want.sharding
+        else:
+            assert got is want or got == want
+    assert arrays == 5
+    assert model.linear.weight.sharding == NamedSharding(mesh, P("tp", "dp"))
+    assert model.embed.weight.sharding == NamedSharding(mesh, P(None, "tp"))
+    assert model.norm.weight.sharding == NamedSharding(mesh, P())
+
+
+def test_threefry_partitionable_is_the_default():
+    # init_sharded's memory claim relies on it (see the next test).
+    assert jax.config.jax_threefry_partitionable is True
+
+
+def _shard_bytes(leaf):
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    return math.prod(shape) * leaf.dtype.itemsize
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_no_device_holds_a_whole_sharded_array(mesh, partitionable):
+    dim = 256
+    with jax.threefry_partitionable(partitionable):
+        jitted, inputs, shapes, _ = sharded_init(
+            eqx.nn.Linear,
+            (dim, dim),
+            {"key": jax.random.key(0)},
+            specs=[("weight", P("tp", "dp")), ("bias", P("tp"))],
+            mesh=mesh,
+        )
+        stats = jitted.lower(*inputs).compile().memory_analysis()
+    leaves = [x for x in jtu.tree_leaves(shapes) if isinstance(x, jax.ShapeDtypeStruct)]
+    whole = 4 * dim * dim
+    # Each device's outputs are its shards (weight 64 x 128 on 8 devices, bias
+    # 64), plus the program's table of 8-byte output pointers.
+    shards = 4 * (dim * dim // 8 + dim // 4)
+    assert sum(map(_shard_bytes, leaves)) == shards
+    assert stats.output_size_in_bytes == shards + 8 * len(leaves)
+    if partitionable:
+        # Temporaries are a few shards; a budget of 0.6 of the model, which the
+        # whole model exceeds, holds a device's outputs and temporaries.
+        budget = 0.6 * (whole + 4 * dim)
+        assert stats.output_size_in_bytes + stats.temp_size_in_bytes < budget
+        assert stats.temp_size_in_bytes < whole / 2
+    else:
+        # Without partitionable threefry, every device generates the whole array.
+        assert stats.temp_size_in_bytes >= whole
+
+
+def test_bad_spec_names_the_path(mesh):
+    key = jax.random.key(0)
+    bad = [("linear/weight", P("tp", "nope")), (".*", P())]
+    with pytest.raises(ValueError, match=r"(?s)eqshard.init_sharded: .*'linear/weight'"):
+        eqshard.init_sharded(Model, 8, 32, key=key, specs=bad, mesh=mesh)
+    # 8 x 3 does not divide over 'tp' (4).
+    with pytest.raises(ValueError, match=r"(?s)eqshard.init_sharded: .*'embed/weight'"):
+        eqshard.init_sharded(
+            Model,
+            8,
+            3,
+            key=key,
+            specs=[("embed/weight", P("tp")), (".*", P())],
+            mesh=mesh,
+        )
+    with pytest.raises(TypeError, match=r"(?s)eqshard.init_sharded: .*'norm.*weight'"):
+        eqshard.init_sharded(
+            Model,
+            8,
+            32,
+            key=key,
+            specs=lambda m: eqx.tree_at(lambda t: t.norm.weight, _spec_tree(m), "tp"),
+            mesh=mesh,
+        )
+
+
+def test_mesh_from_set_mesh(mesh):
+    with jax.set_mesh(mesh):
+        linear = eqshard.init_sharded(
+            eqx.nn.Linear, 4, 8, key=jax.random.key(0), specs=P("tp")
+        )
+    assert linear.weight.sharding == NamedSharding(mesh, P("tp"))
+    with pytest.raises(ValueError, match="eqshard.init_sharded: no mesh"):
+        eqshard.init_sharded(eqx.nn.Linear, 4, 8, key=jax.random.key(0), specs=P("tp"))
