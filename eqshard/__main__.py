@@ -345,17 +345,24 @@ def run(
         specs = show_plan(shapes, config, mesh, rules, origin, timer)
         return training_memory(shapes, specs, mesh, rules, origin, options, timer)
 
-    model, seconds = timed(lambda: jax.block_until_ready(Transformer(config, key=key)))
-    timer("build model", seconds, "eager init")
+    shapes, seconds = timed(lambda: eqx.filter_eval_shape(Transformer, config, key=key))
+    timer("abstract model", seconds, "eqx.filter_eval_shape")
     print()
-    specs = show_plan(model, config, mesh, rules, origin, timer)
+    specs = show_plan(shapes, config, mesh, rules, origin, timer)
     print()
 
+    # Built under `jit` straight into the shardings: no device holds a whole
+    # sharded array, and the values are those of eager init followed by `shard`.
     model, seconds = timed(
-        lambda: jax.block_until_ready(eqshard.shard(model, specs, mesh))
+        lambda: jax.block_until_ready(
+            eqshard.init_sharded(Transformer, config, key=key, specs=specs, mesh=mesh)
+        )
     )
-    timer("shard", seconds, "eqshard.shard: one batched device_put")
-    print(f"sharded: {len(jax.tree.leaves(specs))} arrays in {seconds:.3f} s")
+    timer("build model", seconds, "eqshard.init_sharded: each device makes its shards")
+    arrays = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    print(
+        f"built sharded with eqshard.init_sharded: {arrays} arrays in {seconds:.3f} s"
+    )
 
     model = train(model, specs, mesh, args.steps, timer)
     round_trip(model, specs, mesh, key=key, timer=timer)

@@ -122,7 +122,9 @@ def test_no_device_holds_a_whole_sharded_array(mesh, partitionable):
 def test_bad_spec_names_the_path(mesh):
     key = jax.random.key(0)
     bad = [("linear/weight", P("tp", "nope")), (".*", P())]
-    with pytest.raises(ValueError, match=r"(?s)eqshard.init_sharded: .*'linear/weight'"):
+    with pytest.raises(
+        ValueError, match=r"(?s)eqshard.init_sharded: .*'linear/weight'"
+    ):
         eqshard.init_sharded(Model, 8, 32, key=key, specs=bad, mesh=mesh)
     # 8 x 3 does not divide over 'tp' (4).
     with pytest.raises(ValueError, match=r"(?s)eqshard.init_sharded: .*'embed/weight'"):

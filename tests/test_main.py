@@ -76,7 +76,10 @@ def test_default_run_trains_round_trips_and_summarises(default_run):
     assert losses[-1] < losses[0]
     assert re.search(r"^verified: all 36 arrays bit-exact", out, re.M)
     summary = out[out.index("\nsummary\n") :]
-    for phase in ("shard", "train (5 steps)", "gather", "serialise", "reshard"):
+    assert re.search(
+        r"^built sharded with eqshard.init_sharded: 36 arrays in ", out, re.M
+    )
+    for phase in ("build model", "train (5 steps)", "gather", "serialise", "reshard"):
         assert re.search(rf"^  {re.escape(phase)} +\d+\.\d{{3}} s", summary, re.M)
     assert re.search(r"^  total +\d+\.\d{3} s", summary, re.M)
 
