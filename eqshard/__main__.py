@@ -41,11 +41,12 @@ from ._fit import (
     PROG,
     REPLICATED,
     run_model,
+    Setup,
     show_plan,
     training_memory,
     UsageError,
 )
-from ._rules import parse_spec, SPEC_SYNTAX
+from ._rules import parse_rule, SPEC_SYNTAX
 
 
 _DEFAULT_NAMES = {
@@ -254,13 +255,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
                 "write 'REGEX -> SPEC' to space it out",
             )
         try:
-            re.compile(regex)
-        except re.error as error:
-            raise _rules_error(
-                path, number, line, f"invalid regex {regex!r} ({error})"
-            ) from None
-        try:
-            spec = parse_spec(spec_text)
+            _, spec = parse_rule(regex, spec_text)
         except ValueError as error:
             raise _rules_error(path, number, line, str(error)) from None
         rules.append((regex, spec))
@@ -322,6 +317,7 @@ def run(
     """Plans (`--size`, `--model`, `--plan-only`), or runs the whole demo; returns
     the exit status."""
     timer = Timer()
+    setup = Setup(mesh, rules, origin, timer)
     # --model, --size, --fit and --device-memory plan; they imply --plan-only.
     planning = args.plan_only or size is not None or args.model is not None
     planning = planning or args.fit or args.device_memory is not None
@@ -333,7 +329,7 @@ def run(
         f"mesh {dict(mesh.shape)}"
     )
     if options is not None and args.model is not None:
-        return run_model(args, mesh, rules, origin, options, timer)
+        return run_model(args, setup, options)
     key = jax.random.key(0)
     config = demo_config(mesh) if size is None else config_for_size(size, mesh)
     if options is not None:
@@ -342,13 +338,13 @@ def run(
         )
         print(f"abstract model built with eqx.filter_eval_shape in {seconds:.2f} s")
         print()
-        specs = show_plan(shapes, config, mesh, rules, origin, timer)
-        return training_memory(shapes, specs, mesh, rules, origin, options, timer)
+        specs = show_plan(shapes, config, setup)
+        return training_memory(shapes, specs, setup, options)
 
     shapes, seconds = timed(lambda: eqx.filter_eval_shape(Transformer, config, key=key))
     timer("abstract model", seconds, "eqx.filter_eval_shape")
     print()
-    specs = show_plan(shapes, config, mesh, rules, origin, timer)
+    specs = show_plan(shapes, config, setup)
     print()
 
     # Built under `jit` straight into the shardings: no device holds a whole

@@ -26,7 +26,15 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import ConstraintOnInvalid, KeyPath, RulesArg, typecheck, warn
+from ._typing import (
+    check_choice,
+    CONSTRAINT_ON_INVALID,
+    ConstraintOnInvalid,
+    KeyPath,
+    RulesArg,
+    typecheck,
+    warn,
+)
 
 
 def _constraint_kind(
@@ -114,8 +122,6 @@ def _check_context(
             )
 
 
-_ON_INVALID = ("warn", "raise", "ignore")
-
 # How a constraint applies on each type of mesh axis.
 _APPLY = {
     AxisType.Auto: jax.lax.with_sharding_constraint,
@@ -179,11 +185,12 @@ def with_sharding_constraint(
             ...
         ```
     """
-    if on_invalid not in _ON_INVALID:  # also when type checks are switched off
-        raise ValueError(
-            f"eqshard.with_sharding_constraint: `on_invalid` must be one of "
-            f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
-        )
+    check_choice(
+        on_invalid,
+        CONSTRAINT_ON_INVALID,
+        caller="with_sharding_constraint",
+        name="on_invalid",
+    )
     if mesh is None:
         mesh = current_mesh()
     caller = "with_sharding_constraint"

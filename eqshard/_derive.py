@@ -30,7 +30,14 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_name, path_str
-from ._typing import ConstraintOnInvalid, KeyPath, typecheck, warn
+from ._typing import (
+    check_choice,
+    CONSTRAINT_ON_INVALID,
+    ConstraintOnInvalid,
+    KeyPath,
+    typecheck,
+    warn,
+)
 
 
 def _struct(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -241,11 +248,9 @@ def derive_specs(
         ```
     """
     caller = "derive_specs"
-    if on_unmatched not in ("error", "replicate"):
-        raise ValueError(
-            f'eqshard.{caller}: `on_unmatched` is {on_unmatched!r}; use "error" or '
-            '"replicate".'
-        )
+    check_choice(
+        on_unmatched, ("error", "replicate"), caller=caller, name="on_unmatched"
+    )
     pairs = leaf_specs(param_specs, params, caller=caller)
     by_path = {
         tuple(path): (tuple(int(n) for n in leaf.shape), spec)
@@ -413,11 +418,7 @@ def restrict_specs(
         ```
     """
     caller = "restrict_specs"
-    if on_change not in ("warn", "raise", "ignore"):
-        raise ValueError(
-            f'eqshard.{caller}: `on_change` is {on_change!r}; use "warn", '
-            '"raise" or "ignore".'
-        )
+    check_choice(on_change, CONSTRAINT_ON_INVALID, caller=caller, name="on_change")
     rename = {} if rename is None else rename
     mesh_shape = dict(mesh.shape)
     # `(path, spec, shape)` per leaf; without `like`, a shape of zeros, which

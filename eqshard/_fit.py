@@ -217,6 +217,17 @@ def propose_rules(
 # ---------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the steps of the command read: the mesh, the rules and where they
+    come from (for messages), and the timer of the summary."""
+
+    mesh: Mesh
+    rules: list[tuple[str, PartitionSpec]]
+    origin: str
+    timer: Timer
+
+
 def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) -> PyTree:
     try:
         return eqshard.match_partition_rules(rules, tree)
@@ -234,6 +245,14 @@ def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) ->
 # ---------------------------------------------------------------------------------
 
 
+def _matched(tree: PyTree, setup: Setup) -> PyTree:
+    """The specs the rules give `tree`, timed."""
+    rules, origin = setup.rules, setup.origin
+    specs, seconds = timed(lambda: _match(rules, tree, origin))
+    setup.timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    return specs
+
+
 def _check_plan(report: eqshard.ShardingReport) -> None:
     if report.problems:
         first = report.problems[0]
@@ -246,18 +265,11 @@ def _check_plan(report: eqshard.ShardingReport) -> None:
         )
 
 
-def show_plan(
-    tree: PyTree,
-    config: Config,
-    mesh: Mesh,
-    rules: list[tuple[str, PartitionSpec]],
-    origin: str,
-    timer: Timer,
-) -> PyTree:
+def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
     """Matches the rules, prints the plan of `tree` (concrete or abstract), and
     returns the specs. A plan that cannot apply is a usage error."""
-    specs, seconds = timed(lambda: _match(rules, tree, origin))
-    timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    mesh, rules, timer = setup.mesh, setup.rules, setup.timer
+    specs = _matched(tree, setup)
     report, seconds = timed(
         lambda: eqshard.analyze_sharding_strategy(tree, specs, mesh)
     )
@@ -391,16 +403,11 @@ def _print_plan(plan: eqshard.TrainingPlan) -> None:
 
 
 def training_memory(
-    shapes: PyTree,
-    specs: PyTree,
-    mesh: Mesh,
-    rules: list[tuple[str, PartitionSpec]],
-    origin: str,
-    options: PlanOptions,
-    timer: Timer,
+    shapes: PyTree, specs: PyTree, setup: Setup, options: PlanOptions
 ) -> int:
     """Prints the training-memory plan of `specs`, or with --fit the rules
     proposed and their plan; returns the exit status (1 if it does not fit)."""
+    mesh, rules, origin, timer = setup.mesh, setup.rules, setup.origin, setup.timer
     what = "parameters and gradients"
     if options.optimizer is not None:
         what += f", {options.optimizer_name} state"
@@ -450,22 +457,15 @@ def training_memory(
     return 0 if plan.fits else 1
 
 
-def run_model(
-    args: argparse.Namespace,
-    mesh: Mesh,
-    rules: list[tuple[str, PartitionSpec]],
-    origin: str,
-    options: PlanOptions,
-    timer: Timer,
-) -> int:
+def run_model(args: argparse.Namespace, setup: Setup, options: PlanOptions) -> int:
     """Plans the user's own model (`--model`); returns the exit status."""
+    mesh, rules, origin, timer = setup.mesh, setup.rules, setup.origin, setup.timer
     try:
         shapes, load_seconds = timed(lambda: load_model(args.model))
     except ValueError as error:
         raise UsageError(str(error)) from None
     timer("load model", load_seconds, "eqx.filter_eval_shape")
-    specs, seconds = timed(lambda: _match(rules, shapes, origin))
-    timer("match rules", seconds, f"{len(rules)} rules ({origin})")
+    specs = _matched(shapes, setup)
     report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
     if args.table:
         print(report.table())
@@ -478,4 +478,4 @@ def run_model(
     print(f"rules: {origin}")
     _note_dead_rules(rules, shapes)
     _check_plan(report)
-    return training_memory(shapes, specs, mesh, rules, origin, options, timer)
+    return training_memory(shapes, specs, setup, options)

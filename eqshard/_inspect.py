@@ -35,7 +35,14 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import is_array, path_str
-from ._typing import KeyPath, PyTreeDef, ReportOnInvalid, typecheck
+from ._typing import (
+    check_choice,
+    KeyPath,
+    PyTreeDef,
+    REPORT_ON_INVALID,
+    ReportOnInvalid,
+    typecheck,
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -360,8 +367,26 @@ def _row_cells(row: ShardingRow) -> tuple[str, ...]:
 _RIGHT = (False, False, False, False, True, True, False)
 
 
+class TableReport:
+    """What the reports share: `str(report)` is `report.table()`, and
+    `repr(report)` one line of the numbers that `_summary()` names."""
+
+    def table(self) -> str:
+        raise NotImplementedError
+
+    def _summary(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value}" for name, value in self._summary().items())
+        return f"{type(self).__name__}({fields})"
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
-class ShardingReport:
+class ShardingReport(TableReport):
     """What a sharding plan puts on each device: made by
     [`eqshard.analyze_sharding_strategy`][].
 
@@ -491,17 +516,15 @@ class ShardingReport:
             )
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        return (
-            f"ShardingReport(arrays={len(self.rows)}, "
-            f"total_parameters={self.total_parameters}, "
-            f"max_bytes_per_device={self.max_bytes_per_device}, "
-            f"balance_score={self.balance_score:.3f}, problems={len(self.problems)}, "
-            f"mesh={self.mesh_shape})"
-        )
+    def _summary(self) -> dict[str, Any]:
+        return {
+            "arrays": len(self.rows),
+            "total_parameters": self.total_parameters,
+            "max_bytes_per_device": self.max_bytes_per_device,
+            "balance_score": f"{self.balance_score:.3f}",
+            "problems": len(self.problems),
+            "mesh": self.mesh_shape,
+        }
 
     def rich_table(self) -> Any:
         """The report as a `rich.table.Table`, coloured: invalid arrays red,
@@ -578,9 +601,6 @@ def _analysis_mesh(
     return require_mesh(None, caller="analyze_sharding_strategy")
 
 
-_ON_INVALID = ("report", "raise")
-
-
 @typecheck
 def analyze_sharding_strategy(
     tree: PyTree,
@@ -645,11 +665,7 @@ def analyze_sharding_strategy(
         ```
     """
     caller = "analyze_sharding_strategy"
-    if on_invalid not in _ON_INVALID:  # also when type checks are switched off
-        raise ValueError(
-            f"eqshard.{caller}: `on_invalid` must be one of "
-            f"{', '.join(map(repr, _ON_INVALID))}; got {on_invalid!r}."
-        )
+    check_choice(on_invalid, REPORT_ON_INVALID, caller=caller, name="on_invalid")
     if specs is None:
         pairs = own_shardings(tree, caller)
     else:

@@ -30,6 +30,7 @@ from ._inspect import (
     own_shardings,
     ShardingReport,
     ShardingRow,
+    TableReport,
 )
 from ._specs import leaf_specs
 from ._tree import is_array
@@ -128,7 +129,7 @@ def _bar(value: int, scale: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class TrainingPlan:
+class TrainingPlan(TableReport):
     """What training a model puts on each device: parameters, gradients and
     optimizer state; made by [`eqshard.plan_training`][].
 
@@ -274,16 +275,14 @@ class TrainingPlan:
         """The summary and the per-device view."""
         return self.summary() + "\n\n" + self.device_view()
 
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        return (
-            f"TrainingPlan(parts={[name for name, _ in self.parts]}, "
-            f"max_bytes_per_device={self.max_bytes_per_device}, "
-            f"device_memory={self.device_memory}, fits={self.fits}, "
-            f"mesh={dict(self.mesh.shape)})"
-        )
+    def _summary(self) -> dict[str, Any]:
+        return {
+            "parts": [name for name, _ in self.parts],
+            "max_bytes_per_device": self.max_bytes_per_device,
+            "device_memory": self.device_memory,
+            "fits": self.fits,
+            "mesh": dict(self.mesh.shape),
+        }
 
     def show(self, file: io.TextIOBase | None = None) -> None:
         """Prints the plan to `file` (standard output by default): with `rich`

@@ -670,6 +670,19 @@ def parse_spec(text: str) -> PartitionSpec:
     return PartitionSpec(*dims)
 
 
+def parse_rule(regex: str, spec: str) -> tuple[re.Pattern[str], PartitionSpec]:
+    """A rule written as text, as rules files and rule strings write it: `regex`
+    compiled, `spec` read by `parse_spec`. Raises `ValueError` saying what is
+    wrong; each caller adds where."""
+    if not regex:
+        raise ValueError("the regex is empty")
+    try:
+        compiled = re.compile(regex)
+    except re.error as error:
+        raise ValueError(f"invalid regex {regex!r} ({error})") from None
+    return compiled, parse_spec(spec)
+
+
 def _pattern_error(pattern: str, index: int, token: str, why: str) -> ValueError:
     return ValueError(
         f"eqshard.create_pattern_based_partition_spec: bad rule {index} {token!r} in "
@@ -704,16 +717,8 @@ def _parse_pattern(pattern: str) -> list[tuple[re.Pattern[str], PartitionSpec]]:
                 "expected exactly one '->' between regex and spec",
             )
         regex, spec = (part.strip() for part in parts)
-        if not regex:
-            raise _pattern_error(pattern, index, token, "the regex is empty")
         try:
-            compiled = re.compile(regex)
-        except re.error as error:
-            raise _pattern_error(
-                pattern, index, token, f"invalid regex ({error})"
-            ) from None
-        try:
-            parsed = parse_spec(spec)
+            compiled, parsed = parse_rule(regex, spec)
         except ValueError as error:
             raise _pattern_error(pattern, index, token, str(error)) from None
         rules.append((compiled, parsed))

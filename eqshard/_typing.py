@@ -42,6 +42,9 @@ Int: TypeAlias = int | np.integer
 # Arguments whose values the function validates itself, with eqshard's error
 # (naming the choices, or the first bad rule): type checkers see the precise type,
 # the runtime check admits any value, so that beartype's error does not hide it.
+# The choices of each, for `check_choice`, stand next to their `Literal`s.
+CONSTRAINT_ON_INVALID = ("warn", "raise", "ignore")
+REPORT_ON_INVALID = ("report", "raise")
 if TYPE_CHECKING:
     ConstraintOnInvalid: TypeAlias = Literal["warn", "raise", "ignore"]
     ReportOnInvalid: TypeAlias = Literal["report", "raise"]
@@ -49,6 +52,15 @@ if TYPE_CHECKING:
 else:
     ConstraintOnInvalid = ReportOnInvalid = str
     RulesArg = Any
+
+
+def check_choice(value: Any, choices: Sequence[str], *, caller: str, name: str) -> None:
+    """Raises eqshard's error unless the option `name` of `caller` is one of
+    `choices`: checked whether type checks are on or not."""
+    if not (isinstance(value, str) and value in choices):
+        quoted = [f'"{choice}"' for choice in choices]
+        listed = ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
+        raise ValueError(f"eqshard.{caller}: `{name}` is {value!r}; use {listed}.")
 
 
 def sequence_fix(value: Any) -> str:
