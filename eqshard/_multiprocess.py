@@ -21,10 +21,10 @@ arrays, for [`eqshard.shard`][], [`eqshard.gather`][] and
   communication at all.
 - **Agreement.** All processes must pass the same tree. One all-gather of a
   16-byte digest per call compares the paths, shapes, dtypes and shardings, and a
-  sample of the values that must be equal. Only when digests differ, a second
-  all-gather of the full descriptions lets every process raise the same error,
-  naming the leaves that differ, instead of some raising and the others waiting
-  forever in a collective.
+  sample of the values that must be equal (or, on request, a hash of every
+  byte). Only when digests differ, a second all-gather of the full descriptions
+  lets every process raise the same error, naming the leaves that differ, instead
+  of some raising and the others waiting forever in a collective.
 - **Waiting for the others.** Before a collective that gathers arrays, every
   process meets the others at a barrier of the distributed client, with a
   timeout: a process that gathers alone raises, naming the arrays, instead of
@@ -49,7 +49,7 @@ from jaxtyping import PyTree
 from ._mesh import current_mesh
 from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
 from ._tree import is_array, path_str
-from ._typing import KeyPath
+from ._typing import CheckValues, KeyPath
 
 
 # ---------------------------------------------------------------------------------
@@ -317,11 +317,13 @@ def check_processes_agree(
     *,
     root: KeyPath,
     host_local: bool,
+    check_values: CheckValues = "sample",
 ) -> None:
     """Raises the same `ValueError` on every process of the call's meshes unless
     they all passed the same paths, shapes, dtypes and specs, and equal values
     where the values must be equal (every full copy; with `host_local`, every
-    block that is the whole array).
+    block that is the whole array): a sample of 64 of them, or with
+    `check_values="full"` a hash of every byte.
 
     Nothing here depends on whether the specs fit, which each process checks
     afterwards: processes that agree then fail, or not, together. A collective
@@ -338,7 +340,7 @@ def check_processes_agree(
     except (TypeError, ValueError):  # raised again, on every process, afterwards
         spec_of = [None] * len(path_leaves)
     records = [
-        _record(root + path, leaf, spec, mesh, host_local)
+        _record(root + path, leaf, spec, mesh, host_local, check_values)
         for (path, leaf), spec in zip(path_leaves, spec_of, strict=True)
         if is_array(leaf)
     ]
@@ -352,7 +354,9 @@ def check_processes_agree(
     processes = [device.process_index for device in devices]
     spanning = tuple(dict.fromkeys(a for m in meshes for a in _spanning_axes(m)))
     raise ValueError(
-        _disagreement_message(caller, views, processes, host_local, spanning)
+        _disagreement_message(
+            caller, views, processes, host_local, spanning, check_values
+        )
     )
 
 
@@ -379,6 +383,7 @@ def _record(
     spec: Any,
     mesh: Mesh | AbstractMesh | None,
     host_local: bool,
+    check_values: CheckValues,
 ) -> tuple[str, tuple[int, ...], str, str, str]:
     """What all processes must agree on for one array: its path, shape, dtype and
     spec, and a fingerprint of its values if they must be equal everywhere."""
@@ -393,7 +398,7 @@ def _record(
         shape,
         str(leaf.dtype),
         "" if spec is None else str(spec),
-        _fingerprint(leaf) if same else "",
+        _fingerprint(leaf, full=check_values == "full") if same else "",
     )
 
 
@@ -407,15 +412,15 @@ def _sample_index(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     return np.unravel_index(flat, shape)
 
 
-def _fingerprint(value: Any) -> str:
+def _fingerprint(value: Any, *, full: bool) -> str:
     """A hash of a sample of the values of a host array (of all of them if it is
-    small): cheap, and equal on processes that hold equal arrays."""
+    small, or if `full`): equal on processes that hold equal arrays. The sample
+    is cheap; `full` reads every byte once (no copy of a contiguous array)."""
     value = np.asarray(value)
-    if value.size > _SAMPLE:
+    if value.size > _SAMPLE and not full:
         value = value[_sample_index(value.shape)]
-    return hashlib.blake2b(
-        np.ascontiguousarray(value).tobytes(), digest_size=8
-    ).hexdigest()
+    data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(data.data, digest_size=8).hexdigest()
 
 
 @ft.lru_cache(maxsize=64)
@@ -475,11 +480,13 @@ def _disagreement_message(
     processes: list[int],
     host_local: bool,
     spanning: tuple[str, ...],
+    check_values: CheckValues,
 ) -> str:
     """The message when processes passed different trees: each view is one
     process's `[header, records]`, as JSON data."""
     lines = []
     kinds = set()
+    how = "full" if check_values == "full" else "sample"
     headers = [view[0] for view in views]
     if any(h != headers[0] for h in headers):
         kinds.add("tree")
@@ -503,7 +510,7 @@ def _disagreement_message(
             for field, kind, describe in (
                 (slice(1, 3), "tree", lambda r: f"shape {tuple(r[1])} {r[2]}"),
                 (slice(3, 4), "tree", lambda r: f"spec {r[3] or None}"),
-                (slice(4, 5), "values", lambda r: f"values with sample hash {r[4]}"),
+                (slice(4, 5), "values", lambda r: f"values with {how} hash {r[4]}"),
             ):
                 if any(r[field] != rows[0][field] for r in rows):
                     kinds.add(kind)
@@ -536,7 +543,14 @@ def _disagreement_message(
     elif "values" in kinds:
         fixes.append(
             "eqshard.shard takes a full copy of every array on every process, so "
-            "the copies must be equal (compared on a sample of the values). If "
+            "the copies must be equal (compared on "
+            + (
+                "every byte). "
+                if check_values == "full"
+                else "a sample of the values; `check_values='full'` compares "
+                "every byte). "
+            )
+            + "If "
             "each process holds only its own part, e.g. of the batch, use "
             "`Partitioner.move_to_devices(tree, specs, host_local=True)`; if the "
             "copies should be equal, make them so (e.g. initialise from the same "

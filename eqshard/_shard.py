@@ -77,7 +77,14 @@ from ._specs import (
     SpecCheck,
 )
 from ._tree import collision_message, is_array, path_name, path_str, repeated_arrays
-from ._typing import KeyPath, PyTreeDef, typecheck
+from ._typing import (
+    check_choice,
+    CHECK_VALUES,
+    CheckValues,
+    KeyPath,
+    PyTreeDef,
+    typecheck,
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -453,6 +460,7 @@ def shard(
     mesh: Mesh | AbstractMesh | None = None,
     *,
     dtype: Any = None,
+    check_values: CheckValues = "sample",
 ) -> PyTree:
     """Places the arrays of a pytree on a mesh.
 
@@ -465,11 +473,15 @@ def shard(
 
     In a multi-process run, every process of the mesh makes the same call with a
     full copy of every array, and copies to its devices only the shards they hold.
-    The processes first compare their paths, shapes, dtypes, specs and a sample of
-    the values (one 16-byte all-gather), so that a mismatch raises the same error
-    on every process, naming the leaves that differ, instead of a hang or wrong
-    values. To pass each process's own part of an array instead (such as its part
-    of the batch), use `Partitioner.move_to_devices(..., host_local=True)`.
+    The processes first compare their paths, shapes, dtypes, specs and values
+    (one 16-byte all-gather of a hash of them all), so that a mismatch raises the
+    same error on every process, naming the leaves that differ, instead of a hang
+    or wrong values. By default the values compared are a sample: 64 elements of
+    each array, evenly spread (all of a smaller one), which costs next to nothing
+    but misses copies that differ only elsewhere; `check_values="full"` hashes
+    every byte instead (one BLAKE2b pass, about 2 s per GiB on one CPU core).
+    To pass each process's own part of an array instead (such as its part of the
+    batch), use `Partitioner.move_to_devices(..., host_local=True)`.
 
     Every spec is checked before anything moves, and `shard` never corrects a spec:
     all the leaves whose specs cannot apply are reported together.
@@ -489,6 +501,8 @@ def shard(
       NumPy arrays are cast on host and JAX arrays with the rest of the tree
       (through the host on CPU, in one program elsewhere); a cast that would
       turn finite values into inf is refused.
+    - `check_values`: in a multi-process run, how much of the values the processes
+      compare: `"sample"` (64 elements of each array) or `"full"` (every byte).
 
     NumPy data loses nothing: with `jax_enable_x64` off, 64-bit arrays are placed
     as 32-bit ones (as JAX does) only if every value survives (integers in range,
@@ -517,7 +531,8 @@ def shard(
       also (on every process) if the processes' paths, shapes, dtypes or specs
       differ, or their copies of an array do.
       Also, naming the arrays, if NumPy data would lose values (see above), if
-      an array was deleted (donated), or if `dtype` is not floating.
+      an array was deleted (donated), if `dtype` is not floating, or if
+      `check_values` is neither `"sample"` nor `"full"`.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
       leaf of `specs` is not a spec, if `mesh` or a `NamedSharding`'s mesh is
       abstract,
@@ -535,7 +550,10 @@ def shard(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    return shard_tree(tree, specs, mesh, dtype=dtype, caller="shard")
+    check_choice(check_values, CHECK_VALUES, caller="shard", name="check_values")
+    return shard_tree(
+        tree, specs, mesh, dtype=dtype, caller="shard", check_values=check_values
+    )
 
 
 def shard_tree(
@@ -548,6 +566,7 @@ def shard_tree(
     root: KeyPath = (),
     host_local: bool = False,
     donate: bool = False,
+    check_values: CheckValues = "sample",
 ) -> PyTree:
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
@@ -557,7 +576,13 @@ def shard_tree(
         # could otherwise fail validation alone and leave the others waiting in a
         # collective.
         check_processes_agree(
-            caller, tree, specs, mesh, root=root, host_local=host_local
+            caller,
+            tree,
+            specs,
+            mesh,
+            root=root,
+            host_local=host_local,
+            check_values=check_values,
         )
     matched = _match(tree, specs, mesh, caller=caller, root=root, host_local=host_local)
     casts = leaf_casts(dtype, tree, caller=caller, root=root)

@@ -45,12 +45,14 @@ Int: TypeAlias = int | np.integer
 # The choices of each, for `check_choice`, stand next to their `Literal`s.
 CONSTRAINT_ON_INVALID = ("warn", "raise", "ignore")
 REPORT_ON_INVALID = ("report", "raise")
+CHECK_VALUES = ("sample", "full")
 if TYPE_CHECKING:
     ConstraintOnInvalid: TypeAlias = Literal["warn", "raise", "ignore"]
     ReportOnInvalid: TypeAlias = Literal["report", "raise"]
+    CheckValues: TypeAlias = Literal["sample", "full"]
     RulesArg: TypeAlias = Sequence[Any]
 else:
-    ConstraintOnInvalid = ReportOnInvalid = str
+    ConstraintOnInvalid = ReportOnInvalid = CheckValues = str
     RulesArg = Any
 
 

@@ -573,3 +573,45 @@ def test_gather_alone_raises_instead_of_hanging():
             "this call within 1 s, so the arrays at 'stage/w' cannot be gathered"
         )
         assert "must make the same call" in message
+
+
+# ---------------------------------------------------------------------------------
+# check_values="full" finds copies that differ only where the sample does not look.
+# ---------------------------------------------------------------------------------
+
+
+def _child_full_value_check():
+    p = jax.process_index()
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    x = np.arange(1000, dtype=np.float32)
+    if p == 1:
+        x[1] = -1.0  # element 1 is not among the 64 the sample compares
+    out = {}
+    out["sampled"] = _error(eqshard.shard, {"x": x}, P(), mesh)
+    out["full"] = _error(eqshard.shard, {"x": x}, P(), mesh, check_values="full")
+    y = np.arange(1000, dtype=np.float32)
+    placed = eqshard.shard({"y": y}, P("dp"), mesh, check_values="full")
+    out["y"] = _shards(placed["y"])
+    return out
+
+
+def test_full_value_check_finds_what_the_sample_misses():
+    results = run_processes(_child_full_value_check)
+    for p, r in enumerate(results):
+        # The sample does not look at element 1: that is what "full" is for.
+        assert r["sampled"] is None
+        message = r["full"]
+        assert message.startswith(
+            "eqshard.shard: the processes passed different inputs:"
+        )
+        assert "'x': values with full hash" in message
+        assert "compared on every byte" in message
+        # Split over 'dp' (the two processes): each device of process p holds
+        # elements [500p, 500p + 500).
+        assert [position for position, _, _ in r["y"]] == [0, 1, 2, 3]
+        for _, key, data in r["y"]:
+            assert key == ((p * 500, p * 500 + 500),)
+            np.testing.assert_array_equal(
+                data, np.arange(p * 500, p * 500 + 500, dtype=np.float32)
+            )
+    assert results[0]["full"] == results[1]["full"]

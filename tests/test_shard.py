@@ -671,3 +671,15 @@ def test_move_to_devices_moves_device_resident_arrays_without_compiling(mesh):
     assert out["w"].sharding == NamedSharding(mesh, P("dp", "tp"))
     np.testing.assert_array_equal(np.asarray(out["w"]), value)
     np.testing.assert_array_equal(np.asarray(out["b"]), value[0])
+
+
+def test_check_values_must_be_sample_or_full(mesh):
+    x = np.arange(8.0)
+    with pytest.raises(
+        ValueError,
+        match='eqshard.shard: `check_values` is .all.; use "sample" or "full"',
+    ):
+        eqshard.shard({"x": x}, P("tp"), mesh, check_values="all")
+    # One process: nothing to compare, either way.
+    placed = eqshard.shard({"x": x}, P("tp"), mesh, check_values="full")
+    np.testing.assert_array_equal(np.asarray(placed["x"]), x)
