@@ -479,7 +479,7 @@ def shard(
     or wrong values. By default the values compared are a sample: 64 elements of
     each array, evenly spread (all of a smaller one), which costs next to nothing
     but misses copies that differ only elsewhere; `check_values="full"` hashes
-    every byte instead (one BLAKE2b pass, about 2 s per GiB on one CPU core).
+    every byte instead (one BLAKE2b pass, about 1.5 s per GiB on one CPU core).
     To pass each process's own part of an array instead (such as its part of the
     batch), use `Partitioner.move_to_devices(..., host_local=True)`.
 
