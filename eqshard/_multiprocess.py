@@ -46,6 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._keys import is_key, key_data
 from ._mesh import current_mesh
 from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
 from ._tree import is_array, path_str
@@ -398,7 +399,11 @@ def _record(
         shape,
         str(leaf.dtype),
         "" if spec is None else str(spec),
-        _fingerprint(leaf, full=check_values == "full") if same else "",
+        _fingerprint(
+            key_data(leaf) if is_key(leaf) else leaf, full=check_values == "full"
+        )
+        if same
+        else "",
     )
 
 

@@ -447,6 +447,9 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
     block of the array."""
     if is_global(leaf):
         return jax.device_put(leaf, sharding)
+    if is_key(leaf):  # NumPy has no key dtype: place the key's data, wrap it again
+        data = _to_global(key_data(leaf), sharding, host_local)
+        return jax.random.wrap_key_data(data, impl=key_impl_name(leaf))
     leaf = np.asarray(leaf)  # JAX arrays on this process's devices included
     if host_local:
         return from_host_local(leaf, sharding)

@@ -7,6 +7,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from buffers import aligned
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
 
@@ -615,3 +616,80 @@ def test_full_value_check_finds_what_the_sample_misses():
                 data, np.arange(p * 500, p * 500 + 500, dtype=np.float32)
             )
     assert results[0]["full"] == results[1]["full"]
+
+
+# ---------------------------------------------------------------------------------
+# Typed PRNG keys and the caller's buffers, across two processes.
+# ---------------------------------------------------------------------------------
+
+
+def _child_keys_and_buffers():
+    import io
+
+    import equinox as eqx
+
+    p = jax.process_index()
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    out = {}
+    # Keys: shard -> gather -> serialise -> load -> shard, on every process.
+    keys = jax.random.split(jax.random.key(0), 8)
+    tree = {"k": keys, "w": W}
+    specs = {"k": P("dp"), "w": P("dp", "tp")}
+    placed = eqshard.shard(tree, specs, mesh)
+    out["key_sharding"] = placed["k"].sharding == NamedSharding(mesh, P("dp"))
+    out["key_is_key"] = jax.dtypes.issubdtype(placed["k"].dtype, jax.dtypes.prng_key)
+    gathered = eqshard.gather(placed)
+    # A key comes to host as an eqshard.HostKey of its data.
+    out["gathered_key_data"] = gathered["k"].data
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, gathered)
+    buffer.seek(0)
+    like = {"k": eqshard.HostKey(np.zeros((8, 2), np.uint32), "threefry2x32"), "w": W}
+    loaded = eqx.tree_deserialise_leaves(buffer, like)
+    again = eqshard.shard(loaded, specs, mesh)
+    out["again_sharding"] = again["k"].sharding == NamedSharding(mesh, P("dp"))
+    out["again_key_data"] = eqshard.gather(again)["k"].data
+    out["again_w"] = eqshard.gather(again)["w"]
+    out["key_shards"] = [
+        (i, data) for i, _, data in _shards(jax.random.key_data(placed["k"]))
+    ]
+    # The caller's buffers, 64-byte aligned (which raw JAX uses in place): a data
+    # loader that refills them after placing must not change what is on the mesh.
+    # Full copies, replicated and split, below and above the size from which
+    # `shard` copies only if it must; and host-local blocks.
+    for shape in ((16, 8), (1024, 512)):
+        full = aligned(shape, np.float32)
+        block = aligned((shape[0] // 2, shape[1]), np.float32)
+        block[:] = p
+        partitioner = eqshard.Partitioner(mesh=mesh, logical_axis_rules=None)
+        placed = {
+            "replicated": eqshard.shard(full, P(), mesh),
+            "split": eqshard.shard(full, P("dp", "tp"), mesh),
+            "local": partitioner.move_to_devices(block, P("dp", "tp"), host_local=True),
+        }
+        full[:] = -1.0
+        block[:] = -1.0
+        out[shape] = eqshard.gather(placed)
+    return out
+
+
+def test_keys_and_buffers_across_two_processes():
+    results = run_processes(_child_keys_and_buffers)
+    expected_keys = np.asarray(
+        jax.random.key_data(jax.random.split(jax.random.key(0), 8))
+    )
+    for p, r in enumerate(results):
+        assert r["key_sharding"] and r["key_is_key"] and r["again_sharding"]
+        np.testing.assert_array_equal(r["gathered_key_data"], expected_keys)
+        np.testing.assert_array_equal(r["again_key_data"], expected_keys)
+        np.testing.assert_array_equal(r["again_w"], W)
+        # 'dp' splits the 8 keys over the processes: 4 each, one copy per device.
+        assert [i for i, _ in r["key_shards"]] == [0, 1, 2, 3]
+        for _, data in r["key_shards"]:
+            np.testing.assert_array_equal(data, expected_keys[4 * p : 4 * p + 4])
+        for shape in ((16, 8), (1024, 512)):
+            np.testing.assert_array_equal(r[shape]["replicated"], np.zeros(shape))
+            np.testing.assert_array_equal(r[shape]["split"], np.zeros(shape))
+            half = (shape[0] // 2, shape[1])
+            expected = np.concatenate([np.zeros(half), np.ones(half)])
+            np.testing.assert_array_equal(r[shape]["local"], expected)

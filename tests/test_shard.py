@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from buffers import aligned
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
@@ -378,19 +379,10 @@ def test_plans_report_the_dtype_placed(mesh):
     assert row.dtype == "float32" and row.nbytes == 8 * 4 * 4
 
 
-def _aligned(shape, dtype):
-    """A NumPy array whose data starts on a 64-byte boundary: the buffers that
-    XLA's CPU client would otherwise use in place."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 @pytest.mark.parametrize("spec", [P(), P("dp", "tp")])
 @pytest.mark.parametrize("shape", [(8, 64), (1024, 512)])  # copied before, after
 def test_placed_arrays_do_not_share_the_callers_buffer(mesh, spec, shape):
-    buffer = _aligned(shape, np.float32)
+    buffer = aligned(shape, np.float32)
     out = eqshard.shard({"x": buffer}, spec, mesh)
     moved = eqshard.Partitioner(
         mesh=mesh, logical_axis_rules=[("batch", "dp")]
