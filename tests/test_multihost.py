@@ -7,9 +7,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from buffers import aligned
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
+from probes import aligned
 
 import eqshard
 

@@ -7,22 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from probes import Compiles
 
 from eqshard._resident import move_in_programs, route
-
-
-class _Compiles:
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 _VALUES = [
@@ -49,14 +36,14 @@ def test_one_program_places_every_array_bit_exact(mesh, source, cast):
         None if cast is None or v.dtype != np.float32 else np.dtype(cast)
         for v in _VALUES
     ]
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         out, lost = move_in_programs(arrays, shardings, casts)
     assert compiles.count <= 1 and lost == []
     for array, value, sharding, c in zip(out, _VALUES, shardings, casts):
         want = value if c is None else value.astype(c)
         assert array.sharding == sharding and array.dtype == want.dtype
         assert np.asarray(array).tobytes() == want.tobytes()
-    with _Compiles() as compiles:  # the same tree again: nothing compiles
+    with Compiles() as compiles:  # the same tree again: nothing compiles
         move_in_programs(arrays, shardings, casts)
     assert compiles.count == 0
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from buffers import aligned
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from probes import aligned, Compiles
 
 import eqshard
 
@@ -558,22 +558,6 @@ def test_shard_fns_take_one_floating_dtype(mesh):
 # Arrays already on devices move without a compilation per shape (`_resident.py`).
 
 
-class _Compiles:
-    """Counts XLA compilations while active."""
-
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 def _distinct_shapes(count, dtype=np.float32):
     rng = np.random.default_rng(count)
     shapes = [(8 * (1 + i), 4 * (1 + (3 * i) % 5)) for i in range(count)]
@@ -603,7 +587,7 @@ def test_device_resident_arrays_move_bit_exact_without_compiling(mesh, source):
     tree = [put(v) for v in values]
     specs = [P("dp", "tp"), P("tp"), P(None, "dp"), P(), P("tp", "dp"), P("dp")]
     specs += [P(), P("tp")]
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         out = eqshard.shard(tree, specs, mesh)
     assert compiles.count == 0
     for array, value, spec in zip(out, values, specs):
@@ -632,7 +616,7 @@ def test_device_resident_arrays_keep_memory_kind_and_tied_arrays(mesh):
 def test_dtype_casts_device_resident_arrays_in_one_pass(mesh):
     values = _distinct_shapes(5) + [np.arange(8, dtype=np.int32)]
     tree = [jax.device_put(v, NamedSharding(mesh, P("dp"))) for v in values]
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         out = eqshard.shard(tree, P("dp"), mesh, dtype=jnp.bfloat16)
     assert compiles.count == 0
     for array, value in zip(out, values):
@@ -657,7 +641,7 @@ def test_move_to_devices_moves_device_resident_arrays_without_compiling(mesh):
     value = np.arange(32, dtype=np.float32).reshape(8, 4)
     tree = {"w": jax.device_put(value), "b": jax.device_put(value[0])}
     partitioner = eqshard.Partitioner(mesh=mesh, logical_axis_rules=[("x", "dp")])
-    with _Compiles() as compiles:
+    with Compiles() as compiles:
         out = partitioner.move_to_devices(tree, {"w": P("dp", "tp"), "b": P("tp")})
     assert compiles.count == 0
     assert out["w"].sharding == NamedSharding(mesh, P("dp", "tp"))

@@ -1,0 +1,32 @@
+"""What tests observe JAX with: host buffers that XLA's CPU client could use in
+place (to check that placed arrays never share them), and a count of XLA
+compilations."""
+
+import jax
+import numpy as np
+
+
+def aligned(shape, dtype):
+    """A zero NumPy array whose data starts on a 64-byte boundary: a buffer that
+    XLA's CPU client would otherwise use in place."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class Compiles:
+    """Counts XLA compilations while active: `with Compiles() as c: ...`, then
+    `c.count`."""
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
