@@ -69,9 +69,11 @@ def make_values(count: int = 60) -> list[np.ndarray]:
     return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    """Seconds and compilations of one cold call of `fn`, and its result."""
-    jax.clear_caches()
+def timed(fn: Callable[[], Any], *, cold: bool = True) -> tuple[float, int, Any]:
+    """Seconds and compilations of one call of `fn`, and its result; cold (JAX's
+    caches cleared first) unless `cold=False`."""
+    if cold:
+        jax.clear_caches()
     gc.collect()
     gc.disable()
     try:
