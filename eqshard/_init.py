@@ -139,12 +139,48 @@ def sharded_init(
     )
     arrays, static = eqx.partition(shapes, is_array)
     shardings = jtu.tree_map(lambda leaf: leaf.sharding, arrays)
+    return _program(fn, static_args, shardings), (dynamic,), shapes, static
 
+
+def _program(fn: Callable[..., Any], static_args: PyTree, shardings: PyTree) -> Any:
+    """The `jax.jit` that builds the arrays of `fn(*args, **kwargs)` in `shardings`,
+    kept for the next call with the same `fn`, non-array arguments and shardings
+    (so that building a model again compiles nothing), unless an argument cannot be
+    hashed. Arguments are told apart by type and value, as `jax.jit` does for
+    static arguments (`1`, `1.0` and `True` are equal in Python)."""
+    leaves, treedef = jtu.tree_flatten(static_args)
+    out_leaves, out_def = jtu.tree_flatten(shardings)
+    key = (
+        fn,
+        treedef,
+        tuple(leaves),
+        tuple(map(type, leaves)),
+        out_def,
+        tuple(out_leaves),
+    )
+    try:
+        hash(key)
+    except TypeError:  # e.g. a list or a dict among the arguments' leaves
+        return _make_program(fn, static_args, shardings)
+    if key not in _PROGRAMS:
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
+        _PROGRAMS[key] = _make_program(fn, static_args, shardings)
+    return _PROGRAMS[key]
+
+
+_PROGRAMS: dict[Any, Any] = {}
+_MAX_PROGRAMS = 64
+
+
+def _make_program(
+    fn: Callable[..., Any], static_args: PyTree, shardings: PyTree
+) -> Any:
     def build(dynamic: Any) -> PyTree:
         args, kwargs = eqx.combine(dynamic, static_args)
         return eqx.filter(fn(*args, **kwargs), eqx.is_array)
 
-    return jax.jit(build, out_shardings=shardings), (dynamic,), shapes, static
+    return jax.jit(build, out_shardings=shardings)
 
 
 @typecheck
@@ -165,7 +201,8 @@ def init_sharded(
     spec shards, and a model larger than one device can be made. Everything that
     is not an array (static fields, callables, Python scalars, `None`) comes back
     as eager construction makes it, so an Equinox module comes back as a module
-    of the same type.
+    of the same type. The compiled program is kept: building the model again with
+    the same `fn`, non-array arguments and specs (a new key, say) compiles nothing.
 
     The values equal eager construction followed by [`eqshard.shard`][], bit for
     bit, with the same key: `jit` computes what eager code computes, whatever the

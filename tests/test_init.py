@@ -7,6 +7,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from probes import Compiles
 
 import eqshard
 from eqshard._init import sharded_init
@@ -155,3 +156,32 @@ def test_mesh_from_set_mesh(mesh):
     assert linear.weight.sharding == NamedSharding(mesh, P("tp"))
     with pytest.raises(ValueError, match="eqshard.init_sharded: no mesh"):
         eqshard.init_sharded(eqx.nn.Linear, 4, 8, key=jax.random.key(0), specs=P("tp"))
+
+
+def test_building_again_compiles_nothing(mesh):
+    key = jax.random.key(0)
+    eqshard.init_sharded(Model, 8, 16, key=key, specs=RULES, mesh=mesh)
+    with Compiles() as compiles:
+        again = eqshard.init_sharded(
+            Model, 8, 16, key=jax.random.key(1), specs=RULES, mesh=mesh
+        )
+    assert compiles.count == 0
+    eager = Model(8, 16, key=jax.random.key(1))
+    expected = eqshard.shard(eager, _spec_tree(eager), mesh)
+    for a, b in zip(jtu.tree_leaves(again), jtu.tree_leaves(expected), strict=True):
+        if eqx.is_array(a):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+            assert a.sharding == b.sharding
+    # Other sizes, specs or argument types are other programs, never a stale one.
+    wider = eqshard.init_sharded(Model, 16, 16, key=key, specs=RULES, mesh=mesh)
+    assert wider.linear.weight.shape == (32, 16)
+    replicated = eqshard.init_sharded(Model, 8, 16, key=key, specs=P(), mesh=mesh)
+    assert replicated.linear.weight.sharding == NamedSharding(mesh, P())
+    as_float = eqshard.init_sharded(
+        eqx.nn.Linear, 8, 16, use_bias=1.0, key=key, specs=P(), mesh=mesh
+    )
+    as_bool = eqshard.init_sharded(
+        eqx.nn.Linear, 8, 16, use_bias=True, key=key, specs=P(), mesh=mesh
+    )
+    assert as_float.use_bias == 1.0 and type(as_float.use_bias) is float
+    assert as_bool.use_bias is True
