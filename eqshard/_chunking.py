@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._mesh import mesh_repr
+from ._process_blocks import not_one_slice, slice_order, why_no_order
 from ._typing import typecheck
 
 
@@ -339,54 +340,23 @@ class LocalChunker:
                     f"{shape} is not divisible by {entry!r} (size {devices}) on "
                     f"mesh {mesh_repr(self.mesh)}."
                 )
-            self._check_one_slice(axes, entries, caller)
+            problem = not_one_slice(self.mesh, axes, self.process_index)
+            if problem is not None:
+                order = slice_order(self.mesh, axes, self.process_index)
+                fix = (
+                    f"No order of the axes does: "
+                    f"{why_no_order(self.mesh, axes, self.process_index)}."
+                    if order is None
+                    else f"Order the axes as {order!r}: those where each process "
+                    "holds one device first, those it holds whole last."
+                )
+                raise ValueError(
+                    f"eqshard.{caller}: the dimension sharded over {axes!r} (in "
+                    f"{entries!r}) is split so that {problem}. {fix}"
+                )
             chunks = math.prod(self.num_chunks[axis] for axis in axes)
             size = shape[dim] // chunks
             index = self._mixed_radix(axes)
             slices[dim] = slice(index * size, (index + 1) * size)
             sharded.extend(axes)
         return LocalChunkInfo(tuple(slices), self.get_replica_id(sharded))
-
-    def _held(self, axis: str) -> int:
-        """The number of this process's devices along mesh `axis`."""
-        return self.mesh.shape[axis] // self.num_chunks[axis]
-
-    def _check_one_slice(
-        self, axes: tuple[str, ...], entries: tuple[Any, ...], caller: str
-    ) -> None:
-        """A dimension over several axes is one slice per process only if, after
-        the first of its axes where the process holds several devices, the process
-        holds every device of the axes that follow."""
-        spread = None
-        for axis in axes:
-            if spread is not None and self.num_chunks[axis] > 1:
-                raise ValueError(
-                    f"eqshard.{caller}: the dimension sharded over {axes!r} (in "
-                    f"{entries!r}) is not one contiguous slice on process "
-                    f"{self.process_index}: it holds {self._held(spread)} devices "
-                    f"along {spread!r} but only {self._held(axis)} of the "
-                    f"{self.mesh.shape[axis]} along {axis!r}. {self._slice_fix(axes)}"
-                )
-            if self._held(axis) > 1 and spread is None:
-                spread = axis
-
-    def _slice_fix(self, axes: tuple[str, ...]) -> str:
-        """How to shard a dimension over `axes` so that each process holds one
-        slice of it: an order of the axes, if one works."""
-        # 0: the process holds one device along the axis; 1: some; 2: all.
-        rank = {
-            a: 0 if self._held(a) == 1 else 2 - (self.num_chunks[a] > 1) for a in axes
-        }
-        partial = tuple(a for a in axes if rank[a] == 1)
-        if len(partial) > 1:
-            return (
-                "No order of the axes does: the process holds some but not all of "
-                f"the devices along each of {partial!r}. Shard this dimension over "
-                "only one of them, or arrange the mesh so that each process holds "
-                "one device or every device along each of these axes."
-            )
-        order = tuple(sorted(axes, key=rank.__getitem__))
-        return (
-            f"Order the axes as {order!r}: those where each process holds one "
-            "device first, those it holds whole last."
-        )

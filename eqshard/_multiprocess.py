@@ -48,6 +48,13 @@ from jaxtyping import PyTree
 
 from ._keys import is_key, key_data
 from ._mesh import current_mesh
+from ._process_blocks import (
+    blocks_by_process,
+    not_one_slice,
+    slice_order,
+    spanning_axes,
+    why_no_order,
+)
 from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
 from ._tree import is_array, path_str
 from ._typing import CheckValues, KeyPath
@@ -92,7 +99,7 @@ def host_local_shape(
     processes, each process's block is `1/k` of it. Returns the global shape, the
     reasons `spec` cannot take host-local blocks (some process's devices hold
     several separate slices of a dimension), and a spec that could (the same
-    dimensions, the mesh axes that span processes first)."""
+    dimensions, their axes in an order that makes one slice, where one does)."""
     global_shape = list(local_shape)
     reasons = []
     fixed: list[Any] = list(spec)
@@ -100,24 +107,25 @@ def host_local_shape(
         axes = tuple(a for a in entry_axes(entry) if a in mesh.shape)
         if not axes:
             continue  # unknown axes are reported by `check_spec`
-        held = _blocks_by_process(mesh, axes)
-        if _one_slice_each(held):
-            groups = math.prod(mesh.shape[a] for a in axes) // len(held[0][1])
-            global_shape[dim] = local_shape[dim] * groups
+        problem = not_one_slice(mesh, axes)
+        if problem is None:
+            held = len(blocks_by_process(mesh, axes)[0][1])
+            global_shape[dim] = (
+                local_shape[dim] * math.prod(mesh.shape[a] for a in axes) // held
+            )
             continue
-        process, blocks = next(
-            (p, b) for p, b in held if not _one_slice_each(((p, b), held[0]))
-        )
+        order = slice_order(mesh, axes)
         reasons.append(
-            f"dimension {dim} is split over {axes_repr(axes)} so that process "
-            f"{process}'s devices hold blocks {list(blocks)} of "
-            f"{math.prod(mesh.shape[a] for a in axes)}, not one contiguous slice, "
+            f"dimension {dim} is split over {axes_repr(axes)} so that {problem}, "
             "so no host-local block can hold them"
+            + (
+                ""
+                if order
+                else f"; no order of the axes does: {why_no_order(mesh, axes)}"
+            )
         )
-        spanning = _spanning_axes(mesh)
-        reordered = tuple(sorted(axes, key=lambda a: a not in spanning))
-        if _one_slice_each(_blocks_by_process(mesh, reordered)):
-            fixed[dim] = reordered
+        if order is not None:
+            fixed[dim] = order
     return tuple(global_shape), reasons, PartitionSpec(*fixed)
 
 
@@ -129,48 +137,6 @@ def _is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> 
     except (TypeError, ValueError):  # a malformed spec, reported by `check_spec`
         return False
     return not reasons and full == shape
-
-
-@ft.lru_cache(maxsize=256)
-def _blocks_by_process(
-    mesh: Mesh, axes: tuple[str, ...]
-) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """For a dimension split over mesh `axes` (the first one major), the blocks of
-    it that each process's devices hold: `((process_index, blocks), ...)`."""
-    devices = np.asarray(mesh.devices)
-    block = np.zeros(devices.shape, np.int64)
-    for axis in axes:
-        dim = mesh.axis_names.index(axis)
-        coords = np.arange(devices.shape[dim]).reshape(
-            [-1 if i == dim else 1 for i in range(devices.ndim)]
-        )
-        block = block * devices.shape[dim] + coords
-    held: dict[int, set[int]] = {}
-    for device, b in zip(
-        devices.flat, np.broadcast_to(block, devices.shape).flat, strict=True
-    ):
-        held.setdefault(device.process_index, set()).add(int(b))
-    return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
-
-
-def _one_slice_each(held: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
-    """Whether every process holds one aligned run of blocks, all of one length."""
-    size = len(held[0][1])
-    return all(
-        len(blocks) == size
-        and blocks[0] % size == 0
-        and blocks == tuple(range(blocks[0], blocks[0] + size))
-        for _, blocks in held
-    )
-
-
-def _spanning_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes along which the devices belong to different processes."""
-    return tuple(
-        axis
-        for axis in mesh.axis_names
-        if any(len(b) < mesh.shape[axis] for _, b in _blocks_by_process(mesh, (axis,)))
-    )
 
 
 # ---------------------------------------------------------------------------------
@@ -353,7 +319,7 @@ def check_processes_agree(
         return
     views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
     processes = [device.process_index for device in devices]
-    spanning = tuple(dict.fromkeys(a for m in meshes for a in _spanning_axes(m)))
+    spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
     raise ValueError(
         _disagreement_message(
             caller, views, processes, host_local, spanning, check_values

@@ -4,6 +4,9 @@ out in one process without mocking JAX."""
 
 import dataclasses
 
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
 
 @dataclasses.dataclass(frozen=True)
 class HostDevice:
@@ -28,3 +31,11 @@ class TpuDevice:
     device_kind: str
     slice_index: int = 0
     platform: str = "tpu"
+
+
+def host_mesh(owners: list, names: tuple[str, ...]) -> Mesh:
+    """A mesh of `HostDevice`s; `owners[position]` is the process of each device."""
+    owners_array = np.asarray(owners)
+    devices = [HostDevice(i, int(p)) for i, p in enumerate(owners_array.flat)]
+    array = np.array(devices, dtype=object).reshape(owners_array.shape)
+    return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from fakes import HostDevice
+from fakes import host_mesh
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -27,14 +27,6 @@ def mesh42():
 @pytest.fixture(scope="module")
 def partitioner(mesh42):
     return eqshard.Partitioner(mesh=mesh42)
-
-
-def _fake_mesh(owners: list, names: tuple[str, ...]) -> Mesh:
-    """A mesh of fake devices; `owners[position]` is the process of each device."""
-    owners = np.asarray(owners)
-    devices = [HostDevice(i, int(p)) for i, p in enumerate(owners.flat)]
-    array = np.array(devices, dtype=object).reshape(owners.shape)
-    return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 # Device arrangements: the process that owns each position of the mesh.
@@ -557,7 +549,7 @@ def test_move_to_devices(partitioner, mesh42):
 @pytest.mark.parametrize("process", range(4))
 def test_chunker_rows(process):
     # 4 processes x 2 devices; process p holds row p of data=4, model=2.
-    mesh = _fake_mesh(*ROWS)
+    mesh = host_mesh(*ROWS)
     chunker = eqshard.LocalChunker(mesh, process_index=process)
     assert dict(chunker.num_chunks) == {"data": 4, "model": 1}
     assert dict(chunker.chunk_ids) == {"data": process, "model": 0}
@@ -576,7 +568,7 @@ def test_chunker_rows(process):
 @pytest.mark.parametrize("process", range(4))
 def test_chunker_half_rows(process):
     # 4 processes x 2 devices on data=2, model=4: process p holds half of row p // 2.
-    mesh = _fake_mesh(*HALF_ROWS)
+    mesh = host_mesh(*HALF_ROWS)
     chunker = eqshard.LocalChunker(mesh, process_index=process)
     assert dict(chunker.num_chunks) == {"data": 2, "model": 2}
     assert dict(chunker.chunk_ids) == {"data": process // 2, "model": process % 2}
@@ -592,7 +584,7 @@ def test_chunker_half_rows(process):
 
 def test_chunker_slices_replicas_and_data_axes():
     # ('replica', 'data', 'model') = (2, 2, 2); process 2r + d holds the model pair.
-    mesh = _fake_mesh(*SLICES)
+    mesh = host_mesh(*SLICES)
     rules = [("batch", ("replica", "data"))]
     for process in range(4):
         partitioner = eqshard.Partitioner(mesh=mesh, logical_axis_rules=rules)
@@ -625,7 +617,7 @@ CASES = [
 @pytest.mark.parametrize("arrangement, shape, spec", CASES)
 def test_local_chunks_match_jax(arrangement, shape, spec):
     owners, names = arrangement
-    mesh = _fake_mesh(owners, names)
+    mesh = host_mesh(owners, names)
     for process in range(4):
         info = eqshard.LocalChunker(mesh, process_index=process).get_local_chunk_info(
             shape, spec
@@ -639,7 +631,7 @@ def test_local_chunks_by_hand_for_tuples_of_axes():
     # COLUMNS: process p holds column m = p % 2 of rows 2k, 2k + 1 (k = p // 2).
     # Over ('model', 'data') a (16,) array has 8 pieces of 2; device (d, m) holds
     # piece 4m + d, so process p holds elements 8m + 4k to 8m + 4k + 4.
-    mesh = _fake_mesh(*COLUMNS)
+    mesh = host_mesh(*COLUMNS)
     for p in range(4):
         m, k = p % 2, p // 2
         info = eqshard.LocalChunker(mesh, process_index=p).get_local_chunk_info(
@@ -655,7 +647,7 @@ def test_local_chunks_by_hand_for_tuples_of_axes():
         chunker.get_local_chunk_info((16,), (("data", "model"),))
     # Each process holds a 2x2 block of a 4x4 mesh: part of both axes, so neither
     # order makes one slice, and the message must not suggest one.
-    blocks = _fake_mesh(
+    blocks = host_mesh(
         [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]], ("data", "model")
     )
     chunker = eqshard.LocalChunker(blocks, process_index=0)
@@ -666,7 +658,7 @@ def test_local_chunks_by_hand_for_tuples_of_axes():
 
 
 def test_chunker_errors():
-    mesh = _fake_mesh(*ROWS)
+    mesh = host_mesh(*ROWS)
     chunker = eqshard.LocalChunker(mesh, process_index=1)
     with pytest.raises(
         ValueError, match=r"'tp' is not an axis of the mesh \{'data': 4"
@@ -686,10 +678,10 @@ def test_chunker_errors():
         chunker.get_local_chunk_info((8,), (("data", 3),))
     with pytest.raises(ValueError, match=r"process 7 has no devices.*\[0, 1, 2, 3\]"):
         eqshard.LocalChunker(mesh, process_index=7)
-    scattered = _fake_mesh([[0, 1], [1, 0]], ("data", "model"))
+    scattered = host_mesh([[0, 1], [1, 0]], ("data", "model"))
     with pytest.raises(ValueError, match="do not form a block"):
         eqshard.LocalChunker(scattered, process_index=0)
-    uneven = _fake_mesh([[0, 0, 0, 1, 1, 2]], ("data", "model"))
+    uneven = host_mesh([[0, 0, 0, 1, 1, 2]], ("data", "model"))
     with pytest.raises(ValueError, match="does not tile that axis"):
         eqshard.LocalChunker(uneven, process_index=1)
 
