@@ -362,7 +362,7 @@ def _place(
     for k, leaf in enumerate(sources):
         path = matched[unique[k]][0]
         if isinstance(leaf, jax.Array):
-            cast = None if k in by_program else cast_of[k]
+            cast = None if routes[k] == "program" else cast_of[k]
             ready.append(leaf if cast is None else leaf.astype(cast))
             continue
         array, what, asked = host_ready(leaf, cast_of[k], shardings[k])
