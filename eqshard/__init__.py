@@ -12,7 +12,12 @@ from typing import Any as _Any
 
 from . import compat as compat, t5x as t5x
 from ._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
-from ._checkpoint import restore as restore, save as save
+from ._checkpoint import (
+    load_safetensors as load_safetensors,
+    restore as restore,
+    save as save,
+    save_safetensors as save_safetensors,
+)
 from ._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
@@ -24,6 +29,7 @@ from ._derive import (
     restrict_specs as restrict_specs,
     stack_specs as stack_specs,
 )
+from ._gather import gather as gather, iter_gather as iter_gather
 from ._init import clear_init_cache as clear_init_cache, init_sharded as init_sharded
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
@@ -33,7 +39,12 @@ from ._inspect import (
     ShardingRow as ShardingRow,
 )
 from ._keys import HostKey as HostKey
-from ._layout import check_layout as check_layout
+from ._layout import (
+    check_layout as check_layout,
+    LayoutError as LayoutError,
+    LayoutMismatch as LayoutMismatch,
+    LayoutReport as LayoutReport,
+)
 from ._logical import (
     AxisNames as AxisNames,
     composite_axis_rules as composite_axis_rules,
@@ -59,16 +70,7 @@ from ._rules import (
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
-from ._safetensors import (
-    load_safetensors as load_safetensors,
-    save_safetensors as save_safetensors,
-)
-from ._shard import (
-    gather as gather,
-    iter_gather as iter_gather,
-    named_shardings as named_shardings,
-    shard as shard,
-)
+from ._shard import named_shardings as named_shardings, shard as shard
 from ._shard_map import shard_map as shard_map
 from ._specs import ShardingProblem as ShardingProblem
 from ._step import analyze_step as analyze_step
@@ -86,7 +88,8 @@ from ._tree import (
 __version__ = _version("eqshard")
 
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
-# `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`, `AutoFSDP`,
+# `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
+# `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `AutoFSDP`,
 # `HostKey`) are importable from here too, and documented with their functions.
 __all__ = [
     # Meshes.

@@ -15,12 +15,8 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ._mesh import current_mesh
-from ._specs import entry_axes
+from ._specs import entry_axes, spec_entry
 from ._typing import Int, typecheck
-
-
-def _entry(axes: Sequence[str]) -> str | tuple[str, ...]:
-    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +92,7 @@ class AutoFSDP:
             for d in range(self.stacked, len(shape))
             if entries[d] is None and shape[d] % size == 0
         ]
-        what = f"{_entry(axes)!r} (size {size})"
+        what = f"{spec_entry(axes)!r} (size {size})"
         if not free:
             skipped = f" after {self.stacked} stacked" if self.stacked else ""
             return base, (
@@ -104,7 +100,7 @@ class AutoFSDP:
                 "not sharded"
             )
         dim = max(free, key=lambda d: (shape[d], -d))  # the largest; the first of ties
-        entries[dim] = _entry(axes)
+        entries[dim] = spec_entry(axes)
         while entries and entries[-1] is None:
             entries.pop()
         return PartitionSpec(*entries), (
@@ -121,7 +117,7 @@ class AutoFSDP:
             options.append(f"stacked={self.stacked}")
         if len(self.base):
             options.append(f"base={self.base}")
-        return f"auto_fsdp({_entry(self.axes)!r}, {', '.join(options)})"
+        return f"auto_fsdp({spec_entry(self.axes)!r}, {', '.join(options)})"
 
 
 @typecheck
@@ -208,6 +204,6 @@ def auto_fsdp(
             f"eqshard.auto_fsdp: `axes` {axes!r} names "
             f"{', '.join(map(repr, repeated))} more than once, but a mesh axis can "
             f"split an array only once. Name each axis once, e.g. "
-            f"eqshard.auto_fsdp({_entry(unique)!r})."
+            f"eqshard.auto_fsdp({spec_entry(unique)!r})."
         )
     return AutoFSDP(names, min_size, stacked, base, mesh)

@@ -17,8 +17,7 @@ from jaxtyping import PyTree
 
 from ._deprecated import renamed_keywords
 from ._logical import normalize_rules
-from ._mesh import current_mesh
-from ._shard import abstract_leaf_error
+from ._mesh import find_mesh, mesh_repr
 from ._spec_args import resolve_specs
 from ._specs import (
     check_leaf,
@@ -28,13 +27,19 @@ from ._specs import (
     ShardingProblem,
     spec_error_message,
 )
-from ._tree import deleted_error, is_array, is_deleted, path_str
+from ._tree import (
+    abstract_leaf_error,
+    deleted_error,
+    is_array,
+    is_deleted,
+    path_str,
+)
 from ._typing import (
     AxisRulesArg,
     check_choice,
-    CONSTRAINT_ON_INVALID,
-    ConstraintOnInvalid,
     KeyPath,
+    ON_INVALID,
+    OnInvalid,
     typecheck,
     warn,
 )
@@ -62,7 +67,7 @@ def _constraint_kind(
         manual = [a for e in spec for a in entry_axes(e) if types[a] == AxisType.Manual]
         raise ValueError(
             f"{where} names {', '.join(map(repr, manual))}, which `shard_map` maps "
-            f"over here (Manual axes of mesh {dict(mesh.shape)}), so no sharding "
+            f"over here (Manual axes of mesh {mesh_repr(mesh)}), so no sharding "
             "constraint can name them. Leave them out of the spec: inside "
             "`shard_map` every device already holds its own block along them."
         )
@@ -95,7 +100,7 @@ def _check_context(
     where = f"eqshard.with_sharding_constraint: spec {spec} at '{path_str(path)}'"
     if kind == AxisType.Explicit and PartitionSpec.UNCONSTRAINED in tuple(spec):
         raise ValueError(
-            f"{where} has `P.UNCONSTRAINED` on mesh {dict(mesh.shape)}, whose axes "
+            f"{where} has `P.UNCONSTRAINED` on mesh {mesh_repr(mesh)}, whose axes "
             "are Explicit: `reshard` needs every dimension's layout, so a dimension "
             "cannot be left to the compiler. Use None (not sharded) or mesh axes "
             "there, or build the mesh with Auto axes."
@@ -104,7 +109,7 @@ def _check_context(
         own = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
         if context != own:
             raise ValueError(
-                f"{where} is on mesh {dict(mesh.shape)}, whose axes are Explicit; "
+                f"{where} is on mesh {mesh_repr(mesh)}, whose axes are Explicit; "
                 "inside `jit`, JAX reshards over Explicit axes only under that "
                 "mesh. Call the jitted function within `with jax.set_mesh(mesh):`, "
                 "or build the mesh with Auto axes (as `eqshard.create_mesh` does)."
@@ -172,7 +177,7 @@ def with_sharding_constraint(
     specs: PyTree,
     *,
     mesh: Mesh | AbstractMesh | None = None,
-    on_invalid: ConstraintOnInvalid = "warn",
+    on_invalid: OnInvalid = "warn",
     axis_rules: AxisRulesArg | None = None,
 ) -> PyTree:
     """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
@@ -228,12 +233,11 @@ def with_sharding_constraint(
     """
     check_choice(
         on_invalid,
-        CONSTRAINT_ON_INVALID,
+        ON_INVALID,
         caller="with_sharding_constraint",
         name="on_invalid",
     )
-    if mesh is None:
-        mesh = current_mesh()
+    mesh = find_mesh(mesh)
     caller = "with_sharding_constraint"
     table = None if axis_rules is None else normalize_rules(axis_rules, caller=caller)
     specs = resolve_specs(specs, tree, caller=caller, mesh=mesh, axis_rules=table)

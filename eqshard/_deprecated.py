@@ -1,11 +1,13 @@
 """Old names that keep working for one release, each with a `DeprecationWarning`
 naming its replacement: root names that moved to a namespace (read through the
-root's module `__getattr__`) and keywords that were renamed (`renamed_keywords`).
+root's module `__getattr__`), keywords that were renamed (`renamed_keywords`, with
+their values where those were renamed too) and option values that were renamed
+(`renamed_literals`).
 """
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast, TypeVar
 
 from ._typing import outside_caller, warn
@@ -87,27 +89,73 @@ def renamed_attribute(owner: str, old: str, new: str) -> None:
     )
 
 
-def renamed_keywords(caller: str, **renames: str) -> Callable[[_F], _F]:
-    """Decorator: each old keyword in `renames` (old -> new) is passed on as the
-    new one, with a `DeprecationWarning`; both at once is eqshard's `TypeError`."""
+def _value(value: Any) -> str:
+    """An option's value as the docs write it: `"warn"`, `False`."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _renamed(caller: str, old: str, new: str) -> None:
+    """Warns that `old` (a keyword, or a keyword with its value) is now `new`."""
+    warn(
+        f"eqshard.{caller}: {old} is now {new}; use that (the old spelling goes in "
+        "eqshard 0.3).",
+        DeprecationWarning,
+    )
+
+
+def renamed_keywords(
+    caller: str, **renames: str | tuple[str, Mapping[Any, str]]
+) -> Callable[[_F], _F]:
+    """Decorator: each old keyword in `renames` is passed on as the new one, with a
+    `DeprecationWarning`; both at once is eqshard's `TypeError`. A rename is
+    `old="new"`, or `old=("new", {old_value: new_value})` where the values were
+    renamed too (`strict=("on_invalid", {True: "raise", False: "ignore"})`)."""
 
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renames.items():
+            for old, rename in renames.items():
                 if old not in kwargs:
                     continue
+                new, values = (rename, None) if isinstance(rename, str) else rename
                 if new in kwargs:
                     raise TypeError(
                         f"eqshard.{caller}: got both `{old}` and `{new}`; `{old}` is "
                         f"the old name of `{new}`: pass `{new}` only."
                     )
-                warn(
-                    f"eqshard.{caller}: the keyword `{old}` is now `{new}`; use "
-                    f"`{new}=` (`{old}=` goes in eqshard 0.3).",
-                    DeprecationWarning,
+                value = kwargs.pop(old)
+                if values is None:
+                    _renamed(caller, f"the keyword `{old}`", f"`{new}`")
+                else:
+                    mapped = values.get(value, value)
+                    _renamed(
+                        caller,
+                        f"`{old}={_value(value)}`",
+                        f"`{new}={_value(mapped)}`",
+                    )
+                    value = mapped
+                kwargs[new] = value
+            return fn(*args, **kwargs)
+
+        return cast(_F, wrapper)
+
+    return decorate
+
+
+def renamed_literals(caller: str, keyword: str, **renames: str) -> Callable[[_F], _F]:
+    """Decorator: each old value of the option `keyword` in `renames` (old -> new)
+    is passed on as the new one, with a `DeprecationWarning`."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            value = kwargs.get(keyword)
+            if isinstance(value, str) and value in renames:
+                new = renames[value]
+                _renamed(
+                    caller, f"`{keyword}={_value(value)}`", f"`{keyword}={_value(new)}`"
                 )
-                kwargs[new] = kwargs.pop(old)
+                kwargs[keyword] = new
             return fn(*args, **kwargs)
 
         return cast(_F, wrapper)

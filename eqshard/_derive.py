@@ -10,7 +10,7 @@ mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 import math
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
@@ -18,9 +18,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._deprecated import renamed_keywords
 from ._logical import AxisNames
-from ._mesh import require_mesh
-from ._spec_args import NO_TREE, resolve_specs
+from ._mesh import mesh_repr, require_mesh
+from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
     check_leaves,
@@ -30,15 +31,16 @@ from ._specs import (
     is_spec_leaf,
     leaf_specs,
     named_sharding,
+    spec_entry,
     spec_error_message,
     SpecCheck,
 )
-from ._tree import is_array, path_name, path_str
+from ._tree import is_array, listing, path_name, path_str
 from ._typing import (
     check_choice,
-    CONSTRAINT_ON_INVALID,
-    ConstraintOnInvalid,
     KeyPath,
+    ON_INVALID,
+    OnInvalid,
     StackAxis,
     typecheck,
     warn,
@@ -134,7 +136,7 @@ def abstract_tree(
 
 
 # A leaf smaller than this that follows no parameter (a step count, Adafactor's
-# `(1,)` placeholders) is replicated; a larger one is `on_unmatched`'s business.
+# `(1,)` placeholders) is replicated; a larger one is `on_invalid`'s business.
 _SMALL_BYTES = 1024
 
 
@@ -206,13 +208,17 @@ def follow_spec(
     return False, None
 
 
+@renamed_keywords(
+    "derive_specs",
+    on_unmatched=("on_invalid", {"error": "raise", "replicate": "ignore"}),
+)
 @typecheck
 def derive_specs(
     tree: PyTree,
     params: PyTree,
     param_specs: PyTree,
     *,
-    on_unmatched: Literal["error", "replicate"] = "error",
+    on_invalid: OnInvalid = "raise",
 ) -> PyTree:
     """Specs for a tree that follows the parameters: an optimizer state, gradients,
     an EMA copy.
@@ -236,8 +242,9 @@ def derive_specs(
     - `param_specs`: their spec tree (or a prefix of it), as made by
       [`eqshard.match_partition_rules`][]; or the partition rules, or a function
       of the abstract parameters (see [the spec-tree family](specs.md)).
-    - `on_unmatched`: what to do with a leaf of 1 KiB or more that follows no
-      parameter: `"error"` (the default) raises, `"replicate"` gives it `P()`.
+    - `on_invalid`: what to do with a leaf of 1 KiB or more that follows no
+      parameter: `"raise"` (the default) raises; `"warn"` replicates it and
+      warns, naming each; `"ignore"` replicates it silently.
 
     **Returns:**
 
@@ -246,7 +253,7 @@ def derive_specs(
     **Raises:**
 
     - `ValueError` naming every large leaf that follows no parameter (with
-      `on_unmatched="error"`), or the first path where `param_specs` is not a
+      `on_invalid="raise"`), or the first path where `param_specs` is not a
       prefix of `params`.
     - `TypeError` naming a leaf of `param_specs` that is not a spec.
 
@@ -262,9 +269,7 @@ def derive_specs(
         ```
     """
     caller = "derive_specs"
-    check_choice(
-        on_unmatched, ("error", "replicate"), caller=caller, name="on_unmatched"
-    )
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     param_specs = resolve_specs(
         param_specs, params, caller=caller, argname="param_specs"
     )
@@ -291,19 +296,24 @@ def derive_specs(
         if not found:
             spec = default
             nbytes = math.prod(shape) * np.dtype(leaf.dtype).itemsize
-            if nbytes >= _SMALL_BYTES and on_unmatched == "error":
+            if nbytes >= _SMALL_BYTES:
                 unmatched.append(f"'{path_str(path)}' (shape {shape}, {leaf.dtype})")
         out.append(spec)
-    if unmatched:
-        raise ValueError(
+    if unmatched and on_invalid != "ignore":
+        message = (
             f"eqshard.{caller}: {len(unmatched)} array(s) of 1 KiB or more follow no "
             f"parameter: {', '.join(unmatched[:10])}"
             f"{' ...' if len(unmatched) > 10 else ''}. A leaf follows a parameter "
             "when its path ends with the parameter's path and its shape is the "
-            "parameter's (or has one dimension reduced away). Check that `params` "
-            "is the tree `tree` was made from (the same paths), or pass "
-            '`on_unmatched="replicate"` to replicate such leaves.'
+            "parameter's (or has one dimension reduced away). "
         )
+        if on_invalid == "raise":
+            raise ValueError(
+                message + "Check that `params` is the tree `tree` was made from "
+                '(the same paths), or pass `on_invalid="ignore"` to replicate such '
+                "leaves."
+            )
+        warn(message + "They are replicated.")
     return jtu.tree_unflatten(treedef, out)
 
 
@@ -402,12 +412,13 @@ def _renamed(
             axes.extend(
                 () if new is None else new if isinstance(new, tuple) else (new,)
             )
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        entries.append(spec_entry(axes))
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
 
 
+@renamed_keywords("restrict_specs", on_change="on_invalid")
 @typecheck
 def restrict_specs(
     specs: PyTree,
@@ -415,7 +426,7 @@ def restrict_specs(
     *,
     rename: Mapping[str, str | tuple[str, ...] | None] | None = None,
     like: PyTree = None,
-    on_change: ConstraintOnInvalid = "warn",
+    on_invalid: OnInvalid = "warn",
 ) -> PyTree:
     """A spec tree adapted to another mesh: axes renamed, missing axes dropped and,
     given the arrays, entries that no longer divide corrected.
@@ -429,8 +440,8 @@ def restrict_specs(
     those that keep it divisible on `mesh` are kept.
 
     Renaming is what was asked for and is not reported; every other change is,
-    in one warning (by default) that lists each changed spec's path, the spec
-    before and after, and why.
+    as `on_invalid` says: by default in one warning that lists each changed
+    spec's path, the spec before and after, and why.
 
     **Arguments:**
 
@@ -443,8 +454,9 @@ def restrict_specs(
       `None` (the axis is dropped, without a report).
     - `like`: the tree the specs are for, concrete or abstract (only `.shape` is
       read), to check divisibility. Without it, only axis names are checked.
-    - `on_change`: `"warn"` (the default), `"raise"` (a `ValueError` with the
-      same list) or `"ignore"`.
+    - `on_invalid`: what to do with a spec that must change: `"warn"` (the
+      default) changes it and warns, `"ignore"` changes it silently, `"raise"`
+      raises a `ValueError` with the same list.
 
     **Returns:**
 
@@ -454,8 +466,8 @@ def restrict_specs(
 
     **Raises:**
 
-    - `ValueError` if `on_change="raise"` and a spec changed, if `on_change` is
-      not one of the three, or naming the first path where `specs` is not a
+    - `ValueError` if `on_invalid="raise"` and a spec changed, if `on_invalid`
+      is not one of the three, or naming the first path where `specs` is not a
       prefix of `like`.
     - `TypeError` naming a leaf of `specs` that is not a spec.
 
@@ -469,19 +481,13 @@ def restrict_specs(
         ```
     """
     caller = "restrict_specs"
-    check_choice(on_change, CONSTRAINT_ON_INVALID, caller=caller, name="on_change")
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     rename = {} if rename is None else rename
     mesh_shape = dict(mesh.shape)
     # `(path, spec, shape)` per leaf; without `like`, a shape of zeros, which
     # every mesh axis divides.
     items: list[tuple[KeyPath, Any, tuple[int, ...]]] = []
-    specs = resolve_specs(
-        specs,
-        NO_TREE if like is None else like,
-        caller=caller,
-        mesh=mesh,
-        no_tree="Pass the tree they are for as `like=`.",
-    )
+    specs = resolve_like(specs, like, caller=caller, mesh=mesh)
     if like is None:
         path_leaves, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
         for path, spec in path_leaves:
@@ -509,28 +515,22 @@ def restrict_specs(
         fixed, reasons = check_spec(shape, renamed, mesh_shape)
         if reasons:
             changed.append(
-                f"  - '{path_str(path)}': {inner} -> {fixed}: {'; '.join(reasons)}."
+                f"'{path_str(path)}': {inner} -> {fixed}: {'; '.join(reasons)}."
             )
         if isinstance(spec, NamedSharding):
             out.append(NamedSharding(mesh, fixed, memory_kind=spec.memory_kind))
         else:
             out.append(fixed)
-    if changed and on_change != "ignore":
+    if changed and on_invalid != "ignore":
         count = "1 spec" if len(changed) == 1 else f"{len(changed)} specs"
-        message = "\n".join(
-            [
-                f"eqshard.{caller}: {count} changed for mesh {mesh_shape}:",
-                *changed[:20],
-                *(
-                    [f"  ... and {len(changed) - 20} more."]
-                    if len(changed) > 20
-                    else []
-                ),
-                "Pass `rename=` to map axes onto the mesh's, or "
-                '`on_change="ignore"` if these changes are intended.',
-            ]
+        message = listing(
+            f"eqshard.{caller}: {count} changed for mesh {mesh_repr(mesh)}:",
+            changed,
+            "Pass `rename=` to map axes onto the mesh's, or "
+            '`on_invalid="ignore"` if these changes are intended.',
+            limit=20,
         )
-        if on_change == "raise":
+        if on_invalid == "raise":
             raise ValueError(message)
         warn(message)
     return jtu.tree_unflatten(treedef, out)

@@ -32,7 +32,7 @@ cast with `dtype=` are checked alike: on CPU they come through the host and this
 same path, elsewhere the check runs in the program that casts them (see
 `_resident.py`). `load_safetensors` converts each block it reads with
 `converted`, and adds up what the blocks lost (`Lost`, `more_lost`); `restore`
-checks the arrays orbax read shard by shard (see `_checkpoint.py`), with the same
+checks the arrays orbax read shard by shard (see `_checkpoint/`), with the same
 records and messages.
 """
 
@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
-from ._tree import broadcast_prefix, is_array, path_str
+from ._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from ._typing import KeyPath
 
 
@@ -91,11 +91,18 @@ def check_cast_dtype(dtype: Any, caller: str) -> np.dtype:
 
 
 def leaf_casts(
-    dtype: Any, tree: PyTree, *, caller: str, root: KeyPath = ()
+    dtype: Any,
+    tree: PyTree,
+    *,
+    caller: str,
+    root: KeyPath = (),
+    leaves: Sequence[Any] | None = None,
 ) -> list[np.dtype | None]:
     """The dtype each leaf of `tree` is cast to, or `None`: floating arrays get
-    `dtype`, or their entry of a tree of dtypes that is a prefix of `tree`."""
-    leaves = jtu.tree_leaves(tree)
+    `dtype`, or their entry of a tree of dtypes that is a prefix of `tree`.
+    `leaves` are the leaves of `tree`, where the caller has them already."""
+    if leaves is None:
+        leaves = jtu.tree_leaves(tree)
     if dtype is None:
         return [None] * len(leaves)
     if _is_dtype_leaf(dtype):
@@ -247,10 +254,31 @@ def may_alias(sharding: NamedSharding) -> bool:
     )
 
 
-def placed_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype JAX places NumPy data of `dtype` as: in native byte order, and
-    narrowed to 32 bits while `jax_enable_x64` is off."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype.newbyteorder("=")))
+def unplaceable(dtype: np.dtype) -> str | None:
+    """Why no device can hold NumPy arrays of `dtype`, or `None` if one can (a
+    big-endian array is converted to native byte order, losslessly)."""
+    if dtype.kind == "O":
+        return "Python objects; make them numeric arrays"
+    if dtype.type is np.void:
+        return (
+            "raw bytes; a bfloat16 array saved with `np.save` loads as '|V2': "
+            "restore it with `.view(jnp.bfloat16)`"
+        )
+    if dtype.kind in "UST":
+        return (
+            "text or bytes; encode them as numbers first (e.g. token ids, or "
+            "`np.frombuffer(data, np.uint8)`)"
+        )
+    if dtype.kind in "Mm":
+        return (
+            "dates or durations; convert them to numbers first, e.g. "
+            "`.astype(np.int64)` for counts of their unit"
+        )
+    if (dtype.kind == "f" and dtype.itemsize > 8) or (
+        dtype.kind == "c" and dtype.itemsize > 16
+    ):
+        return "extended precision, which no device has; cast to float64 first"
+    return None
 
 
 def host_ready(
@@ -286,23 +314,24 @@ def loss_error(
 ) -> ValueError:
     """The message for arrays whose conversion would lose values: `found` holds
     `(path, source, target, what was lost, asked)` for each."""
-    lines = [f"eqshard.{caller}: placing these arrays would lose values:"]
-    for path, source, target, what, asked in found[:10]:
-        how = "`dtype=` casts it" if asked else "JAX narrows it"
-        lines.append(f"  - '{path_str(path)}' ({source}; {how} to {target}): {what}.")
-    if len(found) > 10:
-        lines.append(f"  ... and {len(found) - 10} more.")
+    lines = [
+        f"'{path_str(path)}' ({source}; "
+        f"{'`dtype=` casts it' if asked else 'JAX narrows it'} to {target}): {what}."
+        for path, source, target, what, asked in found
+    ]
+    fixes = []
     if any(not asked for *_, asked in found):
-        lines.append(
+        fixes.append(
             "64-bit arrays are narrowed to 32 bits while `jax_enable_x64` is off: "
             "enable it first (`jax.config.update('jax_enable_x64', True)`), or "
             "convert these arrays yourself to a dtype that holds their values "
             "(floating ones with `dtype=`)."
         )
     if any(asked for *_, asked in found):
-        lines.append(
+        fixes.append(
             "Cast to a dtype with the range of these values (bfloat16 has "
             "float32's), or leave these arrays uncast: give `dtype` as a tree with "
             "`None` at their paths."
         )
-    return ValueError("\n".join(lines))
+    header = f"eqshard.{caller}: placing these arrays would lose values:"
+    return ValueError(listing(header, lines, *fixes))

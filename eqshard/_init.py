@@ -30,10 +30,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._derive import abstract_tree
-from ._mesh import current_mesh
+from ._mesh import concrete_mesh
+from ._programs import Programs
 from ._spec_args import resolve_specs
-from ._specs import check_placeable, check_spec_on_mesh
-from ._tree import is_array, path_str
+from ._specs import abstract_mesh_error, check_placeable, check_spec_on_mesh
+from ._tree import is_array, path_str, paths_text
 from ._typing import typecheck
 
 
@@ -56,15 +57,7 @@ def sharded_init(
     list (its `.lower(*inputs)` is the program, for memory analysis);
     `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
     every array's `NamedSharding`."""
-    if isinstance(mesh, AbstractMesh):
-        raise TypeError(
-            f"eqshard.{caller}: `mesh` is an `AbstractMesh` ({mesh}), which has no "
-            "devices to build arrays on. Pass a concrete `Mesh` (e.g. "
-            "`eqshard.create_mesh(...)`)."
-        )
-    if mesh is None:
-        found = current_mesh()
-        mesh = found if isinstance(found, Mesh) else None
+    mesh = concrete_mesh(mesh, caller=caller, required=False)
     closed, dynamic, shapes, outputs = _trace(fn, args, kwargs)
     spec_tree = resolve_specs(specs, shapes, caller=caller, mesh=mesh)
     # Built arrays need a layout: no `P.UNCONSTRAINED`, as for `shard`.
@@ -79,18 +72,14 @@ def sharded_init(
         if is_array(leaf) and isinstance(leaf.sharding, NamedSharding)
     }
     abstract_at = [
-        path_str(path)
+        path
         for path, leaf in path_leaves
         if is_array(leaf)
         and isinstance(leaf.sharding, NamedSharding)
         and not isinstance(leaf.sharding.mesh, Mesh)
     ]
     if abstract_at:
-        raise TypeError(
-            f"eqshard.{caller}: `specs` has `NamedSharding`s on an abstract mesh at "
-            f"{', '.join(map(repr, abstract_at[:10]))}, which has no devices to "
-            "build arrays on. Pass `PartitionSpec`s and a concrete mesh."
-        )
+        raise abstract_mesh_error(caller, abstract_at)
     if len(meshes) > 1:
         first: dict[Any, str] = {}
         for path, leaf in path_leaves:
@@ -110,7 +99,7 @@ def sharded_init(
     on = mesh if mesh is not None else (next(iter(meshes)) if meshes else None)
     if unsharded and on is None:
         raise ValueError(
-            f"eqshard.{caller}: the arrays at {', '.join(map(repr, unsharded[:10]))} "
+            f"eqshard.{caller}: the arrays at {paths_text(unsharded)} "
             "have no spec and no mesh is given or set to replicate them on; pass "
             "mesh=... or give them specs."
         )
@@ -188,9 +177,8 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
     mutable config object)."""
     consts = list(closed.consts)
     key, keep = _program_key(closed, shardings)
-    if key not in _PROGRAMS:
-        if len(_PROGRAMS) >= _MAX_PROGRAMS:
-            del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
+
+    def make() -> tuple[Any, list[Any]]:
         jaxpr = closed.jaxpr
         fixed = [None if _is_fed(c) else c for c in consts]
 
@@ -199,12 +187,14 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
             all_consts = [next(given) if c is None else c for c in fixed]
             return jaxpr_as_fun(ClosedJaxpr(jaxpr, all_consts))(*flat)
 
-        _PROGRAMS[key] = (jax.jit(run, out_shardings=shardings), keep)
-    return _PROGRAMS[key][0], [c for c in consts if _is_fed(c)]
+        return jax.jit(run, out_shardings=shardings), keep
+
+    jitted, _ = _PROGRAMS.get(key, make)
+    return jitted, [c for c in consts if _is_fed(c)]
 
 
-_PROGRAMS: dict[Hashable, tuple[Any, list[Any]]] = {}
-_MAX_PROGRAMS = 64
+# Each program with the objects its key holds by identity, kept alive with it.
+_PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
 
 
 @typecheck

@@ -25,8 +25,9 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
-from ._host import placed_dtype
-from ._mesh import current_mesh, require_mesh
+from ._deprecated import renamed_attribute, renamed_literals
+from ._mesh import find_mesh, mesh_repr, require_mesh, same_mesh
+from ._report import format_bytes, Report, text_table
 from ._spec_args import resolve_specs
 from ._specs import (
     check_leaf,
@@ -35,14 +36,15 @@ from ._specs import (
     ShardingProblem,
     spec_error_message,
 )
-from ._tree import is_array, path_str
+from ._tree import is_array, path_str, placed_dtype
 from ._typing import (
     check_choice,
     KeyPath,
+    ON_INVALID,
+    OnInvalid,
     PyTreeDef,
-    REPORT_ON_INVALID,
-    ReportOnInvalid,
     typecheck,
+    warn,
 )
 
 
@@ -186,12 +188,6 @@ def extract_sharding_structure(tree: PyTree) -> PyTree:
     return jtu.tree_unflatten(treedef, out)
 
 
-def _same_axes(a: Mesh | AbstractMesh, b: Mesh | AbstractMesh) -> bool:
-    return tuple(a.axis_names) == tuple(b.axis_names) and tuple(a.axis_sizes) == tuple(
-        b.axis_sizes
-    )
-
-
 @typecheck
 def extract_shardings(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
     """The tree of concrete `NamedSharding`s of a pytree, ready for `jax.jit` or
@@ -243,38 +239,26 @@ def extract_shardings(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
 
 def _bind(sharding: NamedSharding, mesh: Mesh | None, path: KeyPath) -> NamedSharding:
     where = f"the sharding at '{path_str(path)}' is on an abstract mesh {sharding.mesh}"
-    if mesh is None:
-        found = current_mesh()
-        if not isinstance(found, Mesh):
-            raise ValueError(
-                f"eqshard.extract_shardings: {where}, and binding it to devices needs "
-                "a concrete mesh, but none is given or set. Pass `mesh=...`, or call "
-                "it under `with jax.set_mesh(mesh):` outside `jax.jit`."
-            )
-        mesh = found
-    if not _same_axes(sharding.mesh, mesh):
+    found = find_mesh(mesh)
+    if not isinstance(found, Mesh):
+        raise ValueError(
+            f"eqshard.extract_shardings: {where}, and binding it to devices needs "
+            "a concrete mesh, but none is given or set. Pass `mesh=...`, or call "
+            "it under `with jax.set_mesh(mesh):` outside `jax.jit`."
+        )
+    # An abstract mesh is the same as a concrete one of the same axes.
+    if not same_mesh(sharding.mesh, found):
         raise ValueError(
             f"eqshard.extract_shardings: {where}, whose axes differ from those of the "
-            f"mesh {dict(mesh.shape)}. Pass the mesh the tree was planned for."
+            f"mesh {mesh_repr(found)}. Pass the mesh the tree was planned for."
         )
+    mesh = found
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 # ---------------------------------------------------------------------------------
 # The report.
 # ---------------------------------------------------------------------------------
-
-
-def format_bytes(n: int) -> str:
-    """`n` bytes in binary units: `"64 B"`, `"1.5 KiB"`, `"3.2 GiB"`."""
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "PiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,31 +352,14 @@ def _row_cells(row: ShardingRow) -> tuple[str, ...]:
 _RIGHT = (False, False, False, False, True, True, False)
 
 
-class TableReport:
-    """What the reports share: `str(report)` is `report.table()`, and
-    `repr(report)` one line of the numbers that `_summary()` names."""
-
-    def table(self) -> str:
-        raise NotImplementedError
-
-    def _summary(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={value}" for name, value in self._summary().items())
-        return f"{type(self).__name__}({fields})"
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
-class ShardingReport(TableReport):
+class ShardingReport(Report):
     """What a sharding plan puts on each device: made by
     [`eqshard.analyze_sharding_strategy`][].
 
     `str(report)` (or `report.table()`) is a text table with one line per array and
-    a totals line; `report.rich_table()` is the same as a `rich` table. For a bar
+    a totals line; `report.show()` prints it as a coloured `rich` table when
+    `rich` is installed; `report.to_json()` is a byte-stable `str`. For a bar
     per device, and the gradients and optimizer state of training, see
     [`eqshard.plan_training`][] (`gradients=False` and no optimizer plans the
     arrays alone).
@@ -496,15 +463,8 @@ class ShardingReport(TableReport):
     def table(self) -> str:
         """The report as an aligned text table, with a totals line and the problems
         below it."""
-        cells = [_HEADERS] + [_row_cells(row) for row in self.rows]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(_HEADERS))]
-        lines = []
-        for line in cells:
-            padded = [
-                cell.rjust(width) if right else cell.ljust(width)
-                for cell, width, right in zip(line, widths, _RIGHT, strict=True)
-            ]
-            lines.append("  ".join(padded).rstrip())
+        rows = [_row_cells(row) for row in self.rows]
+        lines = text_table(_HEADERS, rows, _RIGHT)
         lines.insert(1, "-" * len(lines[0]))
         lines.append(self._totals())
         if self.problems:
@@ -527,17 +487,12 @@ class ShardingReport(TableReport):
             "mesh": self.mesh_shape,
         }
 
-    def rich_table(self) -> Any:
-        """The report as a `rich.table.Table`, coloured: invalid arrays red,
-        replicated ones yellow. Needs `rich` (`pip install eqshard[rich]`)."""
-        try:
-            from rich.table import Table
-        except ImportError:
-            raise ImportError(
-                "ShardingReport.rich_table needs the optional dependency `rich`: "
-                "`pip install eqshard[rich]` (or `pip install rich`). "
-                "`report.table()` needs nothing."
-            ) from None
+    def _rich(self) -> list[Any]:
+        """A `rich` table, coloured: invalid arrays red, replicated ones yellow;
+        then the problems."""
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title="eqshard sharding plan", caption=self._totals())
         for header, right in zip(_HEADERS, _RIGHT, strict=True):
             table.add_column(header, justify="right" if right else "left")
@@ -549,7 +504,18 @@ class ShardingReport(TableReport):
         }
         for row in self.rows:
             table.add_row(*_row_cells(row), style=styles.get(_flag(row)))
-        return table
+        if not self.problems:
+            return [table]
+        message = spec_error_message(
+            "analyze_sharding_strategy", self.problems, corrected=True
+        )
+        return [table, Text(message, style="red")]
+
+    def rich_table(self) -> Any:
+        """Deprecated: `report.show()` prints the report with `rich` (this method
+        goes in eqshard 0.3)."""
+        renamed_attribute("ShardingReport", "rich_table()", "show()")
+        return self._rich()[0]
 
 
 # ---------------------------------------------------------------------------------
@@ -562,8 +528,8 @@ def _other_mesh_error(
 ) -> ValueError:
     return ValueError(
         f"eqshard.analyze_sharding_strategy: the NamedSharding at '{path_str(path)}' "
-        f"is on mesh {dict(leaf_mesh.shape)}, which is neither the analysed mesh "
-        f"{dict(mesh.shape)} nor made of its devices. A report counts the bytes of "
+        f"is on mesh {mesh_repr(leaf_mesh)}, which is neither the analysed mesh "
+        f"{mesh_repr(mesh)} nor made of its devices. A report counts the bytes of "
         "one mesh's devices: use `PartitionSpec`s, or shardings on (a part of) that "
         "mesh."
     )
@@ -575,40 +541,26 @@ def _device_rows(
     index: dict[int, int] | None,
     path: KeyPath,
 ) -> slice | list[int]:
-    """The positions, in `mesh.devices.flat` order, of the devices of `leaf_mesh`."""
-    if leaf_mesh is mesh or leaf_mesh == mesh:
+    """The positions, in `mesh.devices.flat` order, of the devices of `leaf_mesh`
+    (an abstract mesh's devices are its mesh coordinates)."""
+    if same_mesh(leaf_mesh, mesh):
         return slice(None)
     if isinstance(leaf_mesh, Mesh) and index is not None:
         try:
             return [index[device.id] for device in leaf_mesh.devices.flat]
         except KeyError:
             raise _other_mesh_error(path, leaf_mesh, mesh) from None
-    if _same_axes(leaf_mesh, mesh):  # abstract: devices are their mesh coordinates
-        return slice(None)
     raise _other_mesh_error(path, leaf_mesh, mesh)
 
 
-def _analysis_mesh(
-    mesh: Mesh | AbstractMesh | None, pairs: list[tuple[KeyPath, Any]]
-) -> Mesh | AbstractMesh:
-    if mesh is not None:
-        return mesh
-    found = current_mesh()
-    if found is not None:
-        return found
-    for _, spec in pairs:
-        if isinstance(spec, NamedSharding):
-            return spec.mesh
-    return require_mesh(None, caller="analyze_sharding_strategy")
-
-
+@renamed_literals("analyze_sharding_strategy", "on_invalid", report="ignore")
 @typecheck
 def analyze_sharding_strategy(
     tree: PyTree,
     specs: PyTree,
     mesh: Mesh | AbstractMesh | None = None,
     *,
-    on_invalid: ReportOnInvalid = "report",
+    on_invalid: OnInvalid = "ignore",
 ) -> ShardingReport:
     """Works out what a sharding plan puts on each device, without moving anything.
 
@@ -627,8 +579,8 @@ def analyze_sharding_strategy(
     entries than the array's rank, a dimension its axes do not divide) is a
     planning finding, not a crash: by default it is listed in `report.problems`
     and the array is counted with the nearest spec that applies (the one
-    [`eqshard.with_sharding_constraint`][] would use). `on_invalid="raise"`
-    raises as [`eqshard.shard`][] would instead.
+    [`eqshard.with_sharding_constraint`][] would use); `on_invalid="warn"` also
+    warns, and `on_invalid="raise"` raises as [`eqshard.shard`][] would.
 
     **Arguments:**
 
@@ -643,7 +595,8 @@ def analyze_sharding_strategy(
     - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
       (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
       by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
-    - `on_invalid`: `"report"` or `"raise"`.
+    - `on_invalid`: `"ignore"` (the default) reports specs that cannot apply,
+      `"warn"` reports them and warns, `"raise"` raises.
 
     **Returns:**
 
@@ -668,7 +621,7 @@ def analyze_sharding_strategy(
         ```
     """
     caller = "analyze_sharding_strategy"
-    check_choice(on_invalid, REPORT_ON_INVALID, caller=caller, name="on_invalid")
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     specs = resolve_specs(specs, tree, caller=caller, mesh=mesh)
     if specs is None:
         pairs = own_shardings(tree, caller)
@@ -701,11 +654,11 @@ def analyze_pairs(
     mesh: Mesh | AbstractMesh | None,
     *,
     caller: str,
-    on_invalid: str = "report",
+    on_invalid: str = "ignore",
 ) -> ShardingReport:
     """The report for `leaves`, with one `(path, spec)` pair each: a
     `PartitionSpec`, a `NamedSharding`, a `SingleDeviceSharding` or `None`."""
-    mesh = _analysis_mesh(mesh, list(pairs))
+    mesh = require_mesh(mesh, caller=caller, shardings=(s for _, s in pairs))
     index = (
         {device.id: i for i, device in enumerate(mesh.devices.flat)}
         if isinstance(mesh, Mesh)
@@ -773,6 +726,8 @@ def analyze_pairs(
         )
     if problems and on_invalid == "raise":
         raise ValueError(spec_error_message(caller, problems))
+    if problems and on_invalid == "warn":
+        warn(spec_error_message(caller, problems, corrected=True))
     return ShardingReport(
         mesh=mesh,
         rows=tuple(rows),

@@ -1,13 +1,13 @@
 """Checking that a pytree is laid out as asked.
 
 `check_layout` compares the sharding every array has with the one its spec asks
-for, and raises one error listing every array that differs: placed with another
-spec, on another mesh, on a single device (which JAX calls "fully replicated",
-but which is not on the mesh at all), on the host as a NumPy array, or in another
-memory kind (host against device memory), deleted (donated), or asked for with a
-spec that cannot apply to it. It moves nothing and compiles nothing. The error
-is a `LayoutError` (a `ValueError`) whose message shows the first rows and whose
-`mismatches` hold them all.
+for, and reports every array that differs, in a `LayoutReport`: placed with
+another spec, on another mesh, on a single device (which JAX calls "fully
+replicated", but which is not on the mesh at all), on the host as a NumPy array,
+or in another memory kind (host against device memory), deleted (donated), or
+asked for with a spec that cannot apply to it. It moves nothing and compiles
+nothing. By default a report with mismatches is raised as a `LayoutError` (a
+`ValueError`) whose message shows the first rows and which carries the report.
 """
 
 import dataclasses
@@ -18,15 +18,12 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._mesh import current_mesh, same_mesh
+from ._mesh import find_mesh, mesh_repr, same_mesh
+from ._report import Report
 from ._spec_args import resolve_specs
 from ._specs import check_spec, entry_axes, leaf_specs
-from ._tree import is_array, is_deleted, path_str
-from ._typing import typecheck
-
-
-def _mesh_text(mesh: Mesh | AbstractMesh) -> str:
-    return str(dict(mesh.shape))
+from ._tree import DELETED, is_array, is_deleted, path_str
+from ._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
 
 
 def _memory_kind(sharding: Any) -> str | None:
@@ -75,40 +72,83 @@ class LayoutMismatch:
         kind_note = f" in {kind!r} memory" if kind not in (None, "device") else ""
         return (
             f"  - '{self.path}' (shape {self.shape}): asked {self.spec} on mesh "
-            f"{_mesh_text(self.mesh)}{kind_note}; {self.problem}."
+            f"{mesh_repr(self.mesh)}{kind_note}; {self.problem}."
         )
+
+
+# Mismatches shown in a message; the report has them all.
+_SHOWN = 20
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LayoutReport(Report):
+    """What [`eqshard.check_layout`][] found: `report.ok` when every array is
+    laid out as asked.
+
+    `str(report)` lists the mismatches (the first 20) with the fix,
+    `report.show()` prints it with `rich` when installed, `report.to_json()` is a
+    byte-stable `str`.
+
+    **Fields:**
+
+    - `checked`: how many arrays were checked (those with a spec).
+    - `mismatches`: one [`eqshard.LayoutMismatch`][] per
+      array laid out otherwise than asked, in tree order.
+    """
+
+    checked: int
+    mismatches: tuple[LayoutMismatch, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every array checked is laid out as asked."""
+        return not self.mismatches
+
+    def table(self) -> str:
+        """The mismatches, one line each (the first 20), and how to fix them; or
+        one line saying that all is as asked."""
+        if self.ok:
+            return f"{self.checked} arrays checked: all laid out as asked."
+        return self._message("check_layout")
+
+    def _message(self, caller: str) -> str:
+        mismatches = self.mismatches
+        count = (
+            "1 array is" if len(mismatches) == 1 else f"{len(mismatches)} arrays are"
+        )
+        lines = [f"eqshard.{caller}: {count} not laid out as asked:"]
+        lines += [mismatch.line() for mismatch in mismatches[:_SHOWN]]
+        if len(mismatches) > _SHOWN:
+            lines.append(
+                f"  ... and {len(mismatches) - _SHOWN} more (the report's "
+                "`mismatches` lists every one)."
+            )
+        lines.append(
+            "Place them with `eqshard.shard(tree, specs, mesh)` (or make them "
+            "inside `jax.jit` with `out_shardings=`), or change `specs`."
+        )
+        return "\n".join(lines)
+
+    def _summary(self) -> dict[str, Any]:
+        return {"checked": self.checked, "mismatches": len(self.mismatches)}
 
 
 class LayoutError(ValueError):
     """The error of [`eqshard.check_layout`][]: a `ValueError` whose message lists
-    the first mismatches, and whose `mismatches` hold every one, in tree order."""
+    the first mismatches, and whose `report` (a
+    [`eqshard.LayoutReport`][]) holds every one, in tree order,
+    also as `mismatches`."""
 
-    def __init__(self, message: str, mismatches: tuple[LayoutMismatch, ...] = ()):
+    def __init__(self, message: str, report: LayoutReport):
         super().__init__(message)
-        self.mismatches = mismatches
+        self.report = report
+
+    @property
+    def mismatches(self) -> tuple[LayoutMismatch, ...]:
+        return self.report.mismatches
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (str(self), self.mismatches)
-
-
-# Mismatches shown in the message; `LayoutError.mismatches` has them all.
-_SHOWN = 20
-
-
-def _layout_error(caller: str, mismatches: list[LayoutMismatch]) -> LayoutError:
-    count = "1 array is" if len(mismatches) == 1 else f"{len(mismatches)} arrays are"
-    lines = [f"eqshard.{caller}: {count} not laid out as asked:"]
-    lines += [mismatch.line() for mismatch in mismatches[:_SHOWN]]
-    if len(mismatches) > _SHOWN:
-        lines.append(
-            f"  ... and {len(mismatches) - _SHOWN} more (the error's `mismatches` "
-            "lists every one)."
-        )
-    lines.append(
-        "Place them with `eqshard.shard(tree, specs, mesh)` (or make them inside "
-        "`jax.jit` with `out_shardings=`), or change `specs`."
-    )
-    return LayoutError("\n".join(lines), tuple(mismatches))
+        return type(self), (str(self), self.report)
 
 
 def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
@@ -116,10 +156,7 @@ def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
     if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         return "is a NumPy array on the host, not on any device"
     if is_deleted(leaf):
-        return (
-            "has been deleted (donated to a jitted call, or `.delete()`d); check "
-            "the array that call returned instead"
-        )
+        return f"has been {DELETED}; check the array that function returned instead"
     actual = leaf.sharding
     if actual is None:
         return "has no sharding (an abstract array made without one)"
@@ -130,7 +167,7 @@ def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
         return f"has a {type(actual).__name__}, not a NamedSharding on the mesh"
     problems = []
     if not same_mesh(actual.mesh, expected.mesh):
-        problems.append(f"is on another mesh {_mesh_text(actual.mesh)}")
+        problems.append(f"is on another mesh {mesh_repr(actual.mesh)}")
     sizes = dict(actual.mesh.shape)
     ndim = len(leaf.shape)
     if _placement(actual.spec, ndim, sizes) != _placement(expected.spec, ndim, sizes):
@@ -141,16 +178,16 @@ def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
     return "; ".join(problems) or None
 
 
-def _expected_mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
-    return mesh if mesh is not None else current_mesh()
-
-
 @typecheck
 def check_layout(
-    tree: PyTree, specs: PyTree, mesh: Mesh | AbstractMesh | None = None
-) -> None:
-    """Checks that every array of `tree` is laid out as `specs` asks; raises one
-    error listing every array that is not.
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    on_invalid: OnInvalid = "raise",
+) -> LayoutReport:
+    """Checks that every array of `tree` is laid out as `specs` asks; by default
+    raises one error listing every array that is not.
 
     An array matches when it has a `NamedSharding` on `mesh` (the same axes and,
     for a concrete mesh, the same devices in the same order) whose spec places it
@@ -176,15 +213,23 @@ def check_layout(
       (see [the spec-tree family](specs.md)).
     - `mesh`: the mesh `PartitionSpec`s refer to; defaults to the mesh set by
       `jax.set_mesh`.
+    - `on_invalid`: what to do when arrays are laid out otherwise than asked:
+      `"raise"` (the default) raises a `LayoutError`; `"warn"` warns with its
+      message and returns the report; `"ignore"` returns the report.
+
+    **Returns:**
+
+    A [`eqshard.LayoutReport`][]: `report.ok`, and
+    `report.mismatches`, each with `path`, `shape`, `spec`, `mesh`,
+    `memory_kind` and `problem`.
 
     **Raises:**
 
-    - `ValueError` (a `LayoutError`) listing the arrays laid out otherwise than
-      asked, each with its path, what was asked and what it is (deleted, or asked
-      with a spec that cannot apply to it, included): the first 20 in the
-      message, and every one in the error's `mismatches`, each with `path`,
-      `shape`, `spec`, `mesh`, `memory_kind` and `problem`. Also if `specs` is
-      not a prefix of `tree`
+    - `ValueError` (a `LayoutError`, with `on_invalid="raise"`) listing the
+      arrays laid out otherwise than asked, each with its path, what was asked
+      and what it is (deleted, or asked with a spec that cannot apply to it,
+      included): the first 20 in the message, and every one in the error's
+      `report` (and `mismatches`). Also if `specs` is not a prefix of `tree`
       (naming the first path that differs); or if `specs` has a `PartitionSpec`
       and there is no mesh.
     - `TypeError` naming the path of a leaf of `specs` that is not a spec.
@@ -193,20 +238,25 @@ def check_layout(
 
         ```python
         params = eqshard.shard({"w": jnp.zeros((8, 4))}, P("dp", "tp"), mesh)
-        eqshard.check_layout(params, P("dp", "tp"), mesh)  # nothing: all match
+        eqshard.check_layout(params, P("dp", "tp"), mesh).ok  # True: all match
         state = {"mu": jnp.zeros((8, 4))}  # made on one device, not on the mesh
         # eqshard.check_layout(state, P(), mesh) raises: 'mu' (shape (8, 4)):
         # asked P() on mesh {'dp': 2, 'tp': 4}; is on a single device ...
+        report = eqshard.check_layout(state, P(), mesh, on_invalid="ignore")
+        report.mismatches[0].path  # "mu"
         ```
     """
     caller = "check_layout"
-    found = _expected_mesh(mesh)
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    found = find_mesh(mesh)
     specs = resolve_specs(specs, tree, caller=caller, mesh=found)
     pairs = leaf_specs(specs, tree, caller=caller)
     mismatches = []
+    checked = 0
     for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree), strict=True):
         if spec is None or not is_array(leaf):
             continue
+        checked += 1
         if isinstance(spec, PartitionSpec):
             if found is None:
                 raise ValueError(
@@ -234,5 +284,9 @@ def check_layout(
             mismatches.append(
                 LayoutMismatch(path_str(path), shape, asked, on, kind, problem)
             )
-    if mismatches:
-        raise _layout_error(caller, mismatches)
+    report = LayoutReport(checked, tuple(mismatches))
+    if mismatches and on_invalid == "raise":
+        raise LayoutError(report._message(caller), report)
+    if mismatches and on_invalid == "warn":
+        warn(report._message(caller))
+    return report

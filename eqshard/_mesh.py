@@ -4,13 +4,13 @@ import collections
 import math
 import operator
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from ._typing import Int, typecheck
 
@@ -526,25 +526,83 @@ def current_mesh() -> Mesh | AbstractMesh | None:
     return concrete
 
 
-def require_mesh(
-    mesh: Mesh | AbstractMesh | None, *, caller: str
-) -> Mesh | AbstractMesh:
-    """Return `mesh` if given, else the current mesh, else raise a ValueError.
+def _no_mesh_error(caller: str) -> ValueError:
+    return ValueError(
+        f"eqshard.{caller}: no mesh given and none set; pass mesh=... or use "
+        "`jax.set_mesh(mesh)` (as `with jax.set_mesh(mesh): ...`) around the "
+        "call. Note that the deprecated `with mesh:` does not set the mesh "
+        "that `jax.set_mesh` sets."
+    )
 
-    `caller` is the public function name (without the `eqshard.` prefix) used in
-    the message.
-    """
-    if mesh is not None:
-        return mesh
-    found = current_mesh()
-    if found is None:
-        raise ValueError(
-            f"eqshard.{caller}: no mesh given and none set; pass mesh=... or use "
-            "`jax.set_mesh(mesh)` (as `with jax.set_mesh(mesh): ...`) around the "
-            "call. Note that the deprecated `with mesh:` does not set the mesh "
-            "that `jax.set_mesh` sets."
+
+def _abstract_mesh_error(caller: str, mesh: AbstractMesh, given: bool) -> TypeError:
+    if given:
+        return TypeError(
+            f"eqshard.{caller}: `mesh` is an `AbstractMesh` ({mesh}), which has no "
+            "devices to put arrays on. Pass a concrete `Mesh` (e.g. "
+            "`eqshard.create_mesh(...)`); plan on abstract meshes with "
+            "`eqshard.analyze_sharding_strategy`."
         )
+    return TypeError(
+        f"eqshard.{caller}: moves data, so it needs a concrete `Mesh` of devices, "
+        f"but the current mesh is abstract ({mesh}); you are probably inside "
+        "`jax.jit`. Call it outside `jit`, or use "
+        "`eqshard.with_sharding_constraint` inside."
+    )
+
+
+def find_mesh(
+    mesh: Mesh | AbstractMesh | None, shardings: Iterable[Any] = ()
+) -> Mesh | AbstractMesh | None:
+    """The mesh a call works on: `mesh` if given, else the one set by
+    `jax.set_mesh`, else the mesh of the first `NamedSharding` among `shardings`;
+    `None` if there is none."""
+    found = mesh if mesh is not None else current_mesh()
+    if found is None:
+        found = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
     return found
+
+
+def require_mesh(
+    mesh: Mesh | AbstractMesh | None, *, caller: str, shardings: Iterable[Any] = ()
+) -> Mesh | AbstractMesh:
+    """`find_mesh`, and eqshard's `ValueError` if there is none. `caller` is the
+    public function's name (without the `eqshard.` prefix), for the message."""
+    found = find_mesh(mesh, shardings)
+    if found is None:
+        raise _no_mesh_error(caller)
+    return found
+
+
+@overload
+def concrete_mesh(
+    mesh: Mesh | AbstractMesh | None, *, caller: str, required: Literal[True] = True
+) -> Mesh: ...
+
+
+@overload
+def concrete_mesh(
+    mesh: Mesh | AbstractMesh | None, *, caller: str, required: bool
+) -> Mesh | None: ...
+
+
+def concrete_mesh(
+    mesh: Mesh | AbstractMesh | None, *, caller: str, required: bool = True
+) -> Mesh | None:
+    """The mesh to put arrays on: `mesh` if given (eqshard's `TypeError` if it is
+    abstract: it has no devices), else the one set by `jax.set_mesh`, which must
+    be concrete (outside `jit`) when `required`, and is `None` otherwise if it is
+    not (or if there is none)."""
+    if isinstance(mesh, AbstractMesh):
+        raise _abstract_mesh_error(caller, mesh, given=True)
+    found = find_mesh(mesh)
+    if isinstance(found, Mesh):
+        return found
+    if not required:
+        return None
+    if found is None:
+        raise _no_mesh_error(caller)
+    raise _abstract_mesh_error(caller, found, given=False)
 
 
 def _as_names(names: str | Sequence[str]) -> tuple[str, ...]:

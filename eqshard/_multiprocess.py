@@ -49,7 +49,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._keys import is_key, key_data
-from ._mesh import current_mesh
+from ._mesh import find_mesh, mesh_repr
 from ._process_blocks import (
     blocks_by_process,
     not_one_slice,
@@ -58,7 +58,7 @@ from ._process_blocks import (
     why_no_order,
 )
 from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
-from ._tree import is_array, path_str
+from ._tree import is_array, path_str, paths_text
 from ._typing import CheckValues, KeyPath
 
 
@@ -310,13 +310,12 @@ def wait_for_processes(
     processes = tuple(
         sorted({d.process_index for _, x in found for d in x.sharding.device_set})
     )
-    names = ", ".join(f"'{path_str(path)}'" for path, _ in found[:10])
-    more = f" and {len(found) - 10} more" if len(found) > 10 else ""
+    names = paths_text([path for path, _ in found])
     meet(
         caller,
         processes,
         timeout,
-        cannot=f"the arrays at {names}{more} cannot be gathered",
+        cannot=f"the arrays at {names} cannot be gathered",
         rule="Every process whose devices hold a shard of these arrays must make "
         "the same call at the same point (e.g. gather on every process, then save "
         "on process 0 only)",
@@ -411,8 +410,7 @@ def check_processes_agree(
     Nothing here depends on whether the specs fit, which each process checks
     afterwards: processes that agree then fail, or not, together. A collective
     among the processes of the meshes, if there are several."""
-    if mesh is None:
-        mesh = current_mesh()
+    mesh = find_mesh(mesh)
     meshes = _meshes(specs, mesh)
     devices = _leaders(tuple(meshes))
     if not devices:
@@ -457,7 +455,7 @@ def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
 @ft.lru_cache(maxsize=64)
 def _describe_mesh(mesh: Mesh) -> str:
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
-    return f"{dict(mesh.shape)} over devices {ids.tolist()}"
+    return f"{mesh_repr(mesh)} over devices {ids.tolist()}"
 
 
 def _record(

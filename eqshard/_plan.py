@@ -9,12 +9,8 @@ budget, and a per-device picture.
 """
 
 import dataclasses
-import io
-import re
-import sys
-import typing
 from collections.abc import Sequence
-from typing import Any, IO
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,60 +19,21 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from ._deprecated import renamed_literals
 from ._derive import follow_spec, replicated_like
-from ._host import placed_dtype
-from ._inspect import (
-    analyze_pairs,
-    format_bytes,
-    own_shardings,
-    ShardingReport,
-    ShardingRow,
-    TableReport,
-)
+from ._inspect import analyze_pairs, own_shardings, ShardingReport, ShardingRow
+from ._mesh import mesh_repr
+from ._report import format_bytes, parse_bytes, Report
 from ._spec_args import resolve_specs
 from ._specs import leaf_specs, ShardingProblem, spec_error_message
-from ._tree import is_array
+from ._tree import is_array, placed_dtype
 from ._typing import (
     check_choice,
     KeyPath,
-    REPORT_ON_INVALID,
-    ReportOnInvalid,
+    ON_INVALID,
+    OnInvalid,
     typecheck,
 )
-
-
-_BYTE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_bytes(text: str | int, *, caller: str = "plan_training") -> int:
-    """A number of bytes: an int, or a string such as `"80GiB"`, `"16 GB"`,
-    `"1.5TiB"` (GiB = 2**30 bytes, GB = 10**9)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", text, re.I)
-        if match is None or match[2].upper() not in _BYTE_UNITS:
-            raise ValueError(
-                f"eqshard.{caller}: {text!r} is not an amount of memory; write a "
-                "number of bytes with an optional unit, e.g. 80GiB, 16GB, 512MiB."
-            )
-        value = round(float(match[1]) * _BYTE_UNITS[match[2].upper()])
-    if value <= 0:
-        raise ValueError(
-            f"eqshard.{caller}: the memory must be positive; got {text!r}."
-        )
-    return value
 
 
 def _is_trainable(leaf: Any) -> bool:
@@ -163,12 +120,12 @@ def _bar(value: int, scale: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class TrainingPlan(TableReport):
+class TrainingPlan(Report):
     """What training a model puts on each device: parameters, gradients and
     optimizer state; made by [`eqshard.plan_training`][].
 
     `str(plan)` is the summary and the per-device view; `plan.show()` prints them
-    with `rich` when it is installed.
+    with `rich` when it is installed; `plan.to_json()` is a byte-stable `str`.
 
     **Fields:**
 
@@ -240,7 +197,7 @@ class TrainingPlan(TableReport):
         """One line per part with its bytes on the fullest device, then the total
         against the budget."""
         lines = [
-            f"training memory on mesh {dict(self.mesh.shape)} "
+            f"training memory on mesh {mesh_repr(self.mesh)} "
             f"({len(self.bytes_per_device)} devices), on the fullest device:"
         ]
         fullest = int(np.argmax(self.bytes_per_device))
@@ -332,24 +289,19 @@ class TrainingPlan(TableReport):
             "mesh": dict(self.mesh.shape),
         }
 
-    def show(self, file: io.TextIOBase | None = None) -> None:
-        """Prints the plan to `file` (standard output by default): with `rich`
-        (coloured bars, red over budget) when it is installed, as plain text
-        (`plan.table()`) otherwise."""
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            print(self.table(), file=file or sys.stdout)
-            return
-        console = Console(file=typing.cast(IO[str] | None, file))
-        console.print(self.summary())
+    def _rich(self) -> list[Any]:
+        """The summary, coloured bars (red over budget) and the largest replicated
+        arrays."""
+        from rich.table import Table
+        from rich.text import Text
+
+        out: list[Any] = [Text(self.summary())]
         _, rows = self._view_rows()
         table = Table(title="bytes per device", show_header=False, box=None)
         for label, bar, value, over in rows:
             style = "red" if over else "green"
             table.add_row(label, f"[{style}]{bar}[/{style}]", value)
-        console.print(table)
+        out.append(table)
         largest = self.largest_replicated()
         if largest:
             replicated = Table(title="largest arrays placed whole on a device")
@@ -359,9 +311,11 @@ class TrainingPlan(TableReport):
                 replicated.add_row(
                     format_bytes(row.nbytes), part, row.path, str(row.shape), row.dtype
                 )
-            console.print(replicated)
+            out.append(replicated)
+        return out
 
 
+@renamed_literals("plan_training", "on_invalid", report="ignore")
 @typecheck
 def plan_training(
     params: PyTree,
@@ -374,7 +328,7 @@ def plan_training(
     grad_dtype: Any = None,
     gradients: bool = True,
     device_memory: int | str | None = None,
-    on_invalid: ReportOnInvalid = "report",
+    on_invalid: OnInvalid = "ignore",
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -397,7 +351,7 @@ def plan_training(
     [`eqshard.analyze_sharding_strategy`][] reports it: listed in `plan.problems`
     and in the summary, and counted with the nearest spec that applies; such a
     plan is not the one asked for, so `plan.fits` is `False`.
-    `on_invalid="raise"` raises instead.
+    `on_invalid="warn"` also warns, and `on_invalid="raise"` raises instead.
 
     **Arguments:**
 
@@ -419,7 +373,8 @@ def plan_training(
     - `gradients`: whether to count gradients.
     - `device_memory`: the memory of one device, in bytes or as a string such as
       `"80GiB"`; the plan then says whether it fits and by how much.
-    - `on_invalid`: `"report"` or `"raise"`, for specs that cannot apply.
+    - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
+      reports them, `"warn"` reports them and warns, `"raise"` raises.
 
     **Returns:**
 
@@ -451,7 +406,7 @@ def plan_training(
         ```
     """
     caller = "plan_training"
-    check_choice(on_invalid, REPORT_ON_INVALID, caller=caller, name="on_invalid")
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     _check_optimizer(optimizer, caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)

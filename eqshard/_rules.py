@@ -23,11 +23,23 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
+from ._deprecated import renamed_keywords
 from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
 from ._mesh import mesh_repr
-from ._specs import check_spec
+from ._report import Report, text_table
+from ._specs import check_spec, spec_entry
 from ._tree import is_array, path_name
-from ._typing import Int, PartitionRulesArg, PyTreeDef, sequence_fix, typecheck, warn
+from ._typing import (
+    check_choice,
+    Int,
+    ON_INVALID,
+    OnInvalid,
+    PartitionRulesArg,
+    PyTreeDef,
+    sequence_fix,
+    typecheck,
+    warn,
+)
 
 
 Pattern: TypeAlias = str | re.Pattern[str]
@@ -195,7 +207,7 @@ def _strict_spec(
     check_on_mesh: bool = True,
     axis_rules: LogicalRules | None = None,
 ) -> tuple[PartitionSpec | None, str | None, str | None]:
-    """The spec an array gets under `strict=True`, what is wrong with it if
+    """The spec an array gets by the rules, what is wrong with it if
     anything (on `mesh`, if given and `check_on_mesh`), and how a rule's function
     chose it."""
     if rule == _UNMATCHED:
@@ -234,8 +246,9 @@ def _relax(
     shape: tuple[int, ...],
     mesh: Mesh | AbstractMesh | None,
 ) -> PartitionSpec:
-    """The `strict=False` fix: unmatched -> replicated, long specs trimmed to rank,
-    and on `mesh` the nearest spec that applies (as `corrected_spec`)."""
+    """The fix of `on_invalid="warn"` and `"ignore"`: unmatched -> replicated,
+    long specs trimmed to rank, and on `mesh` the nearest spec that applies (as
+    `corrected_spec`)."""
     if spec is None:
         return PartitionSpec()
     spec = spec.update(partitions=spec.partitions[: len(shape)])
@@ -250,17 +263,22 @@ def _rule_lines(compiled: Compiled) -> list[str]:
 
 
 def _bad_leaves_message(
-    bad: list[tuple[str, tuple[int, ...], str]],
+    bad: list[tuple[str, tuple[int, ...], str, PartitionSpec]],
     compiled: Compiled,
     sep: str,
     caller: str,
     source: str | None = None,
+    *,
+    corrected: bool = False,
 ) -> str:
+    """The leaves without a valid spec (name, shape, problem, the spec used
+    instead if `corrected`), and the rules tried."""
     count = "1 array leaf has" if len(bad) == 1 else f"{len(bad)} array leaves have"
     by = "" if source is None else f" by the partition rules {source}"
     lines = [f"eqshard.{caller}: {count} no valid spec{by}:"]
-    for name, shape, problem in bad[:_LIMIT]:
-        lines.append(f"  {_show(name)} shape {shape}: {problem}")
+    for name, shape, problem, fixed in bad[:_LIMIT]:
+        using = f"; using {fixed!r}" if corrected else ""
+        lines.append(f"  {_show(name)} shape {shape}: {problem}{using}")
     if len(bad) > _LIMIT:
         lines.append(
             f"  ... and {len(bad) - _LIMIT} more (eqshard.explain_partition_rules "
@@ -271,13 +289,19 @@ def _bad_leaves_message(
         "path wins):"
     )
     lines += _rule_lines(compiled)
-    relax = (
-        "pass `strict=False` to replicate unmatched leaves and trim or correct "
-        "the specs"
-        if source is None
-        else "match them first with `eqshard.match_partition_rules(rules, tree, "
-        "strict=False)`, which replicates unmatched leaves and trims the specs"
-    )
+    if corrected:
+        relax = 'pass `on_invalid="ignore"` to replicate, trim and correct silently'
+    elif source is None:
+        relax = (
+            'pass `on_invalid="warn"` (or `"ignore"`) to replicate unmatched '
+            "leaves and trim or correct the specs"
+        )
+    else:
+        relax = (
+            "match them first with `eqshard.match_partition_rules(rules, tree, "
+            'on_invalid="warn")`, which replicates unmatched leaves and trims the '
+            "specs"
+        )
     lines.append(
         "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
         "replicates the rest), make each spec at most as long as the array's rank "
@@ -286,17 +310,28 @@ def _bad_leaves_message(
     return "\n".join(lines)
 
 
+def _unused_message(caller: str, unused: list[str]) -> str:
+    return (
+        f"eqshard.{caller}: these rules matched no array leaf: {', '.join(unused)}. "
+        "Check them for typos or for an earlier rule that shadows them "
+        "(eqshard.explain_partition_rules shows which rule decided each leaf)."
+    )
+
+
+@renamed_keywords(
+    "match_partition_rules", strict=("on_invalid", {True: "raise", False: "ignore"})
+)
 @typecheck
 def match_partition_rules(
     rules: Rules,
     tree: PyTree,
     *,
     min_size: Int = 0,
-    strict: bool = True,
+    on_invalid: OnInvalid = "raise",
     sep: str = "/",
     mesh: Mesh | AbstractMesh | None = None,
     exact_rank: bool = False,
-    on_unused: Literal["ignore", "warn"] = "ignore",
+    on_unused: OnInvalid = "ignore",
 ) -> PyTree:
     """Builds a spec tree for `tree` from regex partition rules.
 
@@ -310,6 +345,12 @@ def match_partition_rules(
     pytree keep their types. Only shapes are read, so abstract trees from
     `eqx.filter_eval_shape` work.
 
+    What does not fit is of two kinds, each with its own option in the one
+    vocabulary of `on_invalid` (`"raise"`, `"warn"`, `"ignore"`): a leaf without
+    a valid spec is a problem of the result (`on_invalid`), a rule that matched
+    nothing is a problem of the rules (`on_unused`), and one may be expected
+    while the other is not.
+
     **Arguments:**
 
     - `rules`: `(regex, value)` pairs, in priority order: the value is a
@@ -320,14 +361,15 @@ def match_partition_rules(
       strings or compiled patterns.
     - `tree`: any pytree.
     - `min_size`: arrays with fewer elements than this are replicated.
-    - `strict`: if `True`, a leaf that no rule matches, or whose spec is longer
-      than its rank, is an error. If `False`, such a leaf is replicated or has its
-      spec trimmed to its rank, silently (you asked for it).
+    - `on_invalid`: what to do with a leaf that no rule matches, or whose spec is
+      longer than its rank: `"raise"` (the default) raises; `"warn"` replicates
+      it or trims its spec to its rank, and warns naming each; `"ignore"` does
+      the same silently.
     - `sep`: the separator used to build the path strings.
     - `mesh`: if given, a spec that cannot apply on it (an axis it lacks or uses
       twice, a dimension its axes do not divide, such as a 33-token vocabulary
       over an axis of size 4) is a bad leaf too, found here rather than by
-      [`eqshard.shard`][]; with `strict=False` it is corrected as
+      [`eqshard.shard`][]; with `"warn"` or `"ignore"` it is corrected as
       [`eqshard.corrected_spec`][] does.
     - `exact_rank`: if `True`, a spec shorter than its array's rank is a bad leaf
       too, rather than applying to the leading dimensions (`P()` still replicates
@@ -335,9 +377,10 @@ def match_partition_rules(
       rules applied to layers stacked by `eqx.filter_vmap` (a `P("tp", None)`
       meant for a `(192, 64)` weight landing on the layer axis of a
       `(4, 192, 64)` one); see [`eqshard.stack_specs`][] for the fix.
-    - `on_unused`: `"warn"` warns (a `UserWarning`) naming each rule that matched
-      no leaf, as [`eqshard.explain_partition_rules`][] lists them (often a typo,
-      or a rule shadowed by an earlier one); `"ignore"` (the default) does not.
+    - `on_unused`: what to do with rules that matched no leaf, as
+      [`eqshard.explain_partition_rules`][] lists them (often a typo, or a rule
+      shadowed by an earlier one): `"ignore"` (the default) nothing, `"warn"` a
+      `UserWarning` naming each, `"raise"` a `ValueError` naming each.
 
     **Returns:**
 
@@ -346,8 +389,8 @@ def match_partition_rules(
     **Raises:**
 
     - `ValueError` listing every bad leaf (path, shape, problem) and the rules
-      tried, when `strict=True` (with `strict=False` no leaf is an error); or
-      naming each rule whose regex is invalid.
+      tried, with `on_invalid="raise"`; naming each rule that matched nothing,
+      with `on_unused="raise"`; or naming each rule whose regex is invalid.
     - `TypeError` if a rule is not a `(regex, PartitionSpec)` or `(regex, fn)`
       pair, or `fn` returns something else than a `PartitionSpec`.
 
@@ -360,16 +403,19 @@ def match_partition_rules(
         # {"attn": {"q": {"weight": P("dp", "tp"), "bias": P()}}}
         ```
     """
+    caller = "match_partition_rules"
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    check_choice(on_unused, ON_INVALID, caller=caller, name="on_unused")
     return rules_to_specs(
         rules,
         tree,
         min_size=min_size,
-        strict=strict,
+        on_invalid=on_invalid,
         sep=sep,
         mesh=mesh,
         exact_rank=exact_rank,
         on_unused=on_unused,
-        caller="match_partition_rules",
+        caller=caller,
     )
 
 
@@ -378,7 +424,7 @@ def rules_to_specs(
     tree: PyTree,
     *,
     min_size: Int = 0,
-    strict: bool = True,
+    on_invalid: str = "raise",
     sep: str = "/",
     mesh: Mesh | AbstractMesh | None = None,
     exact_rank: bool = False,
@@ -421,31 +467,29 @@ def rules_to_specs(
                 f"array has rank {len(shape)} (exact_rank=True); for stacked layers "
                 "prepend the stacking axes with eqshard.stack_specs"
             )
-            if strict:
-                bad.append((name, shape, problem))
-            specs.append(spec)
-            continue
-        if problem is not None:
-            if strict:
-                bad.append((name, tuple(leaf.shape), problem))
+        elif problem is not None:
             spec = _relax(spec, shape, mesh if check_on_mesh else None)
+        if problem is not None:
+            bad.append((name, shape, problem, spec))
         specs.append(spec)
-    if bad:
-        raise ValueError(_bad_leaves_message(bad, compiled, sep, caller, source))
-    if on_unused == "warn":
+    if bad and on_invalid != "ignore":
+        message = _bad_leaves_message(
+            bad, compiled, sep, caller, source, corrected=on_invalid == "warn"
+        )
+        if on_invalid == "raise":
+            raise ValueError(message)
+        warn(message)
+    if on_unused != "ignore":
         used = {rule for rule in matches.rules if rule is not None}
         unused = [
             f"{i}: {pattern.pattern!r}"
             for i, (pattern, _) in enumerate(compiled)
             if i not in used
         ]
+        if unused and on_unused == "raise":
+            raise ValueError(_unused_message(caller, unused))
         if unused:
-            warn(
-                f"eqshard.{caller}: these rules matched no array leaf: "
-                f"{', '.join(unused)}. Check them for typos or for an earlier rule "
-                "that shadows them (eqshard.explain_partition_rules shows which rule "
-                "decided each leaf)."
-            )
+            warn(_unused_message(caller, unused))
     return jtu.tree_unflatten(matches.treedef, specs)
 
 
@@ -461,7 +505,7 @@ class RulesReportRow:
     - `rule`, `pattern`: index and regex of the matching rule, or `None`.
     - `spec`: the matching rule's spec as written; `PartitionSpec()` for scalars
       and small arrays; `None` if no rule matches.
-    - `problem`: why `match_partition_rules(..., strict=True)` rejects this leaf,
+    - `problem`: why `match_partition_rules` rejects (by default) this leaf,
       or `None` if it accepts it.
     - `note`: for a rule whose value is a function (such as
       [`eqshard.auto_fsdp`][]), how it chose `spec`; `None` otherwise.
@@ -477,18 +521,8 @@ class RulesReportRow:
     note: str | None = None
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    return [
-        "  ".join(
-            cell.ljust(width) for cell, width in zip(row, widths, strict=True)
-        ).rstrip()
-        for row in [header, *body]
-    ]
-
-
-@dataclasses.dataclass(frozen=True)
-class RulesReport:
+@dataclasses.dataclass(frozen=True, repr=False)
+class RulesReport(Report):
     """Which partition rule decided each array leaf, from
     [`eqshard.explain_partition_rules`][].
 
@@ -498,7 +532,9 @@ class RulesReport:
       rule shadowed by an earlier one).
     - `min_size`: as given.
 
-    `str(report)` and `report.table()` render it as an aligned text table.
+    `str(report)` and `report.table()` render it as an aligned text table,
+    `report.show()` prints it with `rich` when it is installed, and
+    `report.to_json()` is a byte-stable `str`.
     """
 
     rows: tuple[RulesReportRow, ...]
@@ -508,7 +544,7 @@ class RulesReport:
 
     @property
     def problems(self) -> tuple[RulesReportRow, ...]:
-        """The rows that `match_partition_rules(..., strict=True)` rejects."""
+        """The rows that `match_partition_rules` rejects (by default)."""
         return tuple(row for row in self.rows if row.problem is not None)
 
     def table(self) -> str:
@@ -545,14 +581,19 @@ class RulesReport:
                 f"{len(self.rows)} array leaves, {len(self.rules)} rules: "
                 f"{len(self.problems)} problems, {len(self.dead_rules)} dead rules",
                 "",
-                *_table(("path", "shape", "rule", "spec", "note"), body),
+                *text_table(("path", "shape", "rule", "spec", "note"), body),
                 "",
-                *_table(("rule", "pattern", "spec", "leaves", "note"), rule_body),
+                *text_table(("rule", "pattern", "spec", "leaves", "note"), rule_body),
             ]
         )
 
-    def __str__(self) -> str:
-        return self.table()
+    def _summary(self) -> dict[str, Any]:
+        return {
+            "leaves": len(self.rows),
+            "rules": len(self.rules),
+            "problems": len(self.problems),
+            "dead_rules": self.dead_rules,
+        }
 
 
 # Why an array matched no rule, for `RulesReportRow.reason`.
@@ -710,7 +751,7 @@ def parse_spec(text: str) -> PartitionSpec:
                     f"{name!r}{where} is not an axis name, None, or axis names "
                     "joined by '+'"
                 )
-        dims.append(names[0] if len(names) == 1 else tuple(names))
+        dims.append(spec_entry(names))
     return PartitionSpec(*dims)
 
 

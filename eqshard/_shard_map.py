@@ -25,7 +25,7 @@ How a call goes:
 import functools as ft
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,8 +35,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._logical import AxisNames, get_logical_axis_rules
-from ._mesh import current_mesh, mesh_repr, same_mesh
-from ._shard import abstract_leaf_error
+from ._mesh import find_mesh, mesh_repr, same_mesh
+from ._programs import Programs
 from ._spec_args import resolve_specs
 from ._specs import (
     check_leaves,
@@ -46,7 +46,7 @@ from ._specs import (
     leaf_specs,
     spec_error_message,
 )
-from ._tree import is_array, path_str
+from ._tree import abstract_leaf_error, is_array, listing, path_str, paths_text
 from ._typing import KeyPath, typecheck
 
 
@@ -64,11 +64,6 @@ _INFER = (
 
 
 # One builder per kind of message.
-
-
-def _paths(paths: list[KeyPath]) -> str:
-    shown = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
-    return shown + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
 
 
 def _options_error(unknown: list[str]) -> TypeError:
@@ -108,7 +103,7 @@ def _fn_error(fn: Any) -> TypeError:
     arrays = [path for path, leaf in jtu.tree_leaves_with_path(fn) if is_array(leaf)]
     if arrays:
         return TypeError(
-            f"eqshard.{_CALLER}: `fn` holds arrays (at {_paths(arrays)}), which "
+            f"eqshard.{_CALLER}: `fn` holds arrays (at {paths_text(arrays)}), which "
             "would be baked into the program without specs. Pass them as "
             "arguments, e.g. `eqshard.shard_map(lambda model, x: model(x), ...)"
             "(model, x)`."
@@ -128,7 +123,7 @@ def _unhashable_error(path_leaves: list[tuple[KeyPath, Any]]) -> TypeError:
             if not is_array(leaf):
                 paths.append(path)
     where = (
-        f"the non-array arguments at {_paths(paths)}"
+        f"the non-array arguments at {paths_text(paths)}"
         if paths
         else "the structure of the arguments (a static field of a module?)"
     )
@@ -140,17 +135,15 @@ def _unhashable_error(path_leaves: list[tuple[KeyPath, Any]]) -> TypeError:
 
 
 def _infer_error(found: list[tuple[KeyPath, str]], mesh: Any) -> ValueError:
-    lines = [f"  - '{path_str(p)}' {why}." for p, why in found]
     return ValueError(
-        "\n".join(
-            [
-                f"eqshard.{_CALLER}: cannot read the layout of {len(found)} array(s) "
-                f"on mesh {mesh_repr(mesh)}:",
-                *lines,
-                "Pass `in_specs` (a spec tree or prefix for the tuple of "
-                "arguments, e.g. `(model_specs, P('dp'))`, or rules), or place "
-                "the arrays first with `eqshard.shard`." + _INFER,
-            ]
+        listing(
+            f"eqshard.{_CALLER}: cannot read the layout of {len(found)} array(s) "
+            f"on mesh {mesh_repr(mesh)}:",
+            [f"'{path_str(p)}' {why}." for p, why in found],
+            "Pass `in_specs` (a spec tree or prefix for the tuple of "
+            "arguments, e.g. `(model_specs, P('dp'))`, or rules), or place "
+            "the arrays first with `eqshard.shard`." + _INFER,
+            limit=None,
         )
     )
 
@@ -158,23 +151,21 @@ def _infer_error(found: list[tuple[KeyPath, str]], mesh: Any) -> ValueError:
 def _other_mesh_error(
     argname: str, found: list[tuple[KeyPath, Any]], mesh: Any
 ) -> ValueError:
-    lines = [f"  - '{path_str(p)}': on mesh {mesh_repr(m)}." for p, m in found]
     return ValueError(
-        "\n".join(
-            [
-                f"eqshard.{_CALLER}: `{argname}` has {len(found)} array(s) on another "
-                f"mesh than the map's {mesh_repr(mesh)}:",
-                *lines,
-                "Place them on the map's mesh (`eqshard.shard(tree, specs, mesh)`), "
-                "or pass `PartitionSpec`s instead of `NamedSharding`s.",
-            ]
+        listing(
+            f"eqshard.{_CALLER}: `{argname}` has {len(found)} array(s) on another "
+            f"mesh than the map's {mesh_repr(mesh)}:",
+            [f"'{path_str(p)}': on mesh {mesh_repr(m)}." for p, m in found],
+            "Place them on the map's mesh (`eqshard.shard(tree, specs, mesh)`), "
+            "or pass `PartitionSpec`s instead of `NamedSharding`s.",
+            limit=None,
         )
     )
 
 
 def _explicit_error(found: list[tuple[KeyPath, Any, Any]], mesh: Any) -> ValueError:
     lines = [
-        f"  - '{path_str(p)}': "
+        f"'{path_str(p)}': "
         + (
             f"laid out as {have}"
             if have is not None
@@ -184,24 +175,23 @@ def _explicit_error(found: list[tuple[KeyPath, Any, Any]], mesh: Any) -> ValueEr
         for p, have, want in found
     ]
     return ValueError(
-        "\n".join(
-            [
-                f"eqshard.{_CALLER}: on Explicit axes ({mesh_repr(mesh)}) "
-                "`jax.shard_map` takes each array as its type lays it out "
-                f"(`jax.typeof(x).sharding`), but {len(found)} array(s) are laid "
-                "out otherwise:",
-                *lines,
-                "Omit `in_specs` to use the arrays' own layouts, or lay them out as "
-                "asked first: `eqshard.shard` outside `jit`, "
-                "`jax.sharding.reshard` inside.",
-            ]
+        listing(
+            f"eqshard.{_CALLER}: on Explicit axes ({mesh_repr(mesh)}) "
+            "`jax.shard_map` takes each array as its type lays it out "
+            f"(`jax.typeof(x).sharding`), but {len(found)} array(s) are laid "
+            "out otherwise:",
+            lines,
+            "Omit `in_specs` to use the arrays' own layouts, or lay them out as "
+            "asked first: `eqshard.shard` outside `jit`, "
+            "`jax.sharding.reshard` inside.",
+            limit=None,
         )
     )
 
 
 def _no_out_spec_error(paths: list[KeyPath]) -> ValueError:
     return ValueError(
-        f"eqshard.{_CALLER}: `out_specs` has `None` at {_paths(paths)}, where `fn` "
+        f"eqshard.{_CALLER}: `out_specs` has `None` at {paths_text(paths)}, where `fn` "
         "returns arrays: give each a spec, e.g. P() for an array that is the same "
         "on every device of the map."
     )
@@ -285,10 +275,9 @@ def _map_mesh(
 ) -> Mesh | AbstractMesh:
     """The mesh of the map: `mesh`, the current mesh, or the one of the
     `NamedSharding`s in `in_specs` and of the arrays' `layouts`."""
-    if mesh is None:
-        mesh = current_mesh()
-    if mesh is not None:
-        return mesh
+    given = find_mesh(mesh)
+    if given is not None:
+        return given
     found: list[Mesh | AbstractMesh] = []
     named = jtu.tree_leaves(in_specs, is_leaf=is_spec_leaf)
     meshes = [x.mesh for x in named if isinstance(x, NamedSharding)]
@@ -303,7 +292,7 @@ def _map_mesh(
     return found[0]
 
 
-def _leaf_paths(tree: Any) -> list[KeyPath]:
+def _leafpaths_text(tree: Any) -> list[KeyPath]:
     """The paths of the leaves of `tree`, for messages (found again only then)."""
     return [path for path, _ in jtu.tree_leaves_with_path(tree)]
 
@@ -351,7 +340,7 @@ def _in_specs(
             elsewhere.append((i, on))
         specs.append(spec)
     if cannot or elsewhere:
-        where = paths or _leaf_paths(args)
+        where = paths or _leafpaths_text(args)
         if cannot:
             raise _infer_error([(where[i], why) for i, why in cannot], mesh)
         found = [(where[i], on) for i, on in elsewhere]
@@ -378,7 +367,7 @@ def _in_specs(
                 explicit = set(typed.mesh.axis_types) == {AxisType.Explicit}
                 differ.append((i, typed.spec if explicit else None, spec))
         if differ:
-            where = paths or _leaf_paths(args)
+            where = paths or _leafpaths_text(args)
             found = [(where[i], have, want) for i, have, want in differ]
             raise _explicit_error(found, mesh)
     return tuple(specs[i] for i in at)
@@ -432,19 +421,24 @@ class _Static(eqx.Module):
     value: Any = eqx.field(static=True)
 
 
-def _make_program(
-    fn: Callable[..., Any],
-    mesh: Mesh | AbstractMesh,
-    in_specs: tuple[PartitionSpec, ...],
-    out_specs: PyTree,
-    options: dict[str, Any],
-    manual: frozenset[str],
-) -> Any:
+class _Map(NamedTuple):
+    """What a program of the map is made of."""
+
+    fn: Callable[..., Any]
+    mesh: Mesh | AbstractMesh
+    in_specs: tuple[PartitionSpec, ...]  # one per array of the arguments
+    out_specs: PyTree  # as given: resolved against the output's blocks
+    options: dict[str, Any]  # for `jax.shard_map`
+    manual: frozenset[str]
+
+
+def _make_program(config: _Map) -> Any:
     """`jax.jit(run, static_argnums=1)`: `run(arrays, static)` maps `fn` over the
     arguments made of `arrays` (the arguments with `None` for every non-array)
     and `static` (their structure and non-array leaves, `None` for every array),
     and returns the output's arrays (`None` elsewhere) and the rest as `_Static`.
     JAX gets the trees as they are, so its own messages name their paths."""
+    fn, mesh, in_specs, out_specs, options, manual = config
 
     def run(arrays: tuple[Any, ...], static: tuple[Any, ...]) -> Any:
         treedef, static_leaves, _ = static
@@ -492,21 +486,14 @@ def _make_program(
     return jax.jit(run, static_argnums=1)
 
 
-_PROGRAMS: dict[Any, Any] = {}
-_MAX_PROGRAMS = 64
+_PROGRAMS: Programs[Any] = Programs()
 
 
-def _program(
-    fn: Callable[..., Any],
-    mesh: Mesh | AbstractMesh,
-    in_specs: tuple[PartitionSpec, ...],
-    out_specs: PyTree,
-    options: dict[str, Any],
-    manual: frozenset[str],
-) -> Any:
-    """The kept program for these, made at the first call. `out_specs` are resolved
-    inside it, so the key holds them as given (and the logical-rules context that
-    resolves their `AxisNames`)."""
+def _program(config: _Map) -> Any:
+    """The kept program for `config`, made at the first call. `out_specs` are
+    resolved inside it, so the key holds them as given (and the logical-rules
+    context that resolves their `AxisNames`)."""
+    fn, mesh, in_specs, out_specs, options, _ = config
     out_leaves, out_def = jtu.tree_flatten(
         out_specs, is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames)
     )
@@ -528,12 +515,8 @@ def _program(
             raise _fn_error(fn) from None
         # A leaf of `out_specs` that cannot be hashed (a rule's value, or no spec
         # at all, which the trace reports): a program for this call only.
-        return _make_program(fn, mesh, in_specs, out_specs, options, manual)
-    if key not in _PROGRAMS:
-        if len(_PROGRAMS) >= _MAX_PROGRAMS:
-            del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
-        _PROGRAMS[key] = _make_program(fn, mesh, in_specs, out_specs, options, manual)
-    return _PROGRAMS[key]
+        return _make_program(config)
+    return _PROGRAMS.get(key, lambda: _make_program(config))
 
 
 @typecheck
@@ -632,7 +615,7 @@ def shard_map(
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
             structs = [
                 path
-                for path, leaf in zip(_leaf_paths(args), leaves, strict=True)
+                for path, leaf in zip(_leafpaths_text(args), leaves, strict=True)
                 if isinstance(leaf, jax.ShapeDtypeStruct)
             ]
             raise abstract_leaf_error(_CALLER, structs)
@@ -649,7 +632,7 @@ def shard_map(
         arrays = jtu.tree_unflatten(
             treedef, [leaf if is_array(leaf) else None for leaf in leaves]
         )
-        program = _program(fn, on, specs, out_specs, options, manual)
+        program = _program(_Map(fn, on, specs, out_specs, options, manual))
         out, rest = program(arrays, static)
         return eqx.combine(out, rest.value)
 

@@ -197,3 +197,13 @@ def resolve_specs(
         for path, leaf, subtree in zip(paths, leaves, subtrees, strict=True)
     ]
     return jtu.tree_unflatten(treedef, out)
+
+
+def resolve_like(
+    specs: Any, like: Any, *, caller: str, mesh: Mesh | AbstractMesh | None
+) -> Any:
+    """`resolve_specs` for a function whose tree is the optional `like=`: without
+    it (`None`), rules and functions are refused, with that fix."""
+    tree = NO_TREE if like is None else like
+    fix = "Pass the tree they are for as `like=`."
+    return resolve_specs(specs, tree, caller=caller, mesh=mesh, no_tree=fix)

@@ -17,7 +17,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._logical import axis_names_resolver, AxisNames, normalize_rules
-from ._tree import broadcast_prefix, is_array, path_str
+from ._mesh import mesh_repr
+from ._tree import broadcast_prefix, is_array, path_str, paths_text
 from ._typing import KeyPath, SpecLeaf
 
 
@@ -89,6 +90,18 @@ def bad_spec_leaf_message(
     return f"{message}."
 
 
+def abstract_mesh_error(caller: str, paths: Sequence[KeyPath]) -> TypeError:
+    """The message for `NamedSharding`s of `specs` on an abstract mesh, at `paths`,
+    where arrays must be put on devices."""
+    return TypeError(
+        f"eqshard.{caller}: `specs` has `NamedSharding`s on an abstract mesh at "
+        f"{paths_text(paths)}, which has no devices to place arrays on. Pass "
+        "`PartitionSpec`s and a mesh (`eqshard.get_partition_spec` reads them "
+        "from a tree), or bind the shardings of an `eqx.filter_eval_shape` tree "
+        "to a mesh with `eqshard.extract_shardings(shapes, mesh)`."
+    )
+
+
 def named_sharding(
     spec: PartitionSpec,
     mesh: Mesh,
@@ -109,7 +122,7 @@ def named_sharding(
             what = (
                 f"names {', '.join(map(repr, unknown))}, not "
                 f"{'an axis' if len(unknown) == 1 else 'axes'} of the mesh "
-                f"{dict(mesh.shape)}. Use the mesh's axis names{alternative}"
+                f"{mesh_repr(mesh)}. Use the mesh's axis names{alternative}"
             )
         else:
             what = (
@@ -134,14 +147,16 @@ def entry_axes(entry: Any) -> tuple[Any, ...]:
     return (entry,)
 
 
-def _entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+    """The entry of a spec for one dimension split over `axes`: `None` for none,
+    the axis for one, a tuple for several (the inverse of `entry_axes`)."""
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def axes_repr(axes: Sequence[str]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    return repr(spec_entry(axes))
 
 
 def check_spec(
@@ -192,7 +207,7 @@ def check_spec(
                 else:
                     used.discard(axis)
             kept = divisible
-        fixed.append(_entry(kept))
+        fixed.append(spec_entry(kept))
     while fixed and fixed[-1] is None:
         fixed.pop()
     if not reasons:
@@ -312,7 +327,7 @@ def spec_error_message(
     """The message for leaves whose specs do not fit: one line per leaf with its path,
     shape, spec, what is wrong, and the nearest spec that fits (which is used
     instead if `corrected`)."""
-    meshes = {str(dict(p.mesh.shape)) for p in problems}
+    meshes = {mesh_repr(p.mesh) for p in problems}
     count = (
         "1 leaf has a spec"
         if len(problems) == 1
@@ -321,7 +336,7 @@ def spec_error_message(
     on = f" on mesh {meshes.pop()}" if len(meshes) == 1 else ""
     lines = [f"eqshard.{caller}: {count} that cannot apply{on}:"]
     for p in problems:
-        mesh_note = "" if on else f" on mesh {dict(p.mesh.shape)}"
+        mesh_note = "" if on else f" on mesh {mesh_repr(p.mesh)}"
         lines.append(
             f"  - '{p.path}' (shape {p.shape}), spec {p.spec}{mesh_note}: "
             f"{'; '.join(p.reasons)}. "

@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
 from ._hlo import Collective, Program, text_error
+from ._mesh import mesh_repr
 from ._step_report import (
     CollectivePart,
     CollectiveRow,
@@ -62,7 +63,7 @@ _CALLER = "analyze_step"
 def _abstract_mesh_error(path: str, mesh: AbstractMesh) -> ValueError:
     return ValueError(
         f"eqshard.{_CALLER}: the argument at '{path}' is laid out on an "
-        f"AbstractMesh {dict(mesh.shape)}, which cannot be compiled: analyze_step "
+        f"AbstractMesh {mesh_repr(mesh)}, which cannot be compiled: analyze_step "
         "compiles the step for real devices. Lay it out on a `jax.sharding.Mesh` of "
         "that shape; without the hardware, start JAX with as many virtual CPU "
         f"devices (`jax.config.update('jax_num_cpu_devices', {mesh.size})` before "

@@ -9,17 +9,14 @@ by `from_json` field by field. `diff` compares two reports by leaf path: layout
 """
 
 import dataclasses
-import io
 import json
-import sys
 import typing
 from collections.abc import Callable, Iterator
-from typing import Any, IO
+from typing import Any
 
 import jax
 
-from ._inspect import format_bytes, TableReport
-from ._plan import parse_bytes
+from ._report import format_bytes, parse_bytes, plain, Report, text_table
 
 
 _FORMAT = 1  # the version of `to_json`'s format
@@ -218,7 +215,7 @@ def _show(value: str | int | None, what: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class StepReport(TableReport):
+class StepReport(Report):
     """What a compiled step communicates and holds on each device, named by tree
     path: made by [`eqshard.analyze_step`][].
 
@@ -348,14 +345,17 @@ class StepReport(TableReport):
                 changes.append(StepChange("memory", field, x, y))
         return StepDiff(tuple(changes))
 
+    def _json(self) -> Any:
+        data = plain(self)
+        data["format"] = _FORMAT
+        data["jax"] = jax.__version__
+        return data
+
     def to_json(self) -> str:
         """The report as JSON: sorted keys, no timings, timestamps or addresses,
         so the same step gives the same bytes (a layout lockfile); sources are
         relative to the working directory of the analysis when under it."""
-        data = _plain(self)
-        data["format"] = _FORMAT
-        data["jax"] = jax.__version__
-        return json.dumps(data, sort_keys=True, indent=1)
+        return super().to_json()
 
     @classmethod
     def from_json(cls, text: str) -> "StepReport":
@@ -435,15 +435,8 @@ class StepReport(TableReport):
         lines = [self.summary()]
         rows = self._rows()
         if rows:
-            cells = [_COLUMNS] + rows
-            widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
             lines.append("")
-            for r in cells:
-                lines.append(
-                    "  ".join(
-                        c.ljust(w) for c, w in zip(r, widths, strict=True)
-                    ).rstrip()
-                )
+            lines += text_table(_COLUMNS, rows)
         if self.moved:
             lines.append("inputs moved at every call:")
             lines += [f"  {m.path}: {m.have} -> {m.want}" for m in self.moved]
@@ -464,17 +457,13 @@ class StepReport(TableReport):
             "mesh": self.mesh_shape,
         }
 
-    def show(self, file: io.TextIOBase | None = None) -> None:
-        """Prints the report to `file` (standard output by default): with `rich`
-        when it is installed, as `report.table()` otherwise."""
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:
-            print(self.table(), file=file or sys.stdout)
-            return
-        console = Console(file=typing.cast(IO[str] | None, file))
-        console.print(self.summary())
+    def _rich(self) -> list[Any]:
+        """The summary, then tables of the collectives and the inputs moved, and
+        XLA's warnings."""
+        from rich.table import Table
+        from rich.text import Text
+
+        out: list[Any] = [Text(self.summary())]
         if self.collectives:
             table = Table(title="collectives per step")
             for header in _COLUMNS:
@@ -482,34 +471,24 @@ class StepReport(TableReport):
             for row, cells in zip(self.collectives, self._rows(), strict=True):
                 style = None if any(p.paths for p in row.parts) else "dim"
                 table.add_row(*cells, style=style)
-            console.print(table)
+            out.append(table)
         if self.moved:
             moved = Table(title="inputs moved at every call")
             for header in ("path", "has", "program wants"):
                 moved.add_column(header)
             for m in self.moved:
                 moved.add_row(m.path, m.have, m.want)
-            console.print(moved)
+            out.append(moved)
         for w in self.warnings:
-            console.print(f"[yellow]XLA warning[/yellow]: {w.message}")
+            out.append(Text.assemble(("XLA warning", "yellow"), f": {w.message}"))
+        return out
 
 
 _COLUMNS = ("kind", "shape", "dtype", "bytes", "count", "axes", "leaves")
 
 
-def _plain(value: Any) -> Any:
-    """Dataclasses as dicts, tuples as lists."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-        }
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _build(cls: type, data: dict[str, Any]) -> Any:
-    """The dataclass `cls` from `_plain`'s dict, lists back to tuples."""
+    """The dataclass `cls` from `plain`'s dict, lists back to tuples."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):

@@ -124,9 +124,25 @@ def path_str(path: KeyPath) -> str:
     return "/".join(map(_key_to_string, path)) or "<root>"
 
 
-def paths_text(paths: Sequence[KeyPath]) -> str:
-    """The first ten of `paths`, quoted and comma-separated, for messages."""
-    return ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+def paths_text(paths: Sequence[KeyPath | str], limit: int = 10) -> str:
+    """The first `limit` of `paths` (key paths, or names already made), quoted and
+    comma-separated, and how many more: the one way messages list paths."""
+    names = [p if isinstance(p, str) else path_str(p) for p in paths[:limit]]
+    shown = ", ".join(f"'{name}'" for name in names)
+    more = len(paths) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def listing(
+    header: str, lines: Sequence[str], *after: str, limit: int | None = 10
+) -> str:
+    """A message of one line per item: `header`, the first `limit` of `lines`
+    (all with `None`), each as `  - line`, a line saying how many more, and the
+    lines `after`."""
+    shown = [f"  - {line}" for line in lines[:limit]]
+    if limit is not None and len(lines) > limit:
+        shown.append(f"  ... and {len(lines) - limit} more.")
+    return "\n".join([header, *shown, *after])
 
 
 def is_deleted(x: Any) -> bool:
@@ -135,14 +151,34 @@ def is_deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
 
 
+# How an array comes to be deleted, for every message about one.
+DELETED = (
+    "deleted: donated to a function (`donate_argnums`, "
+    "`Partitioner.move_to_devices`) or freed with `.delete()`"
+)
+
+
 def deleted_error(caller: str, paths: Sequence[KeyPath]) -> ValueError:
     """The message for arrays that were deleted, at `paths`."""
     return ValueError(
-        f"eqshard.{caller}: the arrays at {paths_text(paths)} have been deleted: "
-        "donated to a function (`donate_argnums`, `Partitioner.move_to_devices`) "
-        "or freed with `.delete()`. Use what that function returned in their "
-        "place, or keep a copy of them."
+        f"eqshard.{caller}: the arrays at {paths_text(paths)} have been {DELETED}. "
+        "Use what that function returned in their place, or keep a copy of them."
     )
+
+
+def abstract_leaf_error(caller: str, paths: list[KeyPath]) -> TypeError:
+    return TypeError(
+        f"eqshard.{caller}: `tree` holds `jax.ShapeDtypeStruct` leaves at "
+        f"{paths_text(paths)}, which have no data to move. Create the arrays "
+        "first, or plan with abstract trees through "
+        "`eqshard.analyze_sharding_strategy`."
+    )
+
+
+def placed_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype JAX places NumPy data of `dtype` as: in native byte order, and
+    narrowed to 32 bits while `jax_enable_x64` is off."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype.newbyteorder("=")))
 
 
 def repeated_arrays(leaves: Sequence[Any]) -> list[tuple[int, int]]:

@@ -138,19 +138,19 @@ Int: TypeAlias = int | np.integer
 # the runtime check admits any value, so that beartype's error does not hide it.
 # The choices of each, for `check_choice`, stand next to their `Literal`s. Two
 # kinds of rules: partition rules (`rules=`, `(regex, spec)` pairs) and logical
-# axis rules (`axis_rules=`, `(logical_name, mesh_axes)` pairs).
-CONSTRAINT_ON_INVALID = ("warn", "raise", "ignore")
-REPORT_ON_INVALID = ("report", "raise")
+# axis rules (`axis_rules=`, `(logical_name, mesh_axes)` pairs). `OnInvalid` is
+# the one vocabulary for what to do when something does not fit: raise, or apply
+# the documented fallback (correct, replicate, report) with or without a warning.
+ON_INVALID = ("raise", "warn", "ignore")
 CHECK_VALUES = ("sample", "full")
 if TYPE_CHECKING:
-    ConstraintOnInvalid: TypeAlias = Literal["warn", "raise", "ignore"]
-    ReportOnInvalid: TypeAlias = Literal["report", "raise"]
+    OnInvalid: TypeAlias = Literal["raise", "warn", "ignore"]
     CheckValues: TypeAlias = Literal["sample", "full"]
     PartitionRulesArg: TypeAlias = Sequence[Any]
     AxisRulesArg: TypeAlias = Sequence[Any]
     StackAxis: TypeAlias = str | tuple[str, ...] | None
 else:
-    ConstraintOnInvalid = ReportOnInvalid = CheckValues = str
+    OnInvalid = CheckValues = str
     PartitionRulesArg = AxisRulesArg = StackAxis = Any
 
 

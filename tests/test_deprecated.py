@@ -155,3 +155,48 @@ def test_partitioner_logical_axis_rules_is_axis_rules(mesh):
         match=r"^eqshard\.t5x\.Partitioner\.logical_axis_rules is now `axis_rules`",
     ):
         assert partitioner.logical_axis_rules == tuple(RULES)
+
+
+# One vocabulary for "what to do when something does not fit": `on_invalid`.
+
+
+def _spelled(caller: str, old: str, new: str) -> str:
+    return rf"^eqshard\.{caller}: {re.escape(old)} is now {re.escape(new)}; use that"
+
+
+def test_old_keywords_and_literals_of_on_invalid_warn_and_work(mesh):
+    tree = {"w": jnp.ones((8, 8)), "b": jnp.ones(3)}
+    rules = [("w", P("dp", "tp"))]
+    replicated = {"w": P("dp", "tp"), "b": P()}
+    caller, old = "match_partition_rules", "`strict=False`"
+    with pytest.warns(
+        DeprecationWarning, match=_spelled(caller, old, '`on_invalid="ignore"`')
+    ):
+        assert eqshard.match_partition_rules(rules, tree, strict=False) == replicated
+    old = "`strict=True`"
+    with pytest.warns(
+        DeprecationWarning, match=_spelled(caller, old, '`on_invalid="raise"`')
+    ):
+        with pytest.raises(ValueError, match="'b'"):
+            eqshard.match_partition_rules(rules, tree, strict=True)
+    params = {"w": jnp.ones((8, 8))}
+    state = {"mu": params, "extra": jnp.ones(512)}  # 2 KiB, follows no parameter
+    old, new = '`on_unmatched="replicate"`', '`on_invalid="ignore"`'
+    with pytest.warns(DeprecationWarning, match=_spelled("derive_specs", old, new)):
+        out = eqshard.derive_specs(state, params, P("tp"), on_unmatched="replicate")
+    assert out == {"mu": {"w": P("tp")}, "extra": P()}
+    old, new = '`on_unmatched="error"`', '`on_invalid="raise"`'
+    with pytest.warns(DeprecationWarning, match=_spelled("derive_specs", old, new)):
+        with pytest.raises(ValueError, match="'extra'"):
+            eqshard.derive_specs(state, params, P("tp"), on_unmatched="error")
+    old, new = "the keyword `on_change`", "`on_invalid`"
+    with pytest.warns(DeprecationWarning, match=_spelled("restrict_specs", old, new)):
+        assert eqshard.restrict_specs(P("sp"), mesh, on_change="ignore") == P()
+    for caller, fn in [
+        ("analyze_sharding_strategy", eqshard.analyze_sharding_strategy),
+        ("plan_training", eqshard.plan_training),
+    ]:
+        old, new = '`on_invalid="report"`', '`on_invalid="ignore"`'
+        with pytest.warns(DeprecationWarning, match=_spelled(caller, old, new)):
+            report = fn(tree, P("sp"), mesh, on_invalid="report")
+        assert len(report.problems) == 2

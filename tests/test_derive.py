@@ -228,8 +228,11 @@ def test_derive_specs_unmatched():
     tree = {"ema": {"w": jnp.zeros((16, 16))}, "other": jnp.zeros((32, 32))}
     with pytest.raises(ValueError, match=r"derive_specs: .*'other' \(shape \(32, 32\)"):
         eqshard.derive_specs(tree, params, {"w": P("tp")})
-    out = eqshard.derive_specs(tree, params, {"w": P("tp")}, on_unmatched="replicate")
+    out = eqshard.derive_specs(tree, params, {"w": P("tp")}, on_invalid="ignore")
     assert out == {"ema": {"w": P("tp")}, "other": P()}
+    with pytest.warns(UserWarning, match=r"'other' \(shape .*They are replicated"):
+        warned = eqshard.derive_specs(tree, params, {"w": P("tp")}, on_invalid="warn")
+    assert warned == out
     small = {"ema": {"w": jnp.zeros((16, 16))}, "n": jnp.zeros(3)}
     assert eqshard.derive_specs(small, params, {"w": P("tp")})["n"] == P()
 
@@ -263,9 +266,27 @@ def test_match_partition_rules_on_unused():
         UserWarning, match=r"matched no array leaf: 1: 'typo', 2: '\.\*'"
     ):
         eqshard.match_partition_rules(rules, tree, on_unused="warn")
-    assert eqshard.match_partition_rules(rules[:1], tree, on_unused="warn") == {
+    with pytest.raises(ValueError, match=r"matched no array leaf: 1: 'typo', 2"):
+        eqshard.match_partition_rules(rules, tree, on_unused="raise")
+    assert eqshard.match_partition_rules(rules[:1], tree, on_unused="raise") == {
         "w": P("tp")
     }
+
+
+def test_match_partition_rules_on_invalid_warn_names_what_it_used(mesh):
+    tree = {"w": jnp.zeros((6, 8)), "b": jnp.zeros(8)}
+    rules = [("w", P("tp", "dp"))]
+    with pytest.warns(
+        UserWarning,
+        match=r"(?s)2 array leaves have no valid spec:\n  'b' shape \(8,\): no rule "
+        r"matches; using P\(\)\n  'w' .*using P\(None, 'dp'\)"
+        r".*on_invalid=\"ignore\"",
+    ):
+        specs = eqshard.match_partition_rules(rules, tree, mesh=mesh, on_invalid="warn")
+    assert specs == eqshard.match_partition_rules(
+        rules, tree, mesh=mesh, on_invalid="ignore"
+    )
+    assert specs == {"w": P(None, "dp"), "b": P()}
 
 
 def _fsdp_mesh():
@@ -310,16 +331,16 @@ def test_restrict_specs_named_shardings_move_to_the_mesh(mesh):
         {"w": NamedSharding(mesh, P("dp", "tp"))},
         small,
         rename={"dp": "fsdp"},
-        on_change="ignore",
+        on_invalid="ignore",
     )
     assert out == {"w": NamedSharding(small, P("fsdp"))}
 
 
 def test_restrict_specs_raise_and_bad_arguments(mesh):
     with pytest.raises(ValueError, match=r"'a/0'.*'sp' is not a mesh axis"):
-        eqshard.restrict_specs({"a": [P("sp")]}, mesh, on_change="raise")
-    with pytest.raises(ValueError, match="on_change"):
-        eqshard.restrict_specs(P(), mesh, on_change="loud")
+        eqshard.restrict_specs({"a": [P("sp")]}, mesh, on_invalid="raise")
+    with pytest.raises(ValueError, match="on_invalid"):
+        eqshard.restrict_specs(P(), mesh, on_invalid="loud")
     with pytest.raises(TypeError, match="'a'"):
         eqshard.restrict_specs({"a": "dp"}, mesh)
     with pytest.raises(ValueError, match="'a'"):

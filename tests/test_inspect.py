@@ -1,5 +1,5 @@
 import dataclasses
-import sys
+import io
 import time
 
 import equinox as eqx
@@ -358,14 +358,15 @@ def test_analyze_invalid_specs_are_reported(mesh):
     )
 
 
-def test_analyze_invalid_specs_raise_on_request(mesh):
+def test_analyze_invalid_specs_raise_or_warn_on_request(mesh):
     tree = {"layers": [sds((8,)), sds((3, 16))]}
-    with pytest.raises(
-        ValueError, match=r"'layers/1' \(shape \(3, 16\)\).*not divisible"
-    ):
-        eqshard.analyze_sharding_strategy(
-            tree, {"layers": [P("dp"), P("dp", "tp")]}, mesh, on_invalid="raise"
-        )
+    specs = {"layers": [P("dp"), P("dp", "tp")]}
+    where = r"'layers/1' \(shape \(3, 16\)\).*not divisible"
+    with pytest.raises(ValueError, match=where):
+        eqshard.analyze_sharding_strategy(tree, specs, mesh, on_invalid="raise")
+    with pytest.warns(UserWarning, match=where + r".*Using P\(None, 'tp'\) instead"):
+        report = eqshard.analyze_sharding_strategy(tree, specs, mesh, on_invalid="warn")
+    assert report == eqshard.analyze_sharding_strategy(tree, specs, mesh)
 
 
 def test_analyze_spec_tree_errors(mesh):
@@ -485,23 +486,20 @@ def test_table(mesh):
     assert "max 144 B" in totals and "balance 1.00" in totals and "8 devices" in totals
 
 
-def test_rich_table(mesh):
+def test_show_draws_a_rich_table_which_rich_table_gave(mesh):
     from rich.table import Table
 
     report = eqshard.analyze_sharding_strategy(*_plan(), mesh)
-    table = report.rich_table()
+    shown = io.StringIO()
+    report.show(shown)
+    assert "eqshard sharding plan" in shown.getvalue()
+    assert "total: 3 arrays" in shown.getvalue()
+    old = r"^eqshard\.ShardingReport\.rich_table\(\) is now `show\(\)`"
+    with pytest.warns(DeprecationWarning, match=old):
+        table = report.rich_table()
     assert isinstance(table, Table)
     assert table.row_count == 3 and len(table.columns) == 7
     assert table.caption.startswith("total: 3 arrays")
-
-
-def test_rich_table_without_rich(mesh, monkeypatch):
-    report = eqshard.analyze_sharding_strategy(*_plan(), mesh)
-    monkeypatch.setitem(sys.modules, "rich", None)
-    monkeypatch.setitem(sys.modules, "rich.table", None)
-    with pytest.raises(ImportError, match=r"eqshard\[rich\]"):
-        report.rich_table()
-    assert "total:" in report.table()  # the plain table needs nothing
 
 
 # ---------------------------------------------------------------------------------

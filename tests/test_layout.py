@@ -24,7 +24,9 @@ def test_a_tree_laid_out_as_asked_passes(mesh):
     model = eqx.nn.Linear(4, 8, key=jax.random.key(0))
     specs = eqx.tree_at(lambda m: (m.weight, m.bias), model, (P("tp", None), P()))
     placed = eqshard.shard(model, specs, mesh)
-    assert eqshard.check_layout(placed, specs, mesh) is None
+    report = eqshard.check_layout(placed, specs, mesh)
+    assert report.ok and report.checked == 2 and report.mismatches == ()
+    assert str(report) == "2 arrays checked: all laid out as asked."
     # The same placement written otherwise, NamedShardings, and the set mesh.
     same = eqx.tree_at(lambda m: (m.weight, m.bias), specs, (P("tp"), P(None)))
     eqshard.check_layout(placed, same, mesh)
@@ -133,3 +135,10 @@ def test_many_mismatches_show_the_first_and_keep_all_on_the_error(mesh):
     last = mismatches[999]
     assert last.shape == (2,) and last.spec == P() and last.mesh == mesh
     assert copy.copy(info.value).mismatches == mismatches  # kept by copies
+    assert info.value.report == eqshard.check_layout(
+        tree, P(), mesh, on_invalid="ignore"
+    )
+    with pytest.warns(UserWarning, match="1000 arrays are not laid out") as caught:
+        report = eqshard.check_layout(tree, P(), mesh, on_invalid="warn")
+    assert str(caught[0].message) == message == str(report)
+    assert report.mismatches == mismatches and not report.ok

@@ -181,7 +181,7 @@ def test_non_strict_trims_and_replicates_without_warning():
     tree = {"b": np.ones(4), "w": np.ones((4, 4)), "other": np.ones((2, 2))}
     rules = [("b", P("dp", "tp")), ("w", P("dp", "tp"))]
     # filterwarnings = error: any warning would fail this test.
-    specs = eqshard.match_partition_rules(rules, tree, strict=False)
+    specs = eqshard.match_partition_rules(rules, tree, on_invalid="ignore")
     assert specs == {"b": P("dp"), "w": P("dp", "tp"), "other": P()}
 
 
@@ -287,7 +287,9 @@ _rules = st.lists(st.tuples(st.sampled_from(["a", "b/", "w$", "0", ""]), _rule_s
 @settings(deadline=None, max_examples=40)
 @given(tree=_trees, rules=_rules, min_size=st.integers(0, 4))
 def test_property_structure_and_rank(tree, rules, min_size):
-    specs = eqshard.match_partition_rules(rules, tree, min_size=min_size, strict=False)
+    specs = eqshard.match_partition_rules(
+        rules, tree, min_size=min_size, on_invalid="ignore"
+    )
     assert_spec_structure(specs, tree)
     arrays = jax.tree.leaves(eqx.filter(tree, _is_array))
     spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
@@ -554,7 +556,7 @@ def test_rules_checked_against_a_mesh_before_shard():
     match = r"'embed' shape \(33, 8\): spec P\('tp',\) of rule 0 cannot apply on mesh"
     with pytest.raises(ValueError, match=match):
         eqshard.match_partition_rules(rules, tree, mesh=mesh)
-    relaxed = eqshard.match_partition_rules(rules, tree, mesh=mesh, strict=False)
+    relaxed = eqshard.match_partition_rules(rules, tree, mesh=mesh, on_invalid="ignore")
     assert relaxed == {"embed": P(), "w": P("dp", "tp")}
     report = eqshard.explain_partition_rules(rules, tree, mesh=mesh.abstract_mesh)
     assert [row.path for row in report.problems] == ["embed"]

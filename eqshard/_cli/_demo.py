@@ -195,7 +195,7 @@ def builtin_rules(mesh: Mesh) -> list[tuple[str, P]]:
     """The built-in rules, without the mesh axes that `mesh` lacks (the rules
     name every axis a mesh of the command may have, so dropping is expected)."""
     return [
-        (regex, eqshard.restrict_specs(spec, mesh, on_change="ignore"))
+        (regex, eqshard.restrict_specs(spec, mesh, on_invalid="ignore"))
         for regex, spec in BUILTIN_RULES
     ]
 

@@ -33,8 +33,9 @@ from jaxtyping import PyTree
 import eqshard
 
 from .._auto import auto_fsdp
-from .._inspect import format_bytes
-from .._plan import parse_bytes, TrainingPlan
+from .._mesh import mesh_repr
+from .._plan import TrainingPlan
+from .._report import format_bytes, parse_bytes
 from .._rules import match_partition_rules
 from .._specs import entry_axes
 from .._tree import is_array, path_name
@@ -201,7 +202,7 @@ def propose_rules(
     if not axes:
         raise ValueError(
             f"--fit adds FSDP over the mesh's data axes ('dp', 'fsdp' or 'data'), "
-            f"but the mesh {dict(mesh.shape)} has none; add one to --mesh"
+            f"but the mesh {mesh_repr(mesh)} has none; add one to --mesh"
         )
     tried = []
     for min_size in THRESHOLDS:
@@ -427,7 +428,7 @@ def training_memory(
     timer("fit", seconds, f"rules + auto_fsdp, {what}")
     axes = ", ".join(data_axes(mesh))
     header = [
-        f"proposed by `{PROG} --fit` for mesh {dict(mesh.shape)} and "
+        f"proposed by `{PROG} --fit` for mesh {mesh_repr(mesh)} and "
         f"{format_bytes(options.device_memory or 0)} per device:",
         f"from {origin}, plus FSDP over {axes} for arrays of at least "
         f"{min_size:,} elements (eqshard.auto_fsdp).",

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import eqshard
 
+from .._mesh import mesh_repr
 from .._rules import parse_rule, SPEC_SYNTAX
 from ._demo import (
     builtin_rules,
@@ -325,7 +326,7 @@ def run(
     kind = "virtual CPU" if platform == "cpu" else platform
     print(
         f"eqshard {eqshard.__version__} on {jax.device_count()} {kind} devices, "
-        f"mesh {dict(mesh.shape)}"
+        f"mesh {mesh_repr(mesh)}"
     )
     if options is not None and args.model is not None:
         return run_model(args, setup, options)

@@ -21,10 +21,10 @@ from .._rules import (
     create_pattern_based_partition_spec as create_pattern_based_partition_spec,
     get_weight_decay_mask as get_weight_decay_mask,
 )
-from .._shard import make_shard_and_gather_fns as make_shard_and_gather_fns
 from .._tree import get_names_from_partition_spec as get_names_from_partition_spec
 from ._misc import (
     get_metrics as get_metrics,
+    make_shard_and_gather_fns as make_shard_and_gather_fns,
     pad_to_multiple as pad_to_multiple,
     RngFunction as RngFunction,
     round_up_to_multiple as round_up_to_multiple,

@@ -1,5 +1,6 @@
-"""Small utilities: metrics for logging, PRNG keys threaded through calls, and
-padding for sizes that do not divide a mesh."""
+"""Small utilities: metrics for logging, PRNG keys threaded through calls,
+padding for sizes that do not divide a mesh, and fjformer's per-leaf shard and
+gather functions."""
 
 import functools as ft
 import operator
@@ -11,10 +12,16 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._gather import gather
+from .._host import check_cast_dtype
 from .._keys import is_key
-from .._shard import gather
+from .._mesh import concrete_mesh
+from .._shard import shard_tree
+from .._spec_args import NO_TREE, resolve_specs
+from .._specs import is_spec_leaf
 from .._tree import is_array, mismatch_message, path_str
 from .._typing import Int, KeyPath, typecheck
 
@@ -353,3 +360,73 @@ def pad_to_multiple(
     if isinstance(x, np.ndarray):
         return np.pad(x, widths)
     return jnp.pad(x, widths)
+
+
+# ---------------------------------------------------------------------------------
+# Per-leaf shard and gather functions.
+# ---------------------------------------------------------------------------------
+
+
+@typecheck
+def make_shard_and_gather_fns(
+    specs: PyTree, mesh: Mesh | AbstractMesh | None = None, *, dtype: Any = None
+) -> tuple[PyTree, PyTree]:
+    """Makes trees of functions that shard and gather one leaf (or subtree) each.
+
+    For code that moves a tree piece by piece, such as a checkpoint loader, with
+    [`eqshard.tree_apply`][]. Each function does what [`eqshard.shard`][] or
+    [`eqshard.gather`][] does for its part of the tree, with no compilation, and its
+    errors name the full path.
+
+    **Arguments:**
+
+    - `specs`: a spec tree (or prefix of one), as for [`eqshard.shard`][].
+    - `mesh`: defaults to the mesh set by `jax.set_mesh` when the functions are made.
+    - `dtype`: if given, a floating dtype the functions cast floating arrays to
+      (one dtype: each function sees only its part of the tree).
+
+    **Returns:**
+
+    `(shard_fns, gather_fns)`, two pytrees of the structure of `specs`, with a
+    function where `specs` has a spec and `None` where it has `None`.
+
+    **Raises:**
+
+    As [`eqshard.shard`][], when a function is called.
+
+    !!! Example
+
+        ```python
+        shard_fns, gather_fns = eqshard.compat.make_shard_and_gather_fns(specs, mesh)
+        model = eqshard.tree_apply(shard_fns, host_model)
+        host_model = eqshard.tree_apply(gather_fns, model)
+        ```
+    """
+    caller = "compat.make_shard_and_gather_fns"
+    specs = resolve_specs(specs, NO_TREE, caller=caller, mesh=mesh)
+    path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+    if dtype is not None:
+        check_cast_dtype(dtype, caller)
+    if any(isinstance(spec, PartitionSpec) for _, spec in path_specs):
+        mesh = concrete_mesh(mesh, caller=caller)
+    gather_fn = ft.partial(gather, dtype=dtype)
+    shard_fns, gather_fns = [], []
+    for path, spec in path_specs:
+        if spec is None:
+            shard_fns.append(None)
+            gather_fns.append(None)
+            continue
+        shard_fns.append(
+            ft.partial(
+                shard_tree,
+                specs=spec,
+                mesh=mesh,
+                dtype=dtype,
+                caller="shard",
+                root=path,
+            )
+        )
+        gather_fns.append(gather_fn)
+    return jtu.tree_unflatten(treedef, shard_fns), jtu.tree_unflatten(
+        treedef, gather_fns
+    )

@@ -33,7 +33,7 @@ from .._logical import (
 from .._mesh import mesh_repr
 from .._shard import shard_tree
 from .._spec_args import NO_TREE, resolve_specs
-from .._specs import axes_repr, entry_axes
+from .._specs import axes_repr, entry_axes, spec_entry
 from .._typing import AxisRulesArg, Int, typecheck
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
 from ._partitioned import PartitionedFn, to_shardings
@@ -289,8 +289,7 @@ class Partitioner:
     # -- data layout --------------------------------------------------------------
 
     def _data_entry(self) -> str | tuple[str, ...] | None:
-        axes = self._data_axes
-        return None if not axes else axes[0] if len(axes) == 1 else axes
+        return spec_entry(self._data_axes)
 
     def _chunker(self, process_index: Int | None) -> LocalChunker:
         if process_index is None:

@@ -1,0 +1,378 @@
+"""`restore`: an orbax checkpoint read straight into the shardings asked for,
+compared with `like` before any data is read, and checked for values lost (see
+the package's docstring).
+"""
+
+import functools as ft
+import json
+import os
+import typing
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import PyTree
+
+from .._derive import abstract_tree
+from .._host import converted, leaf_casts, loss_error, Lost, lost_text
+from .._keys import is_key
+from .._multiprocess import check_timeout, fail_together, meet
+from .._spec_args import resolve_specs
+from .._specs import (
+    check_placeable,
+    check_spec_on_mesh,
+)
+from .._typing import KeyPath, typecheck
+from ._disk import is_read_error, Saved, saved_arrays, unreadable_error
+from ._targets import (
+    abstract_target_error,
+    check_against,
+    import_optional,
+    named_arrays,
+    restore_targets,
+)
+
+
+def _from_orbax(
+    ocp: Any, path: str, layout: Any, wanted: dict[int, Any], caller: str
+) -> dict[int, Any]:
+    """The leaves of orbax's tree at the positions of `wanted`, each read as
+    asked: a `jax.ShapeDtypeStruct` onto its sharding, a NumPy dtype whole on
+    host. One read for all of them, and none of the others."""
+    epath = import_optional("etils.epath", "orbax", caller)
+    items: list[Any] = [ocp.PLACEHOLDER] * layout.num_leaves
+    args: list[Any] = list(items)
+    for k, want in wanted.items():
+        if isinstance(want, jax.ShapeDtypeStruct):
+            items[k] = want
+            args[k] = ocp.checkpoint_utils.construct_restore_args(want)
+        else:
+            items[k] = 0
+            args[k] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        got = handler.restore(
+            epath.Path(path),
+            args=ocp.args.PyTreeRestore(
+                item=jtu.tree_unflatten(layout, items),
+                restore_args=jtu.tree_unflatten(layout, args),
+            ),
+        )
+    finally:
+        handler.close()
+    flat = layout.flatten_up_to(got)
+    return {k: flat[k] for k in wanted}
+
+
+def _made_empty(target: jax.ShapeDtypeStruct) -> jax.Array:
+    """A zero-size array on its sharding (nothing to read). Made from host data:
+    `jit` gives zero-size outputs blocks of the whole array's shape."""
+    if not is_key(target):
+        value = np.empty(target.shape, target.dtype)
+        return jax.make_array_from_callback(
+            value.shape, target.sharding, lambda index: value[index], dtype=value.dtype
+        )
+    data = jax.eval_shape(jax.random.key_data, target)
+    data = _made_empty(
+        jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=target.sharding)
+    )
+    impl = jax.random.key_impl(jnp.empty((0,), target.dtype))
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
+def _from_bits(x: jax.Array, dtype: np.dtype, target: Any) -> jax.Array:
+    """Bits read as the integer type orbax holds them in, viewed as `dtype` and cast
+    to `target`, on their sharding."""
+
+    def view(bits: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(bits, dtype).astype(target)
+
+    return jax.jit(view, out_shardings=x.sharding)(x)
+
+
+def _read(
+    ocp: Any,
+    path: str,
+    layout: Any,
+    saved: dict[str, Saved],
+    targets: dict[str, jax.ShapeDtypeStruct],
+    caller: str,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Every target read onto its sharding (`read` in the module docstring), and a
+    float32 reading of every narrowed integer array, to check it by."""
+    wanted: dict[int, Any] = {}
+    twins: dict[int, Any] = {}
+    out: dict[str, jax.Array] = {}
+    for name, target in targets.items():
+        s = saved[name]
+        if s.position is None:
+            out[name] = _made_empty(target)
+            continue
+        dtype = s.stored if s.stored != s.dtype else target.dtype
+        wanted[s.position] = jax.ShapeDtypeStruct(
+            target.shape, dtype, sharding=target.sharding
+        )
+        if s.dtype.kind in "iu" and s.dtype != target.dtype and not is_key(target):
+            twins[s.position] = jax.ShapeDtypeStruct(
+                target.shape, jnp.float32, sharding=target.sharding
+            )
+    got = _from_orbax(ocp, path, layout, wanted, caller) if wanted else {}
+    read_twins = _from_orbax(ocp, path, layout, twins, caller) if twins else {}
+    checks = {}
+    for name, target in targets.items():
+        s = saved[name]
+        if s.position is None:
+            continue
+        value = got[s.position]
+        if s.stored != s.dtype:
+            value = _from_bits(value, s.dtype, target.dtype)
+        out[name] = value
+        if s.position in read_twins:
+            checks[name] = read_twins[s.position]
+    return out, checks
+
+
+def _found_in_shards(
+    restored: dict[str, jax.Array], checks: dict[str, jax.Array], cast: list[str]
+) -> dict[str, list[int | float]]:
+    """What this process's shards show, each block once (its replica 0), one at a
+    time on host (no program to compile): for each narrowed integer array, the
+    values that differ from its float32 reading (a wrapped value differs in
+    magnitude), `[how many, lowest, highest]`; for each cast floating array, how
+    many values are inf or nan, `[how many]`."""
+    found: dict[str, list[int | float]] = {}
+    for name, reading in checks.items():
+        by_device = {shard.device: shard.data for shard in reading.addressable_shards}
+        count, low, high = 0, np.inf, -np.inf
+        for shard in restored[name].addressable_shards:
+            if shard.replica_id == 0:
+                twin = np.asarray(by_device[shard.device])
+                bad = np.asarray(shard.data).astype(np.float32) != twin
+                if bad.any():
+                    count += int(bad.sum())
+                    low = min(low, float(twin[bad].min()))
+                    high = max(high, float(twin[bad].max()))
+        found[name] = [count, low, high]
+    for name in cast:
+        shards = restored[name].addressable_shards
+        found[name] = [
+            sum(
+                int(np.count_nonzero(~np.isfinite(np.asarray(shard.data))))
+                for shard in shards
+                if shard.replica_id == 0
+            )
+        ]
+    return found
+
+
+def _losses(
+    ocp: Any,
+    path: str,
+    layout: Any,
+    saved: dict[str, Saved],
+    restored: dict[str, jax.Array],
+    checks: dict[str, jax.Array],
+    meeting: Any,
+) -> dict[str, Lost]:
+    """What placing the restored arrays lost, by name (`Nothing lost` in the
+    module docstring). `meeting(status)` gives every process's status."""
+    cast = [
+        name
+        for name, x in restored.items()
+        if saved[name].position is not None
+        and x.dtype != saved[name].dtype
+        and jnp.issubdtype(saved[name].dtype, jnp.inexact)
+    ]
+    if not (checks or cast):
+        return {}
+    found = _found_in_shards(restored, checks, cast)
+    statuses = meeting(json.dumps(found))
+    for p, status in statuses.items():  # the other processes' shards
+        if p == jax.process_index():
+            continue
+        for name, (count, *extremes) in json.loads(status).items():
+            found[name][0] += count
+            if extremes:
+                found[name][1] = min(found[name][1], extremes[0])
+                found[name][2] = max(found[name][2], extremes[1])
+    lost: dict[str, Lost] = {}
+    for name in checks:
+        count, low, high = found[name]
+        if count:
+            info = np.iinfo(restored[name].dtype)
+            extreme = low if info.min - low > high - info.max else high
+            lost[name] = Lost(np.dtype(restored[name].dtype), int(count), extreme)
+    overflowed = [name for name in cast if found[name][0]]
+    if overflowed:  # inf or nan: overflowed, or saved so? The saved values tell.
+        positions = {n: typing.cast(int, saved[n].position) for n in overflowed}
+        wanted = {positions[n]: saved[n].stored for n in overflowed}
+        host = _from_orbax(ocp, path, layout, wanted, "restore")
+        for name in overflowed:
+            source = host[positions[name]].view(saved[name].dtype)
+            _, found_lost = converted(source, np.dtype(restored[name].dtype))
+            if found_lost is not None:
+                lost[name] = found_lost
+    return lost
+
+
+@typecheck
+def restore(
+    directory: str | os.PathLike,
+    like: PyTree,
+    specs: PyTree = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    dtype: Any = None,
+    timeout: float | int = 300.0,
+) -> PyTree:
+    """Restores an [`eqshard.save`][] checkpoint onto any mesh.
+
+    The arrays are read straight into their shardings: each device's shard is
+    read from the files onto that device, on the mesh the checkpoint was saved
+    on or any other, so no full copy of an array is ever on one device or on the
+    host. Everything that is not an array comes from `like`, so
+    `eqx.filter_eval_shape(Model, ...)` (no memory) is enough. Before any data is
+    read, the checkpoint's names, shapes and dtypes are compared with `like`'s,
+    and every difference is reported at once. A checkpoint that orbax wrote
+    directly (a nested dict of arrays, say) restores too: its arrays are named by
+    their paths, as `like`'s are.
+
+    Values are never changed silently, with [`eqshard.shard`][]'s policy: a cast
+    asked for with `dtype=` may round, but an array whose values would become inf
+    or nan, or, with `jax_enable_x64` off, a 64-bit array whose values do not fit
+    32 bits, is refused, naming every such array and its values.
+
+    In a multi-process run, every process makes the same call, and reads only
+    the shards its devices hold. The processes meet before reading and after: if
+    one fails, or does not make the call within `timeout` seconds, all of them
+    raise.
+
+    **Arguments:**
+
+    - `directory`: a checkpoint written by [`eqshard.save`][] (or by orbax).
+    - `like`: a tree of the saved tree's structure, concrete or abstract; its
+      array leaves give the shapes and dtypes, the rest is returned as it is.
+    - `specs`: where to put the arrays: a spec tree for `like` (or a prefix of
+      it), e.g. `eqshard.restrict_specs(specs, mesh)` for another mesh, partition
+      rules, or a function of the abstract tree (see
+      [the spec-tree family](specs.md)). `None` (the default, also at a leaf)
+      keeps `like`'s own shardings: those of its `jax.Array`s, or of its structs
+      made by [`eqshard.abstract`][].
+    - `mesh`: the mesh for `PartitionSpec`s (a concrete one: arrays are read
+      onto its devices); defaults to the mesh set by `jax.set_mesh`.
+    - `dtype`: if given, floating arrays are cast to it as they are read: a
+      floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
+    - `timeout`: in a multi-process run, how many seconds each process waits
+      for the others at each meeting (after reading its shards, for the
+      slowest to read theirs).
+
+    **Returns:**
+
+    A tree of the structure of `like`, with the saved arrays on their shardings.
+
+    **Raises:**
+
+    - `ValueError` naming every array missing from the checkpoint, extra in it,
+      or saved with another shape or dtype (without a cast); naming the arrays
+      that get no sharding, or whose values would be lost (see above); if the
+      checkpoint is not there, or its files are truncated or damaged; as
+      [`eqshard.shard`][], if `specs` does not fit; and in a multi-process run,
+      if another process failed, or did not make the call within `timeout`
+      seconds.
+    - `TypeError` naming the arrays that would go on an `AbstractMesh`.
+    - `ImportError` if orbax-checkpoint is not installed.
+
+    !!! Example
+
+        ```python
+        like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+        model = eqshard.restore("/tmp/ckpt/step_100", like, specs, mesh)
+        ```
+    """
+    caller = "restore"
+    check_timeout(caller, timeout)
+    ocp = import_optional("orbax.checkpoint", "orbax", caller)
+    path = os.path.abspath(os.fspath(directory))
+    cannot = f"the checkpoint at {path!r} is not read"
+    rule = "Every process must make the same `restore` call at the same point"
+    leaves, treedef = jtu.tree_flatten(like)
+    failure: Exception | None = None
+    named: dict[str, tuple[int, KeyPath, Any]] = {}
+    targets: dict[str, jax.ShapeDtypeStruct] = {}
+    saved: dict[str, Saved] = {}
+    casts: list[np.dtype | None] = []
+    layout = None
+    try:
+        named = named_arrays(like, caller)
+        if isinstance(mesh, AbstractMesh):
+            raise abstract_target_error(caller, [p for _, p, _ in named.values()], mesh)
+        placed = leaves
+        specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
+        if specs is not None:
+            # Arrays read now need a layout: every spec checked as `shard` does
+            # (`P.UNCONSTRAINED` refused), all at once.
+            check = ft.partial(check_placeable, check_spec_on_mesh)
+            target = abstract_tree(like, specs, mesh, caller=caller, check=check)
+            placed = jtu.tree_leaves(target)
+        casts = leaf_casts(dtype, like, caller=caller)
+        targets = restore_targets(named, placed, casts, caller)
+        saved, layout = saved_arrays(ocp, path, caller)
+        check_against(
+            targets,
+            named,
+            {name: (s.shape, s.dtype) for name, s in saved.items()},
+            casts,
+            caller=caller,
+            where=f"the checkpoint at {path!r}",
+            fix="Pass the `like` of the tree that was saved (an "
+            "`eqx.filter_eval_shape` skeleton of it is enough).",
+        )
+    except Exception as error:  # raised on every process, by `fail_together`
+        failure = error
+    rows = [(n, t.shape, t.dtype) for n, t in targets.items()]
+    fail_together(caller, failure, timeout, rows=rows, cannot=cannot, rule=rule)
+    restored: dict[str, jax.Array] = {}
+    checks: dict[str, jax.Array] = {}
+    try:
+        restored, checks = _read(ocp, path, layout, saved, targets, caller)
+    except Exception as error:  # orbax wraps a failed read in a bare `Exception`
+        failure = (
+            unreadable_error(caller, path, error, list(targets))
+            if is_read_error(error)
+            else error
+        )
+    fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
+    processes = tuple(range(jax.process_count()))
+    lost = _losses(
+        ocp,
+        path,
+        layout,
+        saved,
+        restored,
+        checks,
+        lambda status: meet(
+            caller, processes, timeout, cannot=cannot, rule=rule, status=status
+        ),
+    )
+    if lost:
+        raise loss_error(
+            caller,
+            [
+                (
+                    named[name][1],
+                    saved[name].dtype,
+                    lost[name].dtype,
+                    lost_text(lost[name]),
+                    casts[named[name][0]] is not None,
+                )
+                for name in targets
+                if name in lost
+            ],
+        )
+    out = list(leaves)
+    for name, (i, _, _) in named.items():
+        out[i] = restored[name]
+    return jtu.tree_unflatten(treedef, out)

@@ -1,0 +1,251 @@
+"""`save`: the arrays of a pytree written as an orbax checkpoint, beside the old
+one, which the new one replaces only when complete (see the package's docstring).
+"""
+
+import functools as ft
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from .._host import unplaceable
+from .._keys import is_key
+from .._multiprocess import check_timeout, fail_together
+from .._tree import (
+    DELETED,
+    is_deleted,
+    listing,
+    path_str,
+)
+from .._typing import KeyPath, typecheck
+from ._disk import check_directory, NEW, OWN_FILE, remove, swap
+from ._targets import import_optional, named_arrays, stored_like
+
+
+# Integer types by width, whose bits hold arrays of dtypes tensorstore lacks.
+_SAME_WIDTH = {2: "int2", 4: "int4", 8: "uint8", 16: "uint16", 32: "uint32"}
+
+
+@ft.lru_cache(maxsize=256)
+def _tensorstore_has(name: str) -> bool:
+    import tensorstore
+
+    try:
+        tensorstore.dtype(name)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _stored_as(dtype: np.dtype) -> np.dtype | None:
+    """The dtype orbax holds arrays of `dtype` in: `dtype` itself, or an integer
+    type of the same width whose bits are saved (where tensorstore has no name for
+    `dtype`); `None` if neither can."""
+    if _tensorstore_has(dtype.name):
+        return dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        return None
+    view = _SAME_WIDTH.get(bits)
+    return np.dtype(jnp.dtype(view)) if view and _tensorstore_has(view) else None
+
+
+def _unsavable(leaf: Any) -> tuple[str, bool] | None:
+    """Why `leaf` cannot be saved, and whether its type is at fault (rather than
+    its state), or `None` if it can."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return "a `jax.ShapeDtypeStruct`, which has no data: save the arrays", True
+    if is_deleted(leaf):
+        return (
+            f"{DELETED}; save what that function returned, or a copy kept before",
+            False,
+        )
+    if is_key(leaf):
+        return None
+    dtype = np.dtype(leaf.dtype)
+    reason = unplaceable(dtype) if isinstance(leaf, np.ndarray | np.generic) else None
+    if reason is None and _stored_as(dtype.newbyteorder("=")) is None:
+        reason = f"orbax cannot store {dtype}, nor its bits; cast it first"
+    return None if reason is None else (reason, True)
+
+
+def _check_leaves(
+    named: dict[str, tuple[int, KeyPath, Any]], caller: str
+) -> dict[str, dict[str, Any]]:
+    """The entries of eqshard's file (zero-size arrays, and arrays whose bits orbax
+    holds as another dtype), or an error naming every leaf that cannot be saved."""
+    own: dict[str, dict[str, Any]] = {}
+    bad = []
+    for name, (_, path, leaf) in named.items():
+        problem = _unsavable(leaf)
+        if problem is not None:
+            bad.append((path, leaf, *problem))
+            continue
+        shape, dtype = stored_like(leaf)
+        stored = _stored_as(dtype)
+        empty = 0 in shape  # orbax refuses zero-size arrays
+        if empty or stored != dtype:
+            saved_as = None if empty or stored is None else stored.name
+            own[name] = {
+                "shape": list(shape),
+                "dtype": dtype.name,
+                "saved_as": saved_as,
+            }
+    if bad:
+        lines = [
+            f"'{path_str(path)}' ({leaf.dtype}{list(leaf.shape)}): {reason}."
+            for path, leaf, reason, _ in bad
+        ]
+        head = (
+            f"eqshard.{caller}: nothing was written, as these leaves cannot be saved:"
+        )
+        kind = TypeError if any(typed for *_, typed in bad) else ValueError
+        raise kind(listing(head, lines))
+    return own
+
+
+def _bits(leaf: Any, stored: np.dtype) -> Any:
+    """`leaf`'s data viewed as `stored`, a dtype of the same width."""
+    if isinstance(leaf, jax.Array):
+        return jax.lax.bitcast_convert_type(leaf, stored)
+    return np.asarray(leaf).view(stored)
+
+
+def _items(
+    named: dict[str, tuple[int, KeyPath, Any]], own: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """What orbax writes: every array but the zero-size ones, bits as saved."""
+    items = {}
+    for name, (_, _, leaf) in named.items():
+        entry = own.get(name)
+        if entry is None:
+            items[name] = leaf
+        elif entry["saved_as"] is not None:
+            items[name] = _bits(leaf, np.dtype(jnp.dtype(entry["saved_as"])))
+    return items
+
+
+def _not_written(caller: str, path: str, error: Exception) -> ValueError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    failure = ValueError(
+        f"eqshard.{caller}: writing the checkpoint at {path!r} failed, so nothing "
+        f"there was replaced: {first[:400]}"
+    )
+    failure.__cause__ = error
+    return failure
+
+
+@typecheck
+def save(
+    directory: str | os.PathLike,
+    tree: PyTree,
+    *,
+    overwrite: bool = False,
+    timeout: float | int = 300.0,
+) -> None:
+    """Saves the arrays of a pytree as an orbax checkpoint.
+
+    Every array leaf (`jax.Array`, NumPy) is saved under its path (`layers/3/w`),
+    sharded or not, each process writing the shards it holds; everything else
+    (static fields, callables, Python scalars, `None`) is not saved, and comes
+    back from the `like` given to [`eqshard.restore`][]. So an Equinox module
+    with activation functions, or an optax state, saves as it is: no
+    `eqx.partition` first. The checkpoint is a standard orbax one (a flat dict of
+    arrays keyed by path), readable by `orbax.checkpoint` directly, plus
+    eqshard's file `eqshard.json` for what orbax cannot hold: zero-size arrays
+    (by shape and dtype; plain orbax does not see them), and arrays of dtypes
+    tensorstore lacks (uint4, uint2, float8_e4m3), whose bits orbax holds as
+    an integer type of the same width.
+
+    Every leaf is checked before anything is written, and the checkpoint is
+    written beside `directory` and put in its place only when complete: a save
+    that fails, at any point, leaves a checkpoint that was there as it was.
+    Returns when the checkpoint is complete on disk.
+
+    In a multi-process run, every process makes the same call (with the same
+    `directory`, on a file system all of them see). The processes meet before
+    writing and after: if one fails, or does not make the call within `timeout`
+    seconds, all of them raise.
+
+    **Arguments:**
+
+    - `directory`: the checkpoint's directory; it must not exist yet.
+    - `tree`: any pytree.
+    - `overwrite`: replace a checkpoint (or an empty directory) at `directory`.
+    - `timeout`: in a multi-process run, how many seconds each process waits
+      for the others at each meeting (after writing its shards, for the
+      slowest to write theirs).
+
+    **Raises:**
+
+    - `TypeError` naming every leaf that cannot be saved: `jax.ShapeDtypeStruct`s
+      (no data), and dtypes orbax cannot store (text, Python objects); with them,
+      deleted (donated) arrays, which alone raise `ValueError`.
+    - `ValueError` if `directory` exists (and not `overwrite`), or holds something
+      other than a checkpoint; naming both paths if two arrays have the same path
+      string; if writing fails (nothing is replaced); and in a multi-process run,
+      if another process failed, passed another tree, or did not make the call
+      within `timeout` seconds.
+    - `ImportError` if orbax-checkpoint is not installed
+      (`pip install "eqshard[orbax]"`).
+
+    !!! Example
+
+        ```python
+        eqshard.save("/tmp/ckpt/step_100", (model, opt_state))
+        ```
+    """
+    caller = "save"
+    check_timeout(caller, timeout)
+    ocp = import_optional("orbax.checkpoint", "orbax", caller)
+    epath = import_optional("etils.epath", "orbax", caller)
+    path = os.path.abspath(os.fspath(directory))
+    new = path + NEW
+    primary = jax.process_index() == 0
+    cannot = f"the checkpoint at {path!r} is not written"
+    rule = "Every process must make the same `save` call at the same point"
+    failure: Exception | None = None
+    named: dict[str, tuple[int, KeyPath, Any]] = {}
+    own: dict[str, dict[str, Any]] = {}
+    try:
+        named = named_arrays(tree, caller)
+        own = _check_leaves(named, caller)
+        check_directory(path, overwrite, caller)
+        if primary:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            remove(new)  # left by a save that failed
+            os.mkdir(new)
+    except Exception as error:  # raised on every process, by `fail_together`
+        failure = error
+    rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        fail_together(caller, failure, timeout, rows=rows, cannot=cannot, rule=rule)
+        items = _items(named, own)
+        try:  # every process writes its shards
+            if items:
+                handler.save(epath.Path(new), args=ocp.args.StandardSave(items))
+        except Exception as error:
+            failure = _not_written(caller, path, error)
+        fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
+        try:  # all have written: process 0 completes the checkpoint, and swaps
+            if primary:
+                if items:
+                    handler.finalize(epath.Path(new))
+                with open(os.path.join(new, OWN_FILE), "w") as f:
+                    json.dump({"version": 1, "orbax": bool(items), "arrays": own}, f)
+                swap(new, path)
+        except Exception as error:
+            failure = _not_written(caller, path, error)
+        fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
+    finally:
+        handler.close()
+        if primary:  # after a failure: the new files go, the old stay
+            remove(new)
