@@ -29,6 +29,7 @@ from ._derive import (
     restrict_specs as restrict_specs,
     stack_specs as stack_specs,
 )
+from ._explicit import auto_axes as auto_axes
 from ._gather import gather as gather, iter_gather as iter_gather
 from ._init import clear_init_cache as clear_init_cache, init_sharded as init_sharded
 from ._inspect import (
@@ -131,6 +132,7 @@ __all__ = [
     "init_sharded",
     "clear_init_cache",
     "with_sharding_constraint",
+    "auto_axes",
     "corrected_spec",
     "named_shardings",
     "shard_map",

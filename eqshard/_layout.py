@@ -5,9 +5,11 @@ for, and reports every array that differs, in a `LayoutReport`: placed with
 another spec, on another mesh, on a single device (which JAX calls "fully
 replicated", but which is not on the mesh at all), on the host as a NumPy array,
 or in another memory kind (host against device memory), deleted (donated), or
-asked for with a spec that cannot apply to it. It moves nothing and compiles
-nothing. By default a report with mismatches is raised as a `LayoutError` (a
-`ValueError`) whose message shows the first rows and which carries the report.
+asked for with a spec that cannot apply to it. Inside `jit` it reads a traced
+array's layout from its type, which only Explicit mesh axes fill in. It moves
+nothing and compiles nothing. By default a report with mismatches is raised as a
+`LayoutError` (a `ValueError`) whose message shows the first rows and which
+carries the report.
 """
 
 import dataclasses
@@ -15,7 +17,8 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import find_mesh, mesh_repr, same_mesh
@@ -33,17 +36,45 @@ def _memory_kind(sharding: Any) -> str | None:
         return None
 
 
-def _placement(spec: PartitionSpec, ndim: int, sizes: dict[str, int]) -> list[Any]:
-    """The mesh axes splitting each dimension, ignoring axes of size 1: two specs
-    with the same placement place an array the same way."""
+def _placement(
+    spec: PartitionSpec,
+    ndim: int,
+    sizes: dict[str, int],
+    typed: frozenset[str] | None = None,
+) -> list[Any]:
+    """The mesh axes splitting each dimension, ignoring axes of size 1 (and, if
+    `typed` is given, the axes not in it): two specs with the same placement place
+    an array the same way."""
     out: list[Any] = []
     for d in range(ndim):
         entry = spec[d] if d < len(spec) else None
         if entry is PartitionSpec.UNCONSTRAINED:
             out.append(entry)
         else:
-            out.append(tuple(a for a in entry_axes(entry) if sizes.get(a, 0) != 1))
+            out.append(
+                tuple(
+                    a
+                    for a in entry_axes(entry)
+                    if sizes.get(a, 0) != 1 and (typed is None or a in typed)
+                )
+            )
     return out
+
+
+def _typed_sharding(leaf: Tracer) -> tuple[NamedSharding, frozenset[str]] | None:
+    """The sharding in a tracer's type and the mesh axes it speaks for (the
+    Explicit ones), or `None` if its type carries no layout (Auto and Manual axes:
+    it reads all-`None` whatever XLA will choose)."""
+    sharding = jax.typeof(leaf).sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    mesh = sharding.mesh
+    typed = frozenset(
+        a
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    )
+    return (sharding, typed) if typed else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +156,9 @@ class LayoutReport(Report):
             )
         lines.append(
             "Place them with `eqshard.shard(tree, specs, mesh)` (or make them "
-            "inside `jax.jit` with `out_shardings=`), or change `specs`."
+            "inside `jax.jit` with `out_shardings=`; within a jitted step, "
+            "constrain them with `eqshard.with_sharding_constraint`), or change "
+            "`specs`."
         )
         return "\n".join(lines)
 
@@ -151,13 +184,22 @@ class LayoutError(ValueError):
         return type(self), (str(self), self.report)
 
 
-def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
-    """What is wrong with where `leaf` is, or `None` if it is where `expected` says."""
-    if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+def _mismatch(
+    leaf: Any,
+    expected: NamedSharding,
+    typed: tuple[NamedSharding, frozenset[str]] | None,
+) -> str | None:
+    """What is wrong with where `leaf` is, or `None` if it is where `expected` says.
+    A tracer's `typed` sharding is compared on the axes it speaks for."""
+    axes = None
+    if typed is not None:  # a tracer, by the sharding in its type
+        actual, axes = typed
+    elif not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         return "is a NumPy array on the host, not on any device"
-    if is_deleted(leaf):
+    elif is_deleted(leaf):
         return f"has been {DELETED}; check the array that function returned instead"
-    actual = leaf.sharding
+    else:
+        actual = leaf.sharding
     if actual is None:
         return "has no sharding (an abstract array made without one)"
     if not isinstance(actual, NamedSharding):
@@ -170,7 +212,9 @@ def _mismatch(leaf: Any, expected: NamedSharding) -> str | None:
         problems.append(f"is on another mesh {mesh_repr(actual.mesh)}")
     sizes = dict(actual.mesh.shape)
     ndim = len(leaf.shape)
-    if _placement(actual.spec, ndim, sizes) != _placement(expected.spec, ndim, sizes):
+    if _placement(actual.spec, ndim, sizes, axes) != _placement(
+        expected.spec, ndim, sizes, axes
+    ):
         problems.append(f"has spec {actual.spec}")
     want, have = expected.memory_kind, _memory_kind(actual)
     if want is not None and have is not None and have != want:
@@ -203,6 +247,14 @@ def check_layout(
 
     Nothing is moved or compiled: use it in tests, after restoring a checkpoint,
     or every few hundred steps of a training loop.
+
+    Inside `jit` a step can check its own layout: a traced array on `Explicit`
+    mesh axes carries its sharding in its type (`jax.typeof(x).sharding`), which
+    is what is checked (on a mesh that mixes axis types, along its Explicit axes
+    only). On `Auto` axes a traced array's type carries no layout (it reads
+    all-`None` whatever XLA will choose), so those arrays are skipped, without an
+    error: the same step runs on both kinds of mesh. Outside `jit` every array is
+    checked, whatever its mesh.
 
     **Arguments:**
 
@@ -244,6 +296,12 @@ def check_layout(
         # asked P() on mesh {'dp': 2, 'tp': 4}; is on a single device ...
         report = eqshard.check_layout(state, P(), mesh, on_invalid="ignore")
         report.mismatches[0].path  # "mu"
+
+        @jax.jit
+        def step(params):  # on Explicit axes, the step checks its own layout
+            params = jax.tree.map(lambda w: 2 * w, params)
+            eqshard.check_layout(params, P("dp", "tp"), mesh)
+            return params
         ```
     """
     caller = "check_layout"
@@ -256,6 +314,9 @@ def check_layout(
     for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree), strict=True):
         if spec is None or not is_array(leaf):
             continue
+        typed = _typed_sharding(leaf) if isinstance(leaf, Tracer) else None
+        if isinstance(leaf, Tracer) and typed is None:
+            continue  # inside `jit` on Auto axes: no layout to read
         checked += 1
         if isinstance(spec, PartitionSpec):
             if found is None:
@@ -279,7 +340,7 @@ def check_layout(
             expected = (
                 spec if isinstance(spec, NamedSharding) else NamedSharding(on, asked)
             )
-            problem = _mismatch(leaf, expected)
+            problem = _mismatch(leaf, expected, typed)
         if problem is not None:
             mismatches.append(
                 LayoutMismatch(path_str(path), shape, asked, on, kind, problem)

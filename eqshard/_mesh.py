@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
-from ._typing import Int, typecheck
+from ._typing import AxisTypesArg, Int, typecheck
 
 
 # One builder per kind of message.
@@ -125,11 +125,14 @@ def _check_shape(
 
 
 def _axis_types(
-    caller: str, names: tuple[str, ...], axis_types: Sequence[AxisType] | None
+    caller: str, names: tuple[str, ...], axis_types: AxisTypesArg
 ) -> tuple[AxisType, ...]:
-    """`axis_types`, or `Auto` for every axis, checked against the axis names."""
+    """`axis_types` (one type for every axis, or one per axis), or `Auto` for
+    every axis, checked against the axis names."""
     if axis_types is None:
         return (AxisType.Auto,) * len(names)
+    if isinstance(axis_types, AxisType):
+        return (axis_types,) * len(names)
     if len(axis_types) != len(names):
         raise ValueError(
             f"eqshard.{caller}: {len(axis_types)} axis_types for the "
@@ -157,7 +160,7 @@ def _build_mesh(
     names: Sequence[str],
     devices: Sequence[Any] | None,
     backend: str | None,
-    axis_types: Sequence[AxisType] | None,
+    axis_types: AxisTypesArg,
     *,
     keep_device_order: bool = False,
 ) -> Mesh:
@@ -186,7 +189,7 @@ def create_mesh(
     *,
     devices: Sequence[Any] | None = None,
     backend: str | None = None,
-    axis_types: Sequence[AxisType] | None = None,
+    axis_types: AxisTypesArg = None,
 ) -> Mesh:
     """Build a named device mesh from sizes or a mesh string; one size of `-1`
     takes the remaining devices.
@@ -197,10 +200,17 @@ def create_mesh(
     a string keeps the devices in the order given instead of arranging them by
     topology (allowing a physical axis to be split across mesh axes). Otherwise
     the devices are arranged by `jax.make_mesh`, which follows the physical
-    topology (TPU rings and tori). Every axis is `AxisType.Auto` unless
-    `axis_types` says otherwise. The sizes must use every device, as in
+    topology (TPU rings and tori). The sizes must use every device, as in
     `jax.make_mesh`; to use fewer on purpose, pass them as `devices` (of which the
     mesh then uses the first ones).
+
+    Every axis is `AxisType.Auto` unless `axis_types` says otherwise
+    (`jax.make_mesh` defaults to `Explicit`). On Auto axes a model written
+    without shardings in mind (Equinox's layers, optax) runs unchanged and XLA
+    lays out what is computed in between. On Explicit axes every array's sharding
+    is part of its type (`jax.typeof(x)`), and an operation whose result's
+    sharding is ambiguous is an error until it is named, which Equinox's layers
+    do not do: see the how-to "Explicit axes".
 
     **Arguments:**
 
@@ -210,7 +220,8 @@ def create_mesh(
       (which, if `axis_names` is given, must name exactly those axes).
     - `devices`: the devices to use (default `jax.devices(backend)`).
     - `backend`: the JAX backend to take devices from when `devices` is not given.
-    - `axis_types`: one `jax.sharding.AxisType` per axis (default all `Auto`).
+    - `axis_types`: one `jax.sharding.AxisType` for every axis (such as
+      `AxisType.Explicit`) or one per axis (default all `Auto`).
 
     **Returns:**
 
@@ -218,12 +229,13 @@ def create_mesh(
 
     **Raises:**
 
-    `ValueError` if sizes and names differ in length, a name repeats, more than
-    one size is `-1`, a size is `0` or below `-1`, or the sizes do not fit the
-    device count (more than there are, or, unless `devices` is given, fewer: the
-    message gives both numbers); for a mesh string, naming the offending entry (an
-    empty entry, a size that is not an integer, an unknown or repeated name, named
-    and positional entries mixed). `TypeError` for a bare string as `axis_names`.
+    `ValueError` if sizes and names (or `axis_types` and names) differ in length,
+    a name repeats, more than one size is `-1`, a size is `0` or below `-1`, or
+    the sizes do not fit the device count (more than there are, or, unless
+    `devices` is given, fewer: the message gives both numbers); for a mesh string,
+    naming the offending entry (an empty entry, a size that is not an integer, an
+    unknown or repeated name, named and positional entries mixed). `TypeError` for
+    a bare string as `axis_names`.
 
     !!! Example
 
@@ -232,6 +244,8 @@ def create_mesh(
         dict(mesh.shape)  # {"dp": 2, "tp": 4}
         mesh = eqshard.create_mesh("tp:2,dp:-1")
         dict(mesh.shape)  # {"tp": 2, "dp": 4}
+        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), axis_types=AxisType.Explicit)
+        mesh.axis_types  # (Explicit, Explicit)
         ```
     """
     if isinstance(axis_dims, str):
@@ -299,7 +313,7 @@ def _string_mesh(
     names: Sequence[str] | None,
     devices: Sequence[Any] | None,
     backend: str | None,
-    axis_types: Sequence[AxisType] | None,
+    axis_types: AxisTypesArg,
     *,
     argname: str,
 ) -> Mesh:
@@ -324,7 +338,7 @@ def get_jax_mesh(
     *,
     devices: Sequence[Any] | None = None,
     backend: str | None = None,
-    axis_types: Sequence[AxisType] | None = None,
+    axis_types: AxisTypesArg = None,
 ) -> Mesh:
     """Build a mesh from a string such as `"dp:2,fsdp:-1,tp:1"` or `"2,-1,1"`
     (fjformer's name; [`eqshard.create_mesh`][] takes the same strings).
@@ -392,7 +406,7 @@ def create_hybrid_mesh(
     axis_names: Sequence[str],
     *,
     devices: Sequence[Any] | None = None,
-    axis_types: Sequence[AxisType] | None = None,
+    axis_types: AxisTypesArg = None,
 ) -> Mesh:
     """Build a mesh over several slices or hosts: fast (ICI) axes inside each one,
     slow (DCN) axes across them.

@@ -42,6 +42,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
+from ._explicit import explained
 from ._hlo import Collective, Program, text_error
 from ._mesh import mesh_repr
 from ._step_report import (
@@ -504,7 +505,8 @@ def _analyze(
         for i, array in zip(array_index, arrays, strict=True):
             full[i] = array
         call_args, call_kwargs = jtu.tree_unflatten(treedef, full)
-        out = fn(*call_args, **call_kwargs)
+        with explained("analyze_step"):
+            out = fn(*call_args, **call_kwargs)
         found = [
             (path, leaf)
             for path, leaf in jtu.tree_flatten_with_path(out)[0]

@@ -13,7 +13,7 @@ from typing import Any, Literal, TYPE_CHECKING, TypeAlias, TypeVar
 import jax.tree_util as jtu
 import numpy as np
 from beartype import beartype
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import jaxtyped
 
 
@@ -128,6 +128,10 @@ if TYPE_CHECKING:
 else:
     PyTreeDef = jtu.PyTreeDef
 
+
+# The `axis_types` of the mesh builders: one `AxisType` for every axis, one per
+# axis, or `None` (every axis `Auto`).
+AxisTypesArg: TypeAlias = AxisType | Sequence[AxisType] | None
 
 # An integer argument: a Python or NumPy integer (`np.int64(7)` from a shape or a
 # config works). Functions taking one convert it with `operator.index`.

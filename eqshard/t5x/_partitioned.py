@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._explicit import explained
 from .._logical import (
     axis_names_resolver,
     AxisNames,
@@ -308,7 +309,11 @@ class PartitionedFn:
     def _run(self, args: tuple[Any, ...]) -> tuple[Any, _OutStatics | None]:
         """Calls the function under the mesh and the rules (at trace time) and
         splits its output into arrays and static leaves."""
-        with jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh), self._rules:
+        with (
+            jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh),
+            self._rules,
+            explained("t5x.PartitionedFn"),
+        ):
             out = self._fn(*args)
         try:
             pairs = broadcast_prefix(
