@@ -40,14 +40,14 @@ def _life(case, rules, directory, key):
     for _ in range(3):
         state, loss = step(case.batch, state)
         losses.append(float(loss))
-    eqshard.check_layout(state, eqshard.match_partition_rules(rules, state), mesh)
+    eqshard.check_layout(state, rules, mesh)
     eqshard.save(directory, state)
     other = eqshard.create_mesh((4, 2), ("dp", "tp"))
     restored = eqshard.restore(directory, ft.partial(case.make, key), rules, other)
     shapes = eqx.filter_eval_shape(case.big, key)
     plan = eqshard.plan_training(
         shapes,
-        eqshard.match_partition_rules(rules, shapes),
+        rules,
         AbstractMesh((2, 8), ("dp", "tp")),
         optimizer=OPTIMIZER,
         trainable=trainable(shapes),
