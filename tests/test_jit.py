@@ -97,10 +97,10 @@ def test_specs_from_another_build_of_a_model_with_state_index(tmp_path):
     # structure and path, as inputs and as outputs (jax.jit's `out_shardings`
     # alone refuses them: "different pytree metadata").
     mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
-    state = eqshard.init_sharded(make, jax.random.key(0), specs=RULES, mesh=mesh)
     other = eqshard.match_partition_rules(
         RULES, eqx.filter_eval_shape(make, jax.random.key(1))
     )
+    state = eqshard.init_sharded(make, jax.random.key(0), specs=other, mesh=mesh)
     step = eqshard.filter_jit(
         train_step, in_specs=(P("dp"), other), out_specs=(other, P()), mesh=mesh
     )
