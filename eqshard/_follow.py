@@ -127,4 +127,6 @@ def is_placeholder(shape: tuple[int, ...], dtype: Any) -> bool:
     """Whether an array of `shape` and `dtype` is smaller than 1 KiB: one that
     follows no parameter (a step count, Adafactor's `(1,)` placeholders) is
     replicated."""
-    return math.prod(shape) * np.dtype(dtype).itemsize < _SMALL_BYTES
+    # Typed PRNG keys' dtypes have an itemsize that NumPy cannot read.
+    itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
+    return math.prod(shape) * itemsize < _SMALL_BYTES

@@ -1,13 +1,17 @@
 """Regex partition rules, pattern strings and weight-decay masks.
 
-A *rule* is a `(regex, value)` pair, where the value is a `PartitionSpec` or a
-callable of the leaf's shape returning one (such as `auto_fsdp`'s, which also
-reads the axis sizes of the mesh the rules are matched on). Rules are
-tried in order against the path string of each array leaf (`re.search`), and the
-first match gives the leaf's spec; `rule_spec` is the one place a rule's value
-becomes a leaf's spec. One private core, `_match_leaves`, does the matching for both
-`match_partition_rules` and `explain_partition_rules`: each regex is compiled once
-per call and each path is built and matched once.
+A *rule* is a `(regex, value)` pair, where the value is a `PartitionSpec`,
+logical `AxisNames`, one layer's spec for stacked layers (`stacked`, read from a
+leaf's last dimensions), or a callable of the leaf's shape returning one (such as
+`auto_fsdp`'s, which also reads the axis sizes of the mesh the rules are matched
+on). Rules are tried in order against the path string of each array leaf
+(`re.search`), and the first match gives the leaf's spec; `rule_spec` is the one
+place a rule's value becomes a leaf's spec. In a tuple or list of trees built
+together (`(model, opt_state)`), an array that follows another item's array
+(`_follow.followed`) takes that array's spec instead (`_followers`). One private
+core, `_match_leaves`, does the matching for both `match_partition_rules` and
+`explain_partition_rules`: each regex is compiled once per call and each path is
+built and matched once.
 """
 
 import ast
