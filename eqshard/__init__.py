@@ -24,6 +24,7 @@ from ._derive import (
     restrict_specs as restrict_specs,
     stack_specs as stack_specs,
 )
+from ._filter_jit import filter_jit as filter_jit
 from ._init import clear_init_cache as clear_init_cache, init_sharded as init_sharded
 from ._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
@@ -32,7 +33,6 @@ from ._inspect import (
     ShardingReport as ShardingReport,
     ShardingRow as ShardingRow,
 )
-from ._jit import filter_jit as filter_jit
 from ._keys import HostKey as HostKey
 from ._layout import check_layout as check_layout
 from ._logical import (
