@@ -151,7 +151,10 @@ def derive_specs(
     than 1 KiB that follow no parameter (step counts, hyperparameters, Adafactor's
     placeholders) are replicated (`P()`); non-array leaves and empty nodes such as
     `optax.MaskedNode` get `None`. Works on concrete and abstract trees (only
-    `.shape` and `.dtype` are read) and imports no optimizer library.
+    `.shape` and `.dtype` are read) and imports no optimizer library. A state
+    built with the model, `(model, opt_state)`, needs no call: rules written for
+    the model place it by this same rule (see
+    [`eqshard.match_partition_rules`][]).
 
     **Arguments:**
 
