@@ -71,7 +71,7 @@ from jaxtyping import PyTree
 
 from ._derive import abstract_tree
 from ._host import converted, leaf_casts, loss_error, Lost, lost_text, placed_dtype
-from ._init import restore_target
+from ._init import needs_arguments, restore_target
 from ._keys import is_key
 from ._mesh import require_mesh
 from ._multiprocess import check_timeout, fail_together, meet
@@ -969,6 +969,17 @@ def restore(
     caller = "restore"
     check_timeout(caller, timeout)
     check_choice(on_invalid, CONSTRAINT_ON_INVALID, caller=caller, name="on_invalid")
+    fix = (
+        "Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
+        "skeleton of it is enough)."
+    )
+    if needs_arguments(like):
+        fix += (
+            f" `like` is {like!r}, a function that takes arguments: to restore "
+            "what it makes, give it with its arguments bound, e.g. "
+            "`functools.partial(make, key)` for the `make` and `key` given to "
+            "`eqshard.init_sharded`."
+        )
     like, specs = restore_target(
         like, specs, mesh, on_invalid=on_invalid, caller=caller
     )
@@ -1001,8 +1012,7 @@ def restore(
             casts,
             caller=caller,
             where=f"the checkpoint at {path!r}",
-            fix="Pass the `like` of the tree that was saved (an "
-            "`eqx.filter_eval_shape` skeleton of it is enough).",
+            fix=fix,
         )
     except Exception as error:  # raised on every process, by `fail_together`
         failure = error

@@ -41,15 +41,32 @@ from ._typing import typecheck
 _CALLER = "init_sharded"
 
 
-def _is_constructor(like: Any) -> bool:
-    """Whether `restore`'s `like` is a function making the tree (a class, a
-    function, a `functools.partial`) rather than the tree: a callable that is a
-    pytree leaf. A model (an Equinox module, even with `__call__`) is a node."""
+def _binds_without_arguments(fn: Any) -> bool:
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): called to find out
+        return True
+    return True
+
+
+def _callable_leaf(like: Any) -> bool:
+    """A callable that is a pytree leaf (a class, a function, a
+    `functools.partial`); a model (an Equinox module, even with `__call__`) is a
+    node."""
     return (
         callable(like)
         and not isinstance(like, eqx.Module)
         and jtu.treedef_is_leaf(jtu.tree_structure(like))
     )
+
+
+def needs_arguments(like: Any) -> bool:
+    """Whether `restore`'s `like` is a function that takes arguments: it is then
+    the tree itself (one non-array leaf), and most likely a constructor given
+    without its arguments."""
+    return _callable_leaf(like) and not _binds_without_arguments(like)
 
 
 def restore_target(
@@ -61,24 +78,14 @@ def restore_target(
     caller: str,
 ) -> tuple[PyTree, PyTree]:
     """What [`eqshard.restore`][] reads into: `like` (the tree made abstractly, if
-    `like` makes it), and the spec tree that `specs` (a spec tree, rules, or a
-    callable of the abstract tree) gives for it, adapted to `mesh` as
-    [`eqshard.restrict_specs`][] adapts specs (`PartitionSpec`s only: a
-    `NamedSharding` says where it goes itself), the changes reported as
-    `on_invalid` says."""
-    if _is_constructor(like):
-        try:
-            inspect.signature(like).bind()
-        except TypeError:
-            raise TypeError(
-                f"eqshard.{caller}: `like` is {like!r}, a function that takes "
-                "arguments; give the tree, or a function of no arguments making it "
-                "(called abstractly, with `eqx.filter_eval_shape`), e.g. "
-                "`functools.partial(make, key)` for the `make` and `key` given to "
-                "`eqshard.init_sharded`."
-            ) from None
-        except ValueError:  # no signature to read (a builtin): call it anyway
-            pass
+    `like` is a function of no arguments making it), and the spec tree that
+    `specs` (a spec tree, rules, or a function of the abstract tree) gives for
+    it, adapted to `mesh` as [`eqshard.restrict_specs`][] adapts specs, the
+    changes reported as `on_invalid` says. Only what the mesh decides is
+    adapted: a `NamedSharding` says where it goes itself, and a spec longer than
+    its array's rank, or with `P.UNCONSTRAINED`, is left for the caller to
+    refuse, as `shard` does."""
+    if _callable_leaf(like) and _binds_without_arguments(like):
         like = eqx.filter_eval_shape(like)
     if specs is None:
         return like, None
@@ -89,11 +96,17 @@ def restore_target(
         return like, specs
     pairs = leaf_specs(specs, like, caller=caller)
     treedef = jtu.tree_structure(like)
-    placed = [isinstance(spec, NamedSharding) for _, spec in pairs]
+    kept = [
+        not isinstance(spec, PartitionSpec)
+        or not is_array(leaf)
+        or len(spec) > len(leaf.shape)
+        or PartitionSpec.UNCONSTRAINED in tuple(spec)
+        for (_, spec), leaf in zip(pairs, jtu.tree_leaves(like), strict=True)
+    ]
     adapted = restricted(
         jtu.tree_unflatten(
             treedef,
-            [None if kept else spec for kept, (_, spec) in zip(placed, pairs)],
+            [None if keep else spec for keep, (_, spec) in zip(kept, pairs)],
         ),
         mesh,
         rename=None,
@@ -103,9 +116,9 @@ def restore_target(
         option="on_invalid",
     )
     out = [
-        spec if kept else new
-        for kept, (_, spec), new in zip(
-            placed, pairs, treedef.flatten_up_to(adapted), strict=True
+        spec if keep else new
+        for keep, (_, spec), new in zip(
+            kept, pairs, treedef.flatten_up_to(adapted), strict=True
         )
     ]
     return like, jtu.tree_unflatten(treedef, out)

@@ -697,6 +697,7 @@ def test_restore_from_a_constructor_and_rules_adapts_to_the_mesh(tmp_path):
     quiet = eqshard.restore(tmp_path / "c", make, rules, other, on_invalid="ignore")
     assert quiet["w"].sharding == NamedSharding(other, P(None, "tp"))
     with pytest.raises(
-        TypeError, match=r"restore: `like` is .*takes arguments.*partial"
+        ValueError,
+        match=r"(?s)restore: .*'b', 'w'.*`like` is .*takes arguments.*partial",
     ):
         eqshard.restore(tmp_path / "c", lambda key: host, rules, other)
