@@ -30,6 +30,7 @@ from ._derive import (
     stack_specs as stack_specs,
 )
 from ._explicit import auto_axes as auto_axes
+from ._filter_jit import filter_jit as filter_jit
 from ._gather import gather as gather, iter_gather as iter_gather
 from ._init import clear_init_cache as clear_init_cache, init_sharded as init_sharded
 from ._inspect import (
@@ -70,6 +71,8 @@ from ._rules import (
     match_partition_rules as match_partition_rules,
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
+    Stacked as Stacked,
+    stacked as stacked,
 )
 from ._shard import named_shardings as named_shardings, shard as shard
 from ._shard_map import shard_map as shard_map
@@ -91,7 +94,8 @@ __version__ = _version("eqshard")
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
 # `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `AutoFSDP`,
-# `HostKey`) are importable from here too, and documented with their functions.
+# `Stacked`, `HostKey`) are importable from here too, and documented with their
+# functions.
 __all__ = [
     # Meshes.
     "create_mesh",
@@ -111,6 +115,7 @@ __all__ = [
     "match_partition_rules",
     "explain_partition_rules",
     "auto_fsdp",
+    "stacked",
     # Logical axis names.
     "AxisNames",
     "logical_axis_rules",
@@ -148,6 +153,7 @@ __all__ = [
     "get_partition_spec",
     "extract_shardings",
     # The compiled step.
+    "filter_jit",
     "analyze_step",
 ]
 

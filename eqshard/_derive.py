@@ -7,18 +7,17 @@ of the parameters its leaves follow. `restrict_specs` adapts a spec tree to anot
 mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 """
 
-import math
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._deprecated import renamed_keywords
+from ._follow import follow_spec, is_placeholder, replicated_like
 from ._logical import AxisNames
 from ._mesh import mesh_repr, require_mesh
 from ._spec_args import resolve_like, resolve_specs
@@ -35,7 +34,7 @@ from ._specs import (
     spec_error_message,
     SpecCheck,
 )
-from ._tree import is_array, listing, path_name, path_str
+from ._tree import is_array, listing, path_str
 from ._typing import (
     check_choice,
     KeyPath,
@@ -135,79 +134,6 @@ def abstract_tree(
     return jtu.tree_unflatten(treedef, out)
 
 
-# A leaf smaller than this that follows no parameter (a step count, Adafactor's
-# `(1,)` placeholders) is replicated; a larger one is `on_invalid`'s business.
-_SMALL_BYTES = 1024
-
-
-def replicated_like(spec: Any) -> Any:
-    """The replicated spec where `spec` places: `P()`, or a replicated
-    `NamedSharding` on its mesh; any other sharding (a single device) as it is."""
-    if isinstance(spec, NamedSharding):
-        return NamedSharding(spec.mesh, PartitionSpec(), memory_kind=spec.memory_kind)
-    if isinstance(spec, PartitionSpec):
-        return PartitionSpec()
-    return spec
-
-
-def _without_dim(spec: Any, dim: int) -> Any:
-    """`spec` for the array with dimension `dim` reduced away."""
-    inner = spec.spec if isinstance(spec, NamedSharding) else spec
-    if not isinstance(inner, PartitionSpec):
-        return spec
-    entries = list(inner)
-    if dim < len(entries):
-        del entries[dim]
-    reduced = PartitionSpec(*entries)
-    if isinstance(spec, NamedSharding):
-        return NamedSharding(spec.mesh, reduced, memory_kind=spec.memory_kind)
-    return reduced
-
-
-def _reduced_dim(
-    path: KeyPath, shape: tuple[int, ...], pshape: tuple[int, ...]
-) -> int | None:
-    """The dimension of the parameter's shape `pshape` that a leaf of `shape` has
-    reduced away (Adafactor's factored `v_row`/`v_col`), or `None`. Where several
-    fit (a square matrix), optax's choice: `v_row` drops the largest dimension and
-    `v_col` the second largest (the last of equals counting as larger)."""
-    if len(shape) != len(pshape) - 1:
-        return None
-    dims = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1 :] == shape]
-    if len(dims) > 1:
-        order = [int(d) for d in np.argsort(pshape, kind="stable")]
-        names = {path_name(path[i : i + 1], "/") for i in range(len(path))}
-        preferred = (
-            order[-1] if "v_row" in names else order[-2] if "v_col" in names else None
-        )
-        if preferred in dims:
-            return preferred
-    return dims[0] if dims else None
-
-
-def follow_spec(
-    path: KeyPath,
-    shape: tuple[int, ...],
-    by_path: dict[KeyPath, tuple[tuple[int, ...], Any]],
-) -> tuple[bool, Any]:
-    """The spec of the leaf at `path` of `shape`, following the parameter (in
-    `by_path`, `{path: (shape, spec)}`) whose path ends the leaf's path: its spec
-    for its shape, its spec without the reduced entry for a factored shape. Returns
-    `(found, spec)`; `found` is `False` (and `spec` `None`) if no parameter fits."""
-    for start in range(len(path) + 1):
-        found = by_path.get(tuple(path[start:]))
-        if found is None:
-            continue
-        pshape, pspec = found
-        if shape == pshape:
-            return True, pspec
-        dim = _reduced_dim(path[:start], shape, pshape)
-        if dim is not None:
-            return True, None if pspec is None else _without_dim(pspec, dim)
-        return False, None
-    return False, None
-
-
 @renamed_keywords(
     "derive_specs",
     on_unmatched=("on_invalid", {"error": "raise", "replicate": "ignore"}),
@@ -231,7 +157,10 @@ def derive_specs(
     than 1 KiB that follow no parameter (step counts, hyperparameters, Adafactor's
     placeholders) are replicated (`P()`); non-array leaves and empty nodes such as
     `optax.MaskedNode` get `None`. Works on concrete and abstract trees (only
-    `.shape` and `.dtype` are read) and imports no optimizer library.
+    `.shape` and `.dtype` are read) and imports no optimizer library. A state
+    built with the model, `(model, opt_state)`, needs no call: rules written for
+    the model place it by this same rule (see
+    [`eqshard.match_partition_rules`][]).
 
     **Arguments:**
 
@@ -295,8 +224,7 @@ def derive_specs(
         found, spec = follow_spec(path, shape, by_path)
         if not found:
             spec = default
-            nbytes = math.prod(shape) * np.dtype(leaf.dtype).itemsize
-            if nbytes >= _SMALL_BYTES:
+            if not is_placeholder(shape, leaf.dtype):
                 unmatched.append(f"'{path_str(path)}' (shape {shape}, {leaf.dtype})")
         out.append(spec)
     if unmatched and on_invalid != "ignore":
@@ -482,6 +410,30 @@ def restrict_specs(
     """
     caller = "restrict_specs"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    return restricted(
+        specs,
+        mesh,
+        rename=rename,
+        like=like,
+        on_invalid=on_invalid,
+        caller=caller,
+        fix="Pass `rename=` to map axes onto the mesh's, or "
+        '`on_invalid="ignore"` if these changes are intended.',
+    )
+
+
+def restricted(
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh,
+    *,
+    rename: Mapping[str, str | tuple[str, ...] | None] | None,
+    like: PyTree,
+    on_invalid: str,
+    caller: str,
+    fix: str,
+) -> PyTree:
+    """[`eqshard.restrict_specs`][], its errors and warning in the name of
+    `caller`, ending with `fix`."""
     rename = {} if rename is None else rename
     mesh_shape = dict(mesh.shape)
     # `(path, spec, shape)` per leaf; without `like`, a shape of zeros, which
@@ -526,8 +478,7 @@ def restrict_specs(
         message = listing(
             f"eqshard.{caller}: {count} changed for mesh {mesh_repr(mesh)}:",
             changed,
-            "Pass `rename=` to map axes onto the mesh's, or "
-            '`on_invalid="ignore"` if these changes are intended.',
+            fix,
             limit=20,
         )
         if on_invalid == "raise":

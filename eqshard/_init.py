@@ -17,6 +17,7 @@ model.
 
 import functools as ft
 import hashlib
+import inspect
 import typing
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -29,16 +30,104 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun, Literal
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._derive import abstract_tree
-from ._mesh import concrete_mesh
+from ._derive import abstract_tree, restricted
+from ._mesh import concrete_mesh, find_mesh
 from ._programs import Programs
 from ._spec_args import resolve_specs
-from ._specs import abstract_mesh_error, check_placeable, check_spec_on_mesh
+from ._specs import (
+    abstract_mesh_error,
+    check_placeable,
+    check_spec_on_mesh,
+    leaf_specs,
+)
 from ._tree import is_array, path_str, paths_text
 from ._typing import typecheck
 
 
 _CALLER = "init_sharded"
+
+
+def _binds_without_arguments(fn: Any) -> bool:
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): called to find out
+        return True
+    return True
+
+
+def _callable_leaf(like: Any) -> bool:
+    """A callable that is a pytree leaf (a class, a function, a
+    `functools.partial`); a model (an Equinox module, even with `__call__`) is a
+    node."""
+    return (
+        callable(like)
+        and not isinstance(like, eqx.Module)
+        and jtu.treedef_is_leaf(jtu.tree_structure(like))
+    )
+
+
+def needs_arguments(like: Any) -> bool:
+    """Whether `restore`'s `like` is a function that takes arguments: it is then
+    the tree itself (one non-array leaf), and most likely a constructor given
+    without its arguments."""
+    return _callable_leaf(like) and not _binds_without_arguments(like)
+
+
+def restore_target(
+    like: Any,
+    specs: Any,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    on_invalid: str,
+    caller: str,
+) -> tuple[PyTree, PyTree]:
+    """What [`eqshard.restore`][] reads into: `like` (the tree made abstractly, if
+    `like` is a function of no arguments making it), and the spec tree that
+    `specs` (a spec tree, rules, or a function of the abstract tree) gives for
+    it, adapted to `mesh` as [`eqshard.restrict_specs`][] adapts specs, the
+    changes reported as `on_invalid` says. Only what the mesh decides is
+    adapted: a `NamedSharding` says where it goes itself, and a spec longer than
+    its array's rank, or with `P.UNCONSTRAINED`, is left for the caller to
+    refuse, as `shard` does."""
+    if _callable_leaf(like) and _binds_without_arguments(like):
+        like = eqx.filter_eval_shape(like)
+    if specs is None:
+        return like, None
+    specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
+    mesh = find_mesh(mesh)
+    if mesh is None:
+        return like, specs
+    pairs = leaf_specs(specs, like, caller=caller)
+    treedef = jtu.tree_structure(like)
+    kept = [
+        not isinstance(spec, PartitionSpec)
+        or not is_array(leaf)
+        or len(spec) > len(leaf.shape)
+        or PartitionSpec.UNCONSTRAINED in tuple(spec)
+        for (_, spec), leaf in zip(pairs, jtu.tree_leaves(like), strict=True)
+    ]
+    adapted = restricted(
+        jtu.tree_unflatten(
+            treedef,
+            [None if keep else spec for keep, (_, spec) in zip(kept, pairs)],
+        ),
+        mesh,
+        rename=None,
+        like=like,
+        on_invalid=on_invalid,
+        caller=caller,
+        fix='Pass `on_invalid="ignore"` if these changes are intended, or '
+        '`on_invalid="raise"` to refuse them.',
+    )
+    out = [
+        spec if keep else new
+        for keep, (_, spec), new in zip(
+            kept, pairs, treedef.flatten_up_to(adapted), strict=True
+        )
+    ]
+    return like, jtu.tree_unflatten(treedef, out)
 
 
 def sharded_init(
@@ -323,13 +412,29 @@ def init_sharded(
     program, read on every call.
     [`eqshard.clear_init_cache`][] forgets the kept programs.
 
-    The values equal eager construction followed by [`eqshard.shard`][], bit for
-    bit, with the same key: `jit` computes what eager code computes, whatever the
-    shardings. That no device holds a whole random array relies on
-    `jax.config.jax_threefry_partitionable` being `True` (the default since JAX
-    0.5, so in JAX 0.10.2): random bits are then generated shard by shard. With it
-    `False`, the values still match eager construction (under the same setting),
-    but every device generates each whole random array and keeps its shard.
+    The values are exactly those of the jitted constructor,
+    `eqx.filter_jit(fn)(*args, **kwargs)`, bit for bit, whatever the shardings:
+    one program computes them, split across the devices. Eager construction
+    (`fn(*args, **kwargs)` op by op, then [`eqshard.shard`][]) draws the same
+    random bits, and gives the same arrays where they are draws or exact
+    operations on them; but where the constructor computes with a draw (a
+    scaled initialisation, `jax.random.normal(key, shape) * 0.2`), XLA compiles
+    the whole program differently from one op at a time (it fuses the draw and
+    the product, and folds the constants), so such a value may differ from
+    eager construction's in its last bits: a few ulp (up to 2 for that example
+    on CPU). Compare with the jitted constructor, or to a tolerance. That no device
+    holds a whole random array relies on `jax.config.jax_threefry_partitionable`
+    being `True` (the default since JAX 0.5, so in JAX 0.10.2): random bits are
+    then generated shard by shard. With it `False`, the values are the same, but
+    every device generates each whole random array and keeps its shard.
+
+    To build the optimizer state with the model, return both: with rules written
+    for the model, `fn = lambda key: (model := Model(key),
+    optimizer.init(eqx.filter(model, eqx.is_inexact_array)))` places `mu` and
+    `nu` like their parameters (see [`eqshard.match_partition_rules`][]).
+    `eqshard.match_partition_rules(rules, tree)` of what this returns is the spec
+    tree it was built with, for the step, [`eqshard.check_layout`][] and
+    [`eqshard.restore`][] (which also takes the rules and `fn` itself).
 
     **Arguments:**
 

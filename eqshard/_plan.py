@@ -20,13 +20,13 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._deprecated import renamed_literals
-from ._derive import follow_spec, replicated_like
+from ._follow import follow_spec, replicated_like
 from ._inspect import analyze_pairs, own_shardings, ShardingReport, ShardingRow
 from ._mesh import mesh_repr
 from ._report import format_bytes, parse_bytes, Report
 from ._spec_args import resolve_specs
 from ._specs import leaf_specs, ShardingProblem, spec_error_message
-from ._tree import is_array, placed_dtype
+from ._tree import broadcast_prefix, is_array, path_str, placed_dtype
 from ._typing import (
     check_choice,
     KeyPath,
@@ -57,6 +57,37 @@ def _abstract(leaf: Any, dtype: Any) -> Any:
     if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.inexact):
         dtype = leaf.dtype
     return jax.ShapeDtypeStruct(leaf.shape, _placed(dtype))
+
+
+def _is_filter_leaf(x: Any) -> bool:
+    return isinstance(x, bool) or (
+        callable(x) and jtu.treedef_is_leaf(jtu.tree_structure(x))
+    )
+
+
+def _trained(trainable: Any, params: PyTree, caller: str) -> list[bool]:
+    """For each leaf of `params`, whether it is trained: a floating-point array
+    that the filter `trainable` (as `eqx.partition`'s `filter_spec`) selects."""
+    pairs = broadcast_prefix(
+        trainable, params, is_leaf=_is_filter_leaf, name="trainable", caller=caller
+    )
+    out = []
+    for (path, chosen), leaf in zip(pairs, jtu.tree_leaves(params), strict=True):
+        if not _is_filter_leaf(chosen):
+            raise TypeError(
+                f"eqshard.{caller}: `trainable` has {chosen!r} at '{path_str(path)}'; "
+                "its leaves must be bools or callables of a leaf returning a bool, "
+                "as `eqx.partition`'s `filter_spec`."
+            )
+        if callable(chosen):
+            chosen = chosen(leaf)
+            if not isinstance(chosen, bool | np.bool_):
+                raise TypeError(
+                    f"eqshard.{caller}: `trainable` returned {chosen!r} for the "
+                    f"leaf at '{path_str(path)}'; a filter returns a bool."
+                )
+        out.append(bool(chosen) and _is_trainable(leaf))
+    return out
 
 
 def _check_optimizer(optimizer: Any, caller: str) -> None:
@@ -327,6 +358,7 @@ def plan_training(
     state_dtype: Any = None,
     grad_dtype: Any = None,
     gradients: bool = True,
+    trainable: Any = True,
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
 ) -> TrainingPlan:
@@ -336,9 +368,10 @@ def plan_training(
     The parameters are the arrays of `params` (concrete or abstract:
     `eqx.filter_eval_shape(Model, ..., key=key)` plans a 70B model on a laptop),
     placed by `specs` as in [`eqshard.analyze_sharding_strategy`][], or where they
-    are if `specs` is `None`. Gradients are one per floating-point parameter, with
-    its spec. The optimizer state is `jax.eval_shape(optimizer.init, ...)` of the
-    floating-point parameters (so optax's own dtypes and shapes, e.g. Adafactor's
+    are if `specs` is `None`. Gradients are one per trained floating-point
+    parameter (see `trainable`), with its spec. The optimizer state is
+    `jax.eval_shape(optimizer.init, ...)` of the trained floating-point
+    parameters (so optax's own dtypes and shapes, e.g. Adafactor's
     factored moments, count), and each of its arrays follows the parameter it
     belongs to: the same spec for the same shape, the spec without the reduced
     dimension for a factored moment, replicated for step counts and other
@@ -373,6 +406,14 @@ def plan_training(
     - `gradients`: whether to count gradients.
     - `device_memory`: the memory of one device, in bytes or as a string such as
       `"80GiB"`; the plan then says whether it fits and by how much.
+    - `trainable`: which arrays are trained, as the `filter_spec` of
+      `eqx.partition`: a bool, a callable of a leaf returning a bool, or a tree of
+      them (a prefix of `params`). The floating-point arrays it selects get
+      gradients and optimizer state; the rest (frozen layers, the initial values
+      of `eqx.nn.StateIndex` caches) are planned as parameters only. `True` (the
+      default) trains every floating-point array. A callable is given each leaf
+      as it is in `params`: for an abstract tree, a `jax.ShapeDtypeStruct`
+      (which `eqx.is_inexact_array` is `False` for).
     - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
       reports them, `"warn"` reports them and warns, `"raise"` raises.
 
@@ -415,6 +456,7 @@ def plan_training(
     else:
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
+    trained = _trained(trainable, params, caller)
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
@@ -423,23 +465,27 @@ def plan_training(
     grad_report = None
     if gradients:
         grads = [
-            _abstract(leaf, grad_dtype) if _is_trainable(leaf) else None
-            for leaf in abstract
+            _abstract(leaf, grad_dtype) if train else None
+            for leaf, train in zip(abstract, trained, strict=True)
         ]
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
     state_report = None
     if optimizer is not None:
         treedef = jtu.tree_structure(params)
-        trainable = jtu.tree_unflatten(
-            treedef, [leaf if _is_trainable(leaf) else None for leaf in abstract]
+        trained_params = jtu.tree_unflatten(
+            treedef,
+            [
+                leaf if train else None
+                for leaf, train in zip(abstract, trained, strict=True)
+            ],
         )
-        state = jax.eval_shape(optimizer.init, trainable)
+        state = jax.eval_shape(optimizer.init, trained_params)
         if state_dtype is not None:
             state = jtu.tree_map(lambda x: _abstract(x, state_dtype), state)
         by_path = {
             tuple(path): (tuple(leaf.shape), spec)
-            for (path, spec), leaf in zip(pairs, abstract, strict=True)
-            if _is_trainable(leaf)
+            for (path, spec), leaf, train in zip(pairs, abstract, trained, strict=True)
+            if train
         }
         state_report = analyze_pairs(
             jtu.tree_leaves(state), state_pairs(state, by_path), mesh, caller=caller

@@ -1,13 +1,17 @@
 """Regex partition rules, pattern strings and weight-decay masks.
 
-A *rule* is a `(regex, value)` pair, where the value is a `PartitionSpec` or a
-callable of the leaf's shape returning one (such as `auto_fsdp`'s, which also
-reads the axis sizes of the mesh the rules are matched on). Rules are
-tried in order against the path string of each array leaf (`re.search`), and the
-first match gives the leaf's spec; `rule_spec` is the one place a rule's value
-becomes a leaf's spec. One private core, `_match_leaves`, does the matching for both
-`match_partition_rules` and `explain_partition_rules`: each regex is compiled once
-per call and each path is built and matched once.
+A *rule* is a `(regex, value)` pair, where the value is a `PartitionSpec`,
+logical `AxisNames`, one layer's spec for stacked layers (`stacked`, read from a
+leaf's last dimensions), or a callable of the leaf's shape returning one (such as
+`auto_fsdp`'s, which also reads the axis sizes of the mesh the rules are matched
+on). Rules are tried in order against the path string of each array leaf
+(`re.search`), and the first match gives the leaf's spec; `rule_spec` is the one
+place a rule's value becomes a leaf's spec. In a tuple or list of trees built
+together (`(model, opt_state)`), an array that follows another item's array
+(`_follow.followed`) takes that array's spec instead (`_followers`). One private
+core, `_match_leaves`, does the matching for both `match_partition_rules` and
+`explain_partition_rules`: each regex is compiled once per call and each path is
+built and matched once.
 """
 
 import ast
@@ -24,6 +28,7 @@ from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
 from ._deprecated import renamed_keywords
+from ._follow import followed, is_placeholder, without_dim
 from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
 from ._mesh import mesh_repr
 from ._report import Report, text_table
@@ -32,6 +37,7 @@ from ._tree import is_array, path_name
 from ._typing import (
     check_choice,
     Int,
+    KeyPath,
     ON_INVALID,
     OnInvalid,
     PartitionRulesArg,
@@ -42,6 +48,89 @@ from ._typing import (
 )
 
 
+# ---------------------------------------------------------------- stacked layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A partition-rule value written for one layer, for layers stacked on leading
+    axes; made by [`eqshard.stacked`][].
+
+    **Fields:** `spec`, the layer's `PartitionSpec` or logical
+    [`eqshard.AxisNames`][], naming the last `len(spec)` dimensions of a leaf.
+    """
+
+    spec: PartitionSpec | AxisNames
+
+    def place(self, spec: PartitionSpec, rank: int) -> tuple[PartitionSpec, str]:
+        """The layer's `spec` (resolved) for a leaf of `rank` dimensions: the
+        leading ones unsharded. A spec longer than `rank` is returned as it is,
+        for the caller's check to refuse."""
+        layers = rank - len(spec)
+        if layers <= 0 or not len(spec):
+            return spec, "stacked: no layer axis in front"
+        axes = "1 layer axis" if layers == 1 else f"{layers} layer axes"
+        return PartitionSpec(*(None,) * layers, *spec), f"stacked: {axes} in front"
+
+    def __repr__(self) -> str:
+        return f"stacked({self.spec!r})"
+
+
+@typecheck
+def stacked(spec: Any) -> Stacked:
+    """Marks a partition rule's spec as written for one layer, for layers stacked
+    on leading axes (by `eqx.filter_vmap` over a layer's constructor, for
+    `jax.lax.scan`).
+
+    The spec names a leaf's *last* `len(spec)` dimensions, and every dimension in
+    front of them is a layer axis, left unsharded: the leaf's rank says how many,
+    so one rule fits layers stacked once, twice (nested `filter_vmap`) or not at
+    all. `stacked(P("tp", None))` gives `P("tp", None)` for a `(192, 64)`
+    weight, `P(None, "tp", None)` for 4 stacked ones `(4, 192, 64)` and
+    `P(None, None, "tp", None)` for `(2, 4, 192, 64)`. Write the layer's spec to
+    its full rank (`P("tp", None)`, not `P("tp")`): entries are counted from the
+    end. Everywhere else a spec shorter than the rank keeps JAX's meaning (its
+    entries are the leading dimensions), so only a rule marked so is read from
+    the end. [`eqshard.auto_fsdp`][] takes `stacked=` itself.
+
+    **Arguments:**
+
+    - `spec`: the layer's `PartitionSpec`, or logical [`eqshard.AxisNames`][]
+      (resolved by the logical axis rules in force).
+
+    **Returns:**
+
+    A rule value for [`eqshard.match_partition_rules`][] (and every `specs=` that
+    takes rules).
+
+    **Raises:**
+
+    `TypeError` if `spec` is not a `PartitionSpec` or `AxisNames`.
+
+    !!! Example
+
+        ```python
+        rules = [("blocks/.*/weight", eqshard.stacked(P("tp", None))), (".*", P())]
+        params = {"blocks": {"up": {"weight": jnp.zeros((4, 192, 64))}}}
+        eqshard.match_partition_rules(rules, params)
+        # {"blocks": {"up": {"weight": P(None, "tp", None)}}}
+        ```
+    """
+    if not isinstance(spec, PartitionSpec | AxisNames):
+        hint = (
+            " For automatic FSDP of stacked layers, use "
+            "`eqshard.auto_fsdp(..., stacked=n)`."
+            if callable(spec)
+            else ""
+        )
+        raise TypeError(
+            f"eqshard.stacked: `spec` is {spec!r}, which is not a PartitionSpec or "
+            f"eqshard.AxisNames; give the spec of one layer, e.g. "
+            f"eqshard.stacked(P('tp', None)).{hint}"
+        )
+    return Stacked(spec)
+
+
 Pattern: TypeAlias = str | re.Pattern[str]
 # `(regex, PartitionSpec)` pairs. Annotated loosely on purpose: beartype checks one
 # random item of a sequence, so a stricter annotation would reject a malformed
@@ -50,12 +139,12 @@ Rules: TypeAlias = PartitionRulesArg
 # A rule's value: a `PartitionSpec`, logical `AxisNames` (resolved by the logical
 # rules in force), or a callable of the leaf's shape giving a `PartitionSpec`.
 RuleValue: TypeAlias = (
-    PartitionSpec | AxisNames | Callable[[tuple[int, ...]], PartitionSpec]
+    PartitionSpec | AxisNames | Stacked | Callable[[tuple[int, ...]], PartitionSpec]
 )
 Compiled: TypeAlias = list[tuple[re.Pattern[str], RuleValue]]
 
 # What happened to an array leaf, when no rule index applies.
-_SCALAR, _SMALL, _UNMATCHED = -1, -2, -3
+_SCALAR, _SMALL, _UNMATCHED, _FOLLOWS = -1, -2, -3, -4
 _LIMIT = 30  # lines of leaves or rules shown in one error message
 
 
@@ -105,13 +194,16 @@ def _compile_rules(rules: Rules, caller: str, source: str | None = None) -> Comp
         if not (
             isinstance(rule, tuple | list)
             and len(rule) == 2
-            and (isinstance(rule[1], PartitionSpec | AxisNames) or callable(rule[1]))
+            and (
+                isinstance(rule[1], PartitionSpec | AxisNames | Stacked)
+                or callable(rule[1])
+            )
         ):
             raise TypeError(
                 f"eqshard.{caller}: rule {i}{of} is {rule!r}; every rule must be a "
                 "pair `(regex, PartitionSpec)`, e.g. "
                 "`('attn/.*/kernel', P('dp', 'tp'))`, "
-                "`(regex, eqshard.AxisNames(...))`, "
+                "`(regex, eqshard.AxisNames(...))`, `(regex, eqshard.stacked(spec))`, "
                 "or `(regex, fn)` with `fn(shape) -> PartitionSpec`, such as "
                 "`eqshard.auto_fsdp('fsdp')`."
             )
@@ -122,12 +214,75 @@ def _compile_rules(rules: Rules, caller: str, source: str | None = None) -> Comp
 # ---------------------------------------------------------------- matching
 
 
+class _Follower(NamedTuple):
+    """An array that follows another of a tree built together: the index of the
+    one it follows, the dimension it has reduced away (`None`: the same shape),
+    and whether it fits it (else it is a placeholder, replicated)."""
+
+    leader: int
+    dim: int | None
+    fits: bool
+
+
 class _Matches(NamedTuple):
     treedef: PyTreeDef
     leaves: list[Any]  # every leaf of the tree, in order
     names: list[str | None]  # the path string of each array; None for non-arrays
     rules: list[int | None]  # the first matching rule, or _SCALAR / _SMALL /
-    # _UNMATCHED, for each array; None for non-arrays
+    # _UNMATCHED / _FOLLOWS, for each array; None for non-arrays
+    follows: dict[int, _Follower]  # leaf index -> what it follows (`_followers`)
+
+
+def _followers(
+    tree: PyTree, path_leaves: list[tuple[Any, Any]]
+) -> dict[int, _Follower]:
+    """The arrays of a tuple or list of trees built together, such as
+    `(model, opt_state)`, that follow an array of another of its items, as
+    [`eqshard.derive_specs`][] follows parameters: their path within their item
+    ends with the other's path within its item (and is longer), and their shape
+    is its shape or has one dimension reduced away; at such a path, an array
+    of another shape smaller than 1 KiB (Adafactor's placeholders) is
+    replicated. Keyed by leaf index, followed arrays first."""
+    if type(tree) not in (tuple, list) or len(tree) < 2:
+        return {}
+    items: list[dict[KeyPath, tuple[int, tuple[int, ...]]]] = [{} for _ in tree]
+    for i, (path, leaf) in enumerate(path_leaves):
+        if is_array(leaf):
+            items[path[0].idx][tuple(path[1:])] = (i, tuple(map(int, leaf.shape)))
+    found: dict[int, _Follower] = {}
+    for k, item in enumerate(items):
+        others: dict[KeyPath, tuple[int, tuple[int, ...]]] = {}
+        for j in reversed(range(len(items))):  # the first item wins a tie
+            if j != k:
+                others.update(items[j])
+        shapes = {key: shape for key, (_, shape) in others.items()}
+        for key, (i, shape) in item.items():
+            if not shape:
+                continue  # scalars are replicated
+            follow = followed(key, shape, shapes, first=1)
+            if follow is None:
+                continue
+            index = others[follow.path][0]
+            if follow.fits:
+                found[i] = _Follower(index, follow.dim, True)
+            elif is_placeholder(shape, path_leaves[i][1].dtype):
+                found[i] = _Follower(index, None, False)
+    return dict(sorted(found.items(), key=lambda kv: len(path_leaves[kv[0]][0])))
+
+
+def _follower_spec(follow: _Follower, specs: Sequence[Any]) -> Any:
+    if not follow.fits:
+        return PartitionSpec()
+    return without_dim(specs[follow.leader], follow.dim)
+
+
+def _follower_note(follow: _Follower, names: Sequence[str | None]) -> str:
+    name = repr(names[follow.leader])
+    if not follow.fits:
+        return f"a placeholder under 1 KiB at the path of {name}: replicated"
+    if follow.dim is None:
+        return f"follows {name}"
+    return f"follows {name}, dimension {follow.dim} reduced away"
 
 
 def _match_leaves(
@@ -160,7 +315,10 @@ def _match_leaves(
                     break
         names.append(name)
         rules.append(rule)
-    return _Matches(treedef, leaves, names, rules)
+    follows = _followers(tree, path_leaves)
+    for i in follows:
+        rules[i] = _FOLLOWS
+    return _Matches(treedef, leaves, names, rules, follows)
 
 
 def rule_spec(
@@ -186,6 +344,11 @@ def rule_spec(
         return spec, f"logical {tuple(value)}"
     if isinstance(value, AutoFSDP):
         return value.choose(shape, mesh)
+    if isinstance(value, Stacked):
+        layer, _ = rule_spec(
+            value.spec, shape, caller=caller, name=name, rule=rule, mesh=mesh
+        )
+        return value.place(layer, len(shape))
     spec = value(shape)
     if not isinstance(spec, PartitionSpec):
         raise TypeError(
@@ -212,7 +375,7 @@ def _strict_spec(
     chose it."""
     if rule == _UNMATCHED:
         return None, "no rule matches", None
-    if rule < 0:
+    if rule < 0:  # _FOLLOWS leaves are given their spec by the caller
         return PartitionSpec(), None, None
     spec, note = rule_spec(
         compiled[rule][1],
@@ -351,14 +514,35 @@ def match_partition_rules(
     nothing is a problem of the rules (`on_unused`), and one may be expected
     while the other is not.
 
+    Rules written for a model place what follows its parameters too. When `tree`
+    is a tuple or list of trees built together, such as `(model, opt_state)` or
+    `(model, state, opt_state)`, an array of one item follows an array of another
+    as [`eqshard.derive_specs`][] has it: when its path within its item ends with
+    the other's path within its item (optax's `0/mu/blocks/up/weight` ends with
+    `blocks/up/weight`) and its shape is the other's, it gets the other's spec;
+    with one dimension reduced away (Adafactor's factored `v_row`/`v_col`), that
+    spec without the dimension's entry; with another shape and under 1 KiB
+    (Adafactor's `(1,)` placeholders), `P()`. Such arrays are not matched against
+    the rules, so `mu` and `nu` are placed like their parameters whatever the
+    rules' regexes say. Everything else, step counts included (a scalar is
+    replicated), is matched as usual. So the spec tree of what
+    [`eqshard.init_sharded`][] built from rules is this function of the rules and
+    the built tree, for the step, [`eqshard.check_layout`][] and
+    [`eqshard.restore`][] to reuse.
+
+    A rule's spec applies to the leading dimensions, as in JAX (`P("dp")` on a
+    `(batch, d)` array shards the batch); a spec marked with
+    [`eqshard.stacked`][] applies to the last ones, for stacked layers.
+
     **Arguments:**
 
     - `rules`: `(regex, value)` pairs, in priority order: the value is a
       `PartitionSpec`, logical [`eqshard.AxisNames`][] (resolved by the logical
-      axis rules in force, see [`eqshard.logical_axis_rules`][]), or a function
-      of the leaf's shape returning a `PartitionSpec`, such as
-      [`eqshard.auto_fsdp`][] (which chooses the dimension to shard). Regexes are
-      strings or compiled patterns.
+      axis rules in force, see [`eqshard.logical_axis_rules`][]), one layer's
+      spec for stacked layers ([`eqshard.stacked`][]), or a function of the
+      leaf's shape returning a `PartitionSpec`, such as [`eqshard.auto_fsdp`][]
+      (which chooses the dimension to shard). Regexes are strings or compiled
+      patterns.
     - `tree`: any pytree.
     - `min_size`: arrays with fewer elements than this are replicated.
     - `on_invalid`: what to do with a leaf that no rule matches, or whose spec is
@@ -376,7 +560,7 @@ def match_partition_rules(
       an array of any rank). This catches per-layer
       rules applied to layers stacked by `eqx.filter_vmap` (a `P("tp", None)`
       meant for a `(192, 64)` weight landing on the layer axis of a
-      `(4, 192, 64)` one); see [`eqshard.stack_specs`][] for the fix.
+      `(4, 192, 64)` one); see [`eqshard.stacked`][] for the fix.
     - `on_unused`: what to do with rules that matched no leaf, as
       [`eqshard.explain_partition_rules`][] lists them (often a typo, or a rule
       shadowed by an earlier one): `"ignore"` (the default) nothing, `"warn"` a
@@ -460,12 +644,18 @@ def rules_to_specs(
             check_on_mesh=check_on_mesh,
             axis_rules=axis_rules,
         )
-        short = spec is not None and rule >= 0 and 0 < len(spec) < len(shape)
+        stacked_value = rule >= 0 and isinstance(compiled[rule][1], Stacked)
+        short = (
+            spec is not None
+            and rule >= 0
+            and not stacked_value
+            and 0 < len(spec) < len(shape)
+        )
         if problem is None and exact_rank and short:
             problem = (
                 f"spec {spec!r} of rule {rule} has {len(spec or ())} entries but the "
                 f"array has rank {len(shape)} (exact_rank=True); for stacked layers "
-                "prepend the stacking axes with eqshard.stack_specs"
+                "mark the rule's spec as one layer's, eqshard.stacked(spec)"
             )
         elif problem is not None:
             spec = _relax(spec, shape, mesh if check_on_mesh else None)
@@ -479,6 +669,8 @@ def rules_to_specs(
         if on_invalid == "raise":
             raise ValueError(message)
         warn(message)
+    for i, follow in matches.follows.items():
+        specs[i] = _follower_spec(follow, specs)
     if on_unused != "ignore":
         used = {rule for rule in matches.rules if rule is not None}
         unused = [
@@ -501,19 +693,24 @@ class RulesReportRow:
     """One array leaf in a [`eqshard.RulesReport`][].
 
     - `path`, `shape`: the leaf's path string and shape.
-    - `reason`: `"matched"`, `"scalar"`, `"below_min_size"` or `"unmatched"`.
+    - `reason`: `"matched"`, `"scalar"`, `"below_min_size"`, `"unmatched"` or
+      `"follows"` (an array of a tree built together that follows another, such
+      as an optimizer state's `mu`: see [`eqshard.match_partition_rules`][]).
     - `rule`, `pattern`: index and regex of the matching rule, or `None`.
-    - `spec`: the matching rule's spec as written; `PartitionSpec()` for scalars
-      and small arrays; `None` if no rule matches.
+    - `spec`: the matching rule's spec as written (for a function or a
+      [`eqshard.stacked`][] value, as it came out for this leaf); `P()` for
+      scalars and small arrays; the followed array's for one that follows;
+      `None` if no rule matches.
     - `problem`: why `match_partition_rules` rejects (by default) this leaf,
       or `None` if it accepts it.
-    - `note`: for a rule whose value is a function (such as
-      [`eqshard.auto_fsdp`][]), how it chose `spec`; `None` otherwise.
+    - `note`: how `spec` was chosen, for a rule whose value is a function (such
+      as [`eqshard.auto_fsdp`][]), a [`eqshard.stacked`][] value, or an array
+      that follows another (naming it); `None` otherwise.
     """
 
     path: str
     shape: tuple[int, ...]
-    reason: Literal["matched", "scalar", "below_min_size", "unmatched"]
+    reason: Literal["matched", "scalar", "below_min_size", "unmatched", "follows"]
     rule: int | None
     pattern: str | None
     spec: PartitionSpec | None
@@ -597,10 +794,11 @@ class RulesReport(Report):
 
 
 # Why an array matched no rule, for `RulesReportRow.reason`.
-_REASONS: dict[int, Literal["scalar", "below_min_size", "unmatched"]] = {
+_REASONS: dict[int, Literal["scalar", "below_min_size", "unmatched", "follows"]] = {
     _SCALAR: "scalar",
     _SMALL: "below_min_size",
     _UNMATCHED: "unmatched",
+    _FOLLOWS: "follows",
 }
 
 
@@ -652,16 +850,26 @@ def explain_partition_rules(
     min_size = operator.index(min_size)
     compiled = _compile_rules(rules, "explain_partition_rules")
     matches = _match_leaves(compiled, tree, min_size, sep, "explain_partition_rules")
+    found: list[Any] = [None] * len(matches.leaves)
+    for i, (leaf, name, rule) in enumerate(
+        zip(matches.leaves, matches.names, matches.rules, strict=True)
+    ):
+        if rule is not None and name is not None:  # an array
+            found[i] = _strict_spec(
+                rule, tuple(leaf.shape), compiled, "explain_partition_rules", name, mesh
+            )
+    specs = [None if f is None else f[0] for f in found]
+    for i, follow in matches.follows.items():
+        specs[i] = _follower_spec(follow, specs)
+        found[i] = (specs[i], None, _follower_note(follow, matches.names))
     rows = []
     used = set()
-    for leaf, name, rule in zip(
-        matches.leaves, matches.names, matches.rules, strict=True
+    for leaf, name, rule, spec_problem_note in zip(
+        matches.leaves, matches.names, matches.rules, found, strict=True
     ):
         if rule is None or name is None:  # not an array
             continue
-        spec, problem, note = _strict_spec(
-            rule, tuple(leaf.shape), compiled, "explain_partition_rules", name, mesh
-        )
+        spec, problem, note = spec_problem_note
         matched = rule >= 0
         if matched:
             used.add(rule)

@@ -11,7 +11,8 @@ How a step is read ([`eqshard.analyze_step`][]):
 2. **One program over the leaves.** `fn` is traced inside one `jax.jit` whose
    parameters are exactly those leaves (`keep_unused=True`: parameter `i` is
    leaf `i`) and whose results are the output's arrays. If `fn` is itself a
-   `jax.jit`, `eqx.filter_jit` or [`eqshard.t5x.PartitionedFn`][], its
+   `jax.jit`, `eqx.filter_jit`, [`eqshard.filter_jit`][] or
+   [`eqshard.t5x.PartitionedFn`][], its
    `in_shardings`, `out_shardings` and donations are read from the one `jit`
    call of the trace and given to the outer program, so it compiles as `fn`
    would. A committed argument placed against `in_shardings` is an error here,
@@ -208,7 +209,7 @@ class _Boundary:
 
 
 def _boundary(traced: Any, n_in: int, n_out: int) -> _Boundary | None:
-    """`fn`'s own `jit` (a `jax.jit`, `eqx.filter_jit` or `PartitionedFn`), when
+    """`fn`'s own `jit` (a `jax.jit`, either `filter_jit` or `PartitionedFn`), when
     the trace is exactly one call of it."""
     jaxpr = traced.jaxpr.jaxpr
     if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name not in ("jit", "pjit"):
@@ -399,8 +400,9 @@ def analyze_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRepor
     """Compiles `fn` for these arguments, without running it, and reports what the
     program communicates and holds on each device, named by tree path.
 
-    `fn` may be a plain function, a `jax.jit` or `eqx.filter_jit` function, or a
-    [`eqshard.t5x.PartitionedFn`][]; it is compiled with the shardings and donations
+    `fn` may be a plain function, a `jax.jit`, `eqx.filter_jit` or
+    [`eqshard.filter_jit`][] function, or a [`eqshard.t5x.PartitionedFn`][]; it is
+    compiled with the shardings and donations
     it would use when called. Arguments may be arrays or abstract
     (`jax.ShapeDtypeStruct`s with shardings on a concrete `Mesh`, such as
     [`eqshard.abstract`][] makes): nothing is allocated. Non-array leaves are

@@ -385,22 +385,39 @@ def _describe_value(x: Any) -> str:
     return f"an {kind}" if kind[:1].lower() in "aeiou" else f"a {kind}"
 
 
+def _keys(children: list[tuple[KeyPath, Any]]) -> list[Any]:
+    return [path[0] for path, _ in children]
+
+
+def _same_node(
+    prefix: Any,
+    prefix_children: list[tuple[KeyPath, Any]],
+    full: Any,
+    full_children: list[tuple[KeyPath, Any]],
+) -> bool:
+    """Whether two nodes match by structure and path: the same type, and children
+    under the same keys. Static metadata is not compared: Equinox's static fields,
+    and the marker each build of an `eqx.nn.StateIndex` makes anew."""
+    return type(prefix) is type(full) and _keys(prefix_children) == _keys(full_children)
+
+
 def _first_mismatch(
     prefix: Any, full: Any, is_leaf: Callable[[Any], bool], path: KeyPath = ()
 ) -> tuple[KeyPath, str, str] | None:
-    """The first place where `prefix` is not a prefix of `full`, with a description
-    of what each has there."""
+    """The first place where `prefix` is not a prefix of `full` (as
+    `_match_by_path` matches), with a description of what each has there."""
     if is_leaf(prefix):
         return None
     prefix_children, prefix_def = _children(prefix)
     if jtu.treedef_is_leaf(prefix_def) and prefix_def.num_leaves == 1:
         return None  # a leaf that `is_leaf` did not claim: the caller checks leaves
     # `None` and empty containers are nodes without children: compared below.
-    full_children, full_def = _children(full)
-    if prefix_def != full_def:
+    full_children, _ = _children(full)
+    if not _same_node(prefix, prefix_children, full, full_children):
         mine, theirs = _describe_value(prefix), _describe_value(full)
-        if mine == theirs:  # same type, different pytree metadata (static fields)
-            mine, theirs = f"{mine} ({prefix_def})", f"{theirs} ({full_def})"
+        if mine == theirs:  # same type, children under other keys
+            mine = f"{mine} (children {_children_text(prefix_children)})"
+            theirs = f"{theirs} (children {_children_text(full_children)})"
         return path, mine, theirs
     for (key, p_child), (_, f_child) in zip(
         prefix_children, full_children, strict=True
@@ -409,6 +426,10 @@ def _first_mismatch(
         if found is not None:
             return found
     return None
+
+
+def _children_text(children: list[tuple[KeyPath, Any]]) -> str:
+    return _key_list(path_str(path) for path, _ in children)
 
 
 def mismatch_message(
@@ -438,21 +459,51 @@ def prefix_error(
     )
 
 
+def _match_by_path(
+    prefix: Any, full: Any, is_leaf: Callable[[Any], bool], out: list[Any]
+) -> bool:
+    """Appends to `out` the subtree of `full` under each leaf of `prefix`, in
+    order, matching nodes by `_same_node`; `False` where they differ."""
+    if is_leaf(prefix):
+        out.append(full)
+        return True
+    prefix_children, prefix_def = _children(prefix)
+    if jtu.treedef_is_leaf(prefix_def) and prefix_def.num_leaves == 1:
+        out.append(full)
+        return True
+    full_children, _ = _children(full)
+    if not _same_node(prefix, prefix_children, full, full_children):
+        return False
+    return all(
+        _match_by_path(p_child, f_child, is_leaf, out)
+        for (_, p_child), (_, f_child) in zip(
+            prefix_children, full_children, strict=True
+        )
+    )
+
+
 def flatten_up_to(
     prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], name: str, caller: str
 ) -> tuple[list[KeyPath], list[Any], list[Any], PyTreeDef]:
     """Flattens `tree` up to the leaves of its prefix `prefix`.
 
-    Returns the paths and leaves of `prefix`, the subtree of `tree` under each of
-    them, and the structure of `prefix`. Raises the error of `prefix_error`.
+    Nodes are matched by structure and path: the same type and children under the
+    same keys, whatever their static metadata (an Equinox module's static fields,
+    the marker each build of an `eqx.nn.StateIndex` makes anew), so a spec tree
+    made from one build of a model fits another. Returns the paths and leaves of
+    `prefix`, the subtree of `tree` under each of them, and the structure of
+    `prefix`. Raises the error of `prefix_error`.
     """
     path_leaves, prefix_def = jtu.tree_flatten_with_path(prefix, is_leaf=is_leaf)
     try:
         subtrees = prefix_def.flatten_up_to(tree)
     except (ValueError, TypeError):
-        raise prefix_error(
-            prefix, tree, is_leaf=is_leaf, name=name, caller=caller
-        ) from None
+        # JAX compares static metadata too: walk again by type and keys.
+        subtrees = []
+        if not _match_by_path(prefix, tree, is_leaf, subtrees):
+            raise prefix_error(
+                prefix, tree, is_leaf=is_leaf, name=name, caller=caller
+            ) from None
     paths = [path for path, _ in path_leaves]
     leaves = [leaf for _, leaf in path_leaves]
     return paths, leaves, subtrees, prefix_def

@@ -666,3 +666,38 @@ def test_restore_needs_a_concrete_mesh_and_layout_and_takes_big_endian_like(tmp_
     for name, x in host.items():
         native = x.astype(x.dtype.newbyteorder("="))
         assert np.asarray(out[name]).tobytes() == native.tobytes()
+
+
+def test_restore_from_a_constructor_and_rules_adapts_to_the_mesh(tmp_path):
+    host = {
+        "w": np.arange(48, dtype=np.float32).reshape(6, 8),
+        "b": np.ones(8, np.float32),
+    }
+    saved_on = _mesh((2, 4), ("dp", "tp"))
+    rules = [("w", P("dp", "tp")), ("b", P("tp"))]
+    specs = eqshard.match_partition_rules(rules, host)
+    eqshard.save(tmp_path / "c", eqshard.shard(host, specs, saved_on))
+    other = _mesh((4, 2), ("dp", "tp"))  # 6 rows do not split over 'dp' of 4
+
+    def make():
+        return jax.tree.map(jnp.asarray, host)
+
+    with pytest.warns(
+        UserWarning,
+        match=r"(?s)restore: 1 spec changed.*'w': P\('dp', 'tp'\) -> P\(None, 'tp'\)",
+    ):
+        out = eqshard.restore(tmp_path / "c", make, rules, other)
+    _assert_same(out, host)
+    assert out["w"].sharding == NamedSharding(other, P(None, "tp"))
+    assert out["b"].sharding == NamedSharding(other, P("tp"))
+    with pytest.raises(
+        ValueError, match=r"(?s)1 spec changed.*'w'.*on_invalid=\"ignore\""
+    ):
+        eqshard.restore(tmp_path / "c", make, rules, other, on_invalid="raise")
+    quiet = eqshard.restore(tmp_path / "c", make, rules, other, on_invalid="ignore")
+    assert quiet["w"].sharding == NamedSharding(other, P(None, "tp"))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)restore: .*'b', 'w'.*`like` is .*takes arguments.*partial",
+    ):
+        eqshard.restore(tmp_path / "c", lambda key: host, rules, other)

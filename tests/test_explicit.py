@@ -412,10 +412,10 @@ PAGE = (
 )
 # On Explicit axes the page's model runs under `eqshard.auto_axes`; the page's
 # forward, and what runs it there.
-FORWARD = "jax.vmap(eqx.combine(params, static))(tokens[:, :-1])"
+FORWARD = "jax.vmap(model)(tokens[:, :-1])"
 UNDER_AUTO_AXES = (
-    "eqshard.auto_axes(lambda p, t: jax.vmap(eqx.combine(p, static))(t), "
-    "out_specs=P('dp'))(params, tokens[:, :-1])"
+    "eqshard.auto_axes(lambda m, t: jax.vmap(m)(t), out_specs=P('dp'))"
+    "(model, tokens[:, :-1])"
 )
 
 
@@ -450,12 +450,10 @@ def test_the_train_end_to_end_page_in_both_modes(monkeypatch, tmp_path):
     explicit = _run_page(True, monkeypatch, tmp_path)
     assert len(auto["losses"]) == len(explicit["losses"]) == 5
     np.testing.assert_allclose(explicit["losses"], auto["losses"], rtol=1e-5)
-    planned = (explicit["specs"], explicit["opt_specs"])
-    arrays = (explicit["params"], explicit["opt_state"])
     assert explicit["mesh"].axis_types == (AxisType.Explicit,) * 2
-    _assert_typed_as(arrays, planned, explicit["mesh"])
-    eqshard.check_layout(
-        (auto["params"], auto["opt_state"]),
-        (auto["specs"], auto["opt_specs"]),
-        auto["mesh"],
-    )
+    # The model and its optimizer state, typed with the specs the rules give.
+    state = explicit["state"]
+    planned = eqshard.match_partition_rules(explicit["rules"], state)
+    _assert_typed_as(state, planned, explicit["mesh"])
+    eqshard.check_layout(auto["state"], auto["rules"], auto["mesh"])
+    assert explicit["same"] == auto["same"] and all(explicit["same"])

@@ -247,3 +247,41 @@ def test_a_spec_that_cannot_apply_is_reported_not_planned_as_fitting(mesh):
 def test_an_optimizer_without_init_is_a_type_error(mesh):
     with pytest.raises(TypeError, match=r"eqshard.plan_training: `optimizer`.*init"):
         eqshard.plan_training({"w": jnp.zeros(8)}, P(), mesh, optimizer=optax.adam)
+
+
+class _Frozen(eqx.Module):
+    body: eqx.nn.Linear  # frozen
+    head: eqx.nn.Linear  # trained
+    cache: eqx.nn.StateIndex  # initial value of a cache: never trained
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.body = eqx.nn.Linear(32, 32, key=k1)
+        self.head = eqx.nn.Linear(32, 8, key=k2)
+        self.cache = eqx.nn.StateIndex(jnp.zeros((16, 32)))
+
+
+def test_plan_trains_only_what_the_filter_selects():
+    model = eqx.filter_eval_shape(_Frozen, jax.random.key(0))
+    mesh = AbstractMesh((8,), ("dp",))
+    head = 32 * 8 * 4 + 8 * 4  # bytes of the head's weight and bias
+    frozen = 32 * 32 * 4 + 32 * 4 + 16 * 32 * 4
+    only_head = eqx.tree_at(
+        lambda m: m.head, jax.tree.map(lambda _: False, model), replace=True
+    )
+    by_path = lambda x: x.shape in ((32, 8), (8,), (8, 32))  # noqa: E731
+    for trainable in (only_head, by_path):
+        plan = eqshard.plan_training(
+            model, P(), mesh, optimizer=optax.adam(1e-3), trainable=trainable
+        )
+        assert plan.params.bytes_per_device[0] == head + frozen
+        assert plan.grads.bytes_per_device[0] == head
+        # Adam: mu and nu for the head, and a step count.
+        assert plan.opt_state.bytes_per_device[0] == 2 * head + 4
+    everything = eqshard.plan_training(model, P(), mesh, optimizer=optax.adam(1e-3))
+    assert everything.grads.bytes_per_device[0] == head + frozen
+    not_bool = eqx.tree_at(lambda m: m.head, only_head, replace="yes")
+    with pytest.raises(TypeError, match=r"`trainable` has 'yes' at 'head/weight'"):
+        eqshard.plan_training(model, P(), mesh, trainable=not_bool)
+    with pytest.raises(TypeError, match=r"returned 1 for the leaf at 'body/weight'"):
+        eqshard.plan_training(model, P(), mesh, trainable=lambda x: 1)

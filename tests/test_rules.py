@@ -575,3 +575,162 @@ def test_numpy_integer_min_size():
     assert specs == {"small": P(), "big": P("dp")}
     report = eqshard.explain_partition_rules(rules, tree, min_size=np.int64(8))
     assert type(report.min_size) is int
+
+
+# Trees built together: the optimizer state follows the model --------------------
+
+
+class _Tied(eqx.Module):
+    blocks: eqx.nn.Linear  # two layers stacked by filter_vmap
+    head: eqx.nn.Linear
+    cache: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 16, key=k))(
+            jax.random.split(k1, 2)
+        )
+        self.head = eqx.nn.Linear(16, 32, key=k2)
+        self.cache = eqx.nn.StateIndex(jnp.zeros((4, 8)))
+
+
+_FOLLOW_RULES = [
+    ("blocks/weight", eqshard.stacked(P("tp", None))),
+    ("head/weight", P(None, "tp")),
+    (".*", P()),
+]
+
+
+def _trimmed(spec):
+    """A spec's entries without trailing `None`s: `P('tp', None)` places as
+    `P('tp')`."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _by_path(tree, specs):
+    """`{path: spec}` of the arrays of `tree`, written out by hand from JAX's paths."""
+    out = {}
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    arrays = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+    arrays = [(p, x) for p, x in arrays if _is_array(x)]
+    for (path, _), spec in zip(arrays, flat_specs, strict=True):
+        out[jax.tree_util.keystr(path, simple=True, separator="/")] = spec
+    return out
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda labels: optax.adamw(1e-3),
+        lambda labels: optax.adafactor(1e-3, min_dim_size_to_factor=4),
+        lambda labels: optax.multi_transform(
+            {"m": optax.adam(1e-3), "v": optax.sgd(1e-3, momentum=0.9)}, labels
+        ),
+    ],
+    ids=["adamw", "adafactor", "multi_transform"],
+)
+def test_rules_for_the_model_place_its_optimizer_state(make_optimizer):
+    model = eqx.filter_eval_shape(_Tied, jax.random.key(0))
+    params = eqx.filter(model, _is_array)
+    labels = jax.tree.map(lambda x: "m" if x.ndim > 1 else "v", params)
+    optimizer = make_optimizer(labels)
+    tree = (model, jax.eval_shape(optimizer.init, params))
+    got = _by_path(tree, eqshard.match_partition_rules(_FOLLOW_RULES, tree))
+    # The parameters' own specs, by the rules; a stacked rule's from the end.
+    model_specs = {
+        "blocks/weight": P(None, "tp", None),
+        "blocks/bias": P(),
+        "head/weight": P(None, "tp"),
+        "head/bias": P(),
+        "cache/init": P(),
+    }
+    shapes = {
+        "blocks/weight": (2, 16, 8),
+        "blocks/bias": (2, 16),
+        "head/weight": (32, 16),
+        "head/bias": (32,),
+        "cache/init": (4, 8),
+    }
+    for name, spec in model_specs.items():
+        assert got.pop(f"0/{name}") == spec, name
+    # Every array of the state ends with a parameter's path, after optax's own keys.
+    for name, spec in got.items():
+        param = next((p for p in shapes if name.endswith("/" + p)), None)
+        if param is None:  # optax's step counts
+            assert spec == P() and name.endswith("count"), name
+            continue
+        leaf = {
+            jax.tree_util.keystr(p, simple=True, separator="/"): x
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        }[name]
+        if leaf.shape == shapes[param]:
+            expected = model_specs[param]  # mu, nu, trace: the same spec
+        elif len(leaf.shape) == len(shapes[param]) - 1:
+            # Adafactor's factored moments: the parameter's spec without the
+            # dimension optax reduced (v_row the largest, v_col the next).
+            order = np.argsort(shapes[param], kind="stable")
+            dim = order[-1] if "/v_row/" in name else order[-2]
+            entries = list(model_specs[param]) + [None] * 3
+            expected = P(
+                *(e for d, e in enumerate(entries[: leaf.ndim + 1]) if d != dim)
+            )
+        else:
+            expected = P()  # Adafactor's (1,) placeholders, step counts
+        assert _trimmed(spec) == _trimmed(expected), (name, spec, expected)
+
+
+def test_following_reports_what_it_follows_and_is_only_between_items():
+    tree = {
+        "params": {"w": np.zeros((8, 8))},
+        "copy": {"params": {"w": np.zeros((8, 8))}},
+    }
+    rules = [("params/w", P("tp")), ("w", P("dp"))]
+    # A dict is one tree: its arrays are matched by the rules, none follows.
+    specs = eqshard.match_partition_rules(rules, tree)
+    assert specs["copy"]["params"]["w"] == P("tp") and specs["params"]["w"] == P("tp")
+    pair = ({"w": np.zeros((8, 8))}, {"mu": {"w": np.zeros((8, 8))}})
+    specs = eqshard.match_partition_rules([("^0/w", P("tp")), ("w", P("dp"))], pair)
+    assert specs == ({"w": P("tp")}, {"mu": {"w": P("tp")}})
+    report = eqshard.explain_partition_rules([("^0/w", P("tp")), ("w", P("dp"))], pair)
+    row = report.rows[1]
+    assert (row.path, row.reason, row.spec, row.rule) == (
+        "1/mu/w",
+        "follows",
+        P("tp"),
+        None,
+    )
+    assert row.note == "follows '0/w'"
+    assert report.dead_rules == (1,)
+
+
+def test_stacked_rule_values_read_the_spec_from_the_end():
+    rules = [("w$", eqshard.stacked(P("tp", None))), ("b$", eqshard.stacked(P()))]
+    tree = {
+        "one": {"w": np.zeros((8, 4)), "b": np.zeros(8)},
+        "once": {"w": np.zeros((3, 8, 4)), "b": np.zeros((3, 8))},
+        "twice": {"w": np.zeros((2, 3, 8, 4)), "b": np.zeros((2, 3, 8))},
+    }
+    specs = eqshard.match_partition_rules(rules, tree, exact_rank=True)
+    assert specs["one"] == {"w": P("tp", None), "b": P()}
+    assert specs["once"] == {"w": P(None, "tp", None), "b": P()}
+    assert specs["twice"] == {"w": P(None, None, "tp", None), "b": P()}
+    report = eqshard.explain_partition_rules(rules, tree)
+    assert report.rows[5].note == "stacked: 2 layer axes in front"
+    # A spec shorter than the rank keeps JAX's meaning: the leading dimensions.
+    batch = {"x": np.zeros((16, 4))}
+    assert eqshard.match_partition_rules([("x", P("dp"))], batch) == {"x": P("dp")}
+    with pytest.raises(
+        ValueError, match=r"'x' shape \(16, 4\): spec.*exact_rank.*stacked"
+    ):
+        eqshard.match_partition_rules([("x", P("dp"))], batch, exact_rank=True)
+    with pytest.raises(ValueError, match=r"'one/w' shape \(8, 4\): spec P\(None, 'tp'"):
+        eqshard.match_partition_rules(
+            [(".*", eqshard.stacked(P(None, "tp", None)))], tree
+        )
+    with pytest.raises(
+        TypeError, match=r"eqshard.stacked: .*auto_fsdp\(\.\.\., stacked=n\)"
+    ):
+        eqshard.stacked(eqshard.auto_fsdp("dp"))

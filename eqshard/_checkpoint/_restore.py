@@ -18,14 +18,14 @@ from jaxtyping import PyTree
 
 from .._derive import abstract_tree
 from .._host import converted, leaf_casts, loss_error, Lost, lost_text
+from .._init import needs_arguments, restore_target
 from .._keys import is_key
 from .._multiprocess import check_timeout, fail_together, meet
-from .._spec_args import resolve_specs
 from .._specs import (
     check_placeable,
     check_spec_on_mesh,
 )
-from .._typing import KeyPath, typecheck
+from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._disk import is_read_error, Saved, saved_arrays, unreadable_error
 from ._targets import (
     abstract_target_error,
@@ -227,6 +227,7 @@ def restore(
     *,
     dtype: Any = None,
     timeout: float | int = 300.0,
+    on_invalid: OnInvalid = "warn",
 ) -> PyTree:
     """Restores an [`eqshard.save`][] checkpoint onto any mesh.
 
@@ -254,15 +255,27 @@ def restore(
 
     - `directory`: a checkpoint written by [`eqshard.save`][] (or by orbax).
     - `like`: a tree of the saved tree's structure, concrete or abstract; its
-      array leaves give the shapes and dtypes, the rest is returned as it is.
+      array leaves give the shapes and dtypes, the rest is returned as it is. Or
+      a function of no arguments making it, called abstractly
+      (`eqx.filter_eval_shape`): the function given to
+      [`eqshard.init_sharded`][] with its arguments bound,
+      `functools.partial(make, key)`.
     - `specs`: where to put the arrays: a spec tree for `like` (or a prefix of
-      it), e.g. `eqshard.restrict_specs(specs, mesh)` for another mesh, partition
-      rules, or a function of the abstract tree (see
-      [the spec-tree family](specs.md)). `None` (the default, also at a leaf)
+      it), partition rules matched against it (as
+      [`eqshard.match_partition_rules`][] matches them: an optimizer state built
+      with the model follows it), or a function of the abstract tree (see
+      [the spec-tree family](specs.md)). Specs written for another mesh are
+      adapted to `mesh`, see `on_invalid`. `None` (the default, also at a leaf)
       keeps `like`'s own shardings: those of its `jax.Array`s, or of its structs
       made by [`eqshard.abstract`][].
     - `mesh`: the mesh for `PartitionSpec`s (a concrete one: arrays are read
       onto its devices); defaults to the mesh set by `jax.set_mesh`.
+    - `on_invalid`: what to do with a `PartitionSpec` that cannot apply on
+      `mesh` (an axis it lacks, a dimension its axes no longer divide):
+      `"warn"` (the default) corrects it as [`eqshard.restrict_specs`][] does
+      (dropping the axes that do not fit) and warns, listing each changed
+      path, the spec before and after, and why; `"ignore"` corrects it
+      silently; `"raise"` raises that list as a `ValueError`.
     - `dtype`: if given, floating arrays are cast to it as they are read: a
       floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
     - `timeout`: in a multi-process run, how many seconds each process waits
@@ -290,10 +303,28 @@ def restore(
         ```python
         like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
         model = eqshard.restore("/tmp/ckpt/step_100", like, specs, mesh)
+        # What init_sharded(make, key, specs=rules, mesh=mesh) built, onto
+        # another mesh:
+        state = eqshard.restore("/tmp/ckpt/100", ft.partial(make, key), rules, mesh)
         ```
     """
     caller = "restore"
     check_timeout(caller, timeout)
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    fix = (
+        "Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
+        "skeleton of it is enough)."
+    )
+    if needs_arguments(like):
+        fix += (
+            f" `like` is {like!r}, a function that takes arguments: to restore "
+            "what it makes, give it with its arguments bound, e.g. "
+            "`functools.partial(make, key)` for the `make` and `key` given to "
+            "`eqshard.init_sharded`."
+        )
+    like, specs = restore_target(
+        like, specs, mesh, on_invalid=on_invalid, caller=caller
+    )
     ocp = import_optional("orbax.checkpoint", "orbax", caller)
     path = os.path.abspath(os.fspath(directory))
     cannot = f"the checkpoint at {path!r} is not read"
@@ -310,7 +341,6 @@ def restore(
         if isinstance(mesh, AbstractMesh):
             raise abstract_target_error(caller, [p for _, p, _ in named.values()], mesh)
         placed = leaves
-        specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
         if specs is not None:
             # Arrays read now need a layout: every spec checked as `shard` does
             # (`P.UNCONSTRAINED` refused), all at once.
@@ -327,8 +357,7 @@ def restore(
             casts,
             caller=caller,
             where=f"the checkpoint at {path!r}",
-            fix="Pass the `like` of the tree that was saved (an "
-            "`eqx.filter_eval_shape` skeleton of it is enough).",
+            fix=fix,
         )
     except Exception as error:  # raised on every process, by `fail_together`
         failure = error

@@ -1,0 +1,309 @@
+"""`filter_jit`: `eqx.filter_jit` with spec trees for the inputs and outputs, and
+Equinox's donation options, on `_jit.JitFunction`.
+
+The specs are resolved at the first call with arguments of each structure, against
+those arguments (`_Specs`): `in_specs` through `resolve_specs` (rules matched
+inside each argument), `out_specs` too, where an integer stands for an argument's
+layout (its spec, or where its arrays are placed); rules and functions among the
+`out_specs` cost one trace of `fn` for the output's paths and shapes.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, TYPE_CHECKING, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._jit import JitFunction
+from ._mesh import current_mesh, mesh_repr, same_mesh
+from ._spec_args import is_partition_rules, resolve_specs
+from ._specs import bad_spec_leaf_message, is_spec_leaf, leaf_specs, named_sharding
+from ._tree import path_str
+from ._typing import check_choice, KeyPath, typecheck
+
+
+_CALLER = "filter_jit"
+# Equinox's choices for `donate`, checked by `filter_jit` itself (as `_typing`'s
+# aliases of the arguments a function validates).
+_DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
+if TYPE_CHECKING:
+    Donate: TypeAlias = Literal[
+        "all", "all-except-first", "warn", "warn-except-first", "none"
+    ]
+else:
+    Donate = str
+
+
+def _is_spec_fn(x: Any) -> bool:
+    """A callable of an abstract tree giving its spec tree (an Equinox module may
+    define `__call__`, but in a spec tree it is a node)."""
+    return callable(x) and not isinstance(x, eqx.Module | PartitionSpec | type)
+
+
+def _is_out_entry(x: Any) -> bool:
+    """A leaf of `out_specs`: a spec, an argument's index, rules or a callable."""
+    return (
+        is_spec_leaf(x)
+        or (isinstance(x, int) and not isinstance(x, bool))
+        or is_partition_rules(x)
+        or _is_spec_fn(x)
+    )
+
+
+def _own_layout(leaf: Any) -> NamedSharding | None:
+    """The `NamedSharding` an argument is placed with, if any: a committed array's
+    or an abstract one's; `None` for host data, uncommitted and traced arrays."""
+    if isinstance(leaf, Tracer):
+        return None
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return None
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+class _Specs:
+    """Resolves `filter_jit`'s `in_specs` and `out_specs` for the first arguments
+    of a structure: `(in_shardings, out_shardings, mesh)`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        in_specs: Any,
+        out_specs: Any,
+        mesh: Mesh | AbstractMesh | None,
+    ):
+        self.fn = fn
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.mesh = mesh
+
+    def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:
+        """The mesh given, else the one set, else the one the arguments are on."""
+        if self.mesh is not None:
+            return self.mesh
+        found = current_mesh()
+        if found is not None:
+            return found
+        meshes: list[Mesh | AbstractMesh] = []
+        for leaf in leaves:
+            sharding = _own_layout(leaf)
+            if sharding is not None and not any(
+                same_mesh(sharding.mesh, m) for m in meshes
+            ):
+                meshes.append(sharding.mesh)
+        if len(meshes) > 1:
+            raise ValueError(
+                f"eqshard.{_CALLER}: no mesh is given or set, and the arguments are "
+                f"placed on {len(meshes)} meshes "
+                f"({', '.join(mesh_repr(m) for m in meshes)}). Pass `mesh=`, or "
+                "place every argument on one mesh."
+            )
+        return meshes[0] if meshes else None
+
+    def _sharding(
+        self, spec: Any, mesh: Mesh | AbstractMesh | None, path: KeyPath, name: str
+    ) -> NamedSharding | None:
+        """A spec leaf as `jax.jit` takes it: a `PartitionSpec` on `mesh`."""
+        if not is_spec_leaf(spec):
+            raise TypeError(
+                bad_spec_leaf_message(_CALLER, path, spec, logical=False, argname=name)
+            )
+        if not isinstance(spec, PartitionSpec):
+            return spec
+        if mesh is None:
+            raise ValueError(
+                f"eqshard.{_CALLER}: `{name}` has {spec} at '{path_str(path)}', but "
+                "no mesh is given or set, and no argument is placed on one. Pass "
+                "`mesh=`, or use `jax.set_mesh(mesh)`."
+            )
+        if isinstance(mesh, AbstractMesh):
+            return NamedSharding(mesh, spec)
+        return named_sharding(spec, mesh, caller=_CALLER, path=path, argname=name)
+
+    def _count_error(self, count: int) -> ValueError | None:
+        specs = self.in_specs
+        if type(specs) is tuple and not is_partition_rules(specs):
+            if len(specs) != count:
+                return ValueError(
+                    f"eqshard.{_CALLER}: `in_specs` has {len(specs)} entries, but "
+                    f"the function is called with {count} positional arguments. "
+                    "Give one entry per argument (None for an argument placed as "
+                    "it is), or one spec, rules or callable for all of them."
+                )
+        return None
+
+    def __call__(
+        self, args: tuple[Any, ...]
+    ) -> tuple[PyTree, PyTree, Mesh | AbstractMesh | None]:
+        leaves, treedef = jtu.tree_flatten(args)
+        mesh = self._mesh(leaves)
+        error = self._count_error(len(args))
+        if error is not None:
+            raise error
+        resolved = resolve_specs(
+            self.in_specs,
+            args,
+            caller=_CALLER,
+            argname="in_specs",
+            mesh=mesh,
+            per_item=True,
+        )
+        pairs = leaf_specs(resolved, args, caller=_CALLER, argname="in_specs")
+        shardings = [
+            self._sharding(spec, mesh, path, "in_specs") for path, spec in pairs
+        ]
+        in_shardings = jtu.tree_unflatten(treedef, shardings)
+        # An output "as argument k" is as argument k's arrays go in: by their
+        # spec, else as they are placed.
+        layouts = jtu.tree_unflatten(
+            treedef,
+            [
+                _own_layout(leaf) if sharding is None else sharding
+                for leaf, sharding in zip(leaves, shardings, strict=True)
+            ],
+        )
+        out_shardings = self._out(args, layouts, mesh)
+        return in_shardings, out_shardings, mesh
+
+    def _out(self, args: tuple[Any, ...], layouts: Any, mesh: Any) -> PyTree:
+        specs = self.out_specs
+        entries = jtu.tree_leaves(specs, is_leaf=_is_out_entry)
+        if any(is_partition_rules(e) or _is_spec_fn(e) for e in entries):
+            # Rules and functions need the output's paths and shapes: one more
+            # trace, of the function alone.
+            out = eqx.filter_eval_shape(self.fn, *args)
+            specs = resolve_specs(
+                specs, out, caller=_CALLER, argname="out_specs", mesh=mesh
+            )
+        path_leaves, out_def = jtu.tree_flatten_with_path(specs, is_leaf=_is_out_entry)
+        resolved = []
+        for path, entry in path_leaves:
+            if isinstance(entry, int) and not isinstance(entry, bool):
+                if not 0 <= entry < len(args):
+                    raise ValueError(
+                        f"eqshard.{_CALLER}: `out_specs` has {entry} at "
+                        f"'{path_str(path)}', which names the layout of argument "
+                        f"{entry}, but the function is called with {len(args)} "
+                        "positional arguments. Give the index of an argument "
+                        "(counting from 0)."
+                    )
+                resolved.append(layouts[entry])
+                continue
+            resolved.append(
+                jtu.tree_map_with_path(
+                    lambda p, s, base=path: self._sharding(
+                        s, mesh, base + p, "out_specs"
+                    ),
+                    entry,
+                    is_leaf=is_spec_leaf,
+                )
+            )
+        return out_def.unflatten(resolved)
+
+
+@typecheck
+def filter_jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    in_specs: PyTree = None,
+    out_specs: PyTree = None,
+    donate: Donate = "none",
+    mesh: Mesh | AbstractMesh | None = None,
+) -> Any:
+    """`eqx.filter_jit` that places its inputs and outputs by spec trees: a step
+    that keeps its layout without constraints written inside it.
+
+    Arrays among the arguments are traced; everything else (an Equinox module's
+    static fields and callables, Python scalars) is held static, as
+    `eqx.filter_jit` does, and a new value compiles again. The arguments are taken
+    with the shardings `in_specs` gives them (`jax.jit`'s `in_shardings`), and the
+    output's arrays are made in those `out_specs` gives (`out_shardings`), so the
+    updated model and optimizer state come back laid out as they went in, step
+    after step, and the step compiles once. `fn` is traced with the mesh set (as
+    the abstract mesh), so [`eqshard.with_sharding_constraint`][] inside it needs
+    no `mesh=`.
+
+    The specs are resolved at the first call with arguments of each structure
+    (and again under another mesh set), against those arguments: rules are
+    matched against each argument (paths start inside it), as
+    [`eqshard.init_sharded`][] matches them against what it builds. Spec trees
+    match by structure and path: one made from another build of a model (another
+    `eqx.nn.StateIndex` marker) fits.
+
+    **Arguments:**
+
+    - `fn`: the function; `filter_jit(in_specs=..., ...)` without it gives a
+      decorator.
+    - `in_specs`: a tuple with one entry per positional argument, or one entry for
+      all of them. An entry is a spec tree for the argument or a prefix of it
+      (`PartitionSpec`, `NamedSharding` and `None` leaves), partition rules
+      matched against it, or a callable of the abstract argument giving its spec
+      tree. `None` (at an argument, or for all, the default) takes an argument as
+      it is placed: a placed array keeps its `NamedSharding`, host data and
+      uncommitted arrays go where the program puts them.
+    - `out_specs`: the same for the output (rules and callables then cost one
+      more trace of `fn`, for the output's shapes), where an integer `k` stands
+      for the layout of argument `k`: `out_specs=(0, P())` returns the first
+      argument's layout and a replicated loss. `None` leaves an output's layout to
+      the compiler.
+    - `donate`: as in `eqx.filter_jit`: `"all"` donates the arrays of every
+      argument (their buffers may hold the output, and they are deleted),
+      `"all-except-first"` of every argument but the first; both keep quiet
+      about buffers no output could reuse, which `"warn"` and
+      `"warn-except-first"` report. `"none"` (the default) donates nothing.
+    - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
+      `jax.set_mesh`, then to the mesh the arguments are placed on.
+
+    **Returns:**
+
+    The compiled function, with `lower(*args)` and `compile(*args)` for
+    ahead-of-time use (see [`eqshard.t5x.PartitionedFn`][], which is built on
+    it). [`eqshard.analyze_step`][] reads its shardings and donations.
+
+    **Raises:**
+
+    At the first call with a structure: `ValueError` naming the first path where a
+    spec tree does not match the arguments or the output, every array whose spec
+    cannot apply, an argument placed otherwise than its spec asks, an array
+    donated and given twice, or if no mesh is found for a `PartitionSpec`;
+    `TypeError` for keyword arguments, a spec leaf that is not a spec, or a
+    non-array leaf that cannot be hashed.
+
+    !!! Example
+
+        ```python
+        def train_step(batch, state):  # state: (model, opt_state)
+            ...
+            return state, loss
+
+        step = eqshard.filter_jit(
+            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()),
+            donate="all-except-first", mesh=mesh,
+        )
+        state, loss = step(batch, state)
+        ```
+    """
+    check_choice(donate, _DONATE, caller=_CALLER, name="donate")
+    if fn is None:
+        return lambda f: filter_jit(
+            f, in_specs=in_specs, out_specs=out_specs, donate=donate, mesh=mesh
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"eqshard.{_CALLER}: `fn` must be callable, got {fn!r}; use "
+            "`eqshard.filter_jit(fn, in_specs=..., out_specs=...)`, or as a "
+            "decorator `@eqshard.filter_jit(in_specs=..., out_specs=...)`."
+        )
+    return JitFunction(
+        fn,
+        caller=_CALLER,
+        resolve=_Specs(fn, in_specs, out_specs, mesh),
+        donate_from={"none": None}.get(donate, 1 if "except" in donate else 0),
+        donate_text=f"`donate={donate!r}`",
+        quiet_donation=donate in ("all", "all-except-first"),
+        mesh=mesh,
+    )

@@ -1,0 +1,164 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from probes import Compiles
+
+import eqshard
+
+
+class Net(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    cache: eqx.nn.StateIndex  # a new marker object at every build
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(8, 16, key=k1)
+        self.down = eqx.nn.Linear(16, 4, key=k2)
+        self.cache = eqx.nn.StateIndex(jnp.zeros((4, 8)))
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+RULES = [("up/weight", P("tp")), ("down/weight", P(None, "tp")), (".*", P())]
+OPTIMIZER = optax.adamw(1e-2)
+
+
+def make(key):
+    model = Net(key)
+    return model, OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
+
+
+def train_step(batch, state):
+    model, opt_state = state
+    x, y = batch
+
+    def loss_fn(model):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return (eqx.apply_updates(model, updates), opt_state), loss
+
+
+BATCH = (
+    np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8),
+    np.linspace(0, 1, 32, dtype=np.float32).reshape(8, 4),
+)
+
+
+def test_a_step_keeps_its_layout_donates_and_compiles_once(mesh):
+    state = eqshard.init_sharded(make, jax.random.key(0), specs=RULES, mesh=mesh)
+    specs = eqshard.match_partition_rules(RULES, state)
+    step = eqshard.filter_jit(
+        train_step,
+        in_specs=(P("dp"), RULES),
+        out_specs=(1, P()),
+        donate="all-except-first",
+        mesh=mesh,
+    )
+    # The unsharded step on the same values, for the losses.
+    reference = jax.tree.map(jnp.asarray, eqshard.gather(state))
+    before = jax.tree.leaves(state)
+    with Compiles() as compiles:
+        losses = []
+        for _ in range(3):
+            state, loss = step(BATCH, state)
+            losses.append(float(loss))
+    assert compiles.count == 1
+    assert all(x.is_deleted() for x in before if isinstance(x, jax.Array))
+    eqshard.check_layout(state, specs, mesh)
+    assert loss.sharding == NamedSharding(mesh, P())
+    plain = eqx.filter_jit(train_step)
+    expected = []
+    for _ in range(3):
+        reference, loss = plain(BATCH, reference)
+        expected.append(float(loss))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    # analyze_step reads the one jit call: shardings and donations.
+    report = eqshard.analyze_step(step, BATCH, state)
+    rows = {row.path: row for row in report.arguments}
+    assert rows["state/0/up/weight"].spec == "P('tp',)"
+    assert rows["state/0/up/weight"].donated and not rows["batch/0"].donated
+    assert [m.path for m in report.moved] == ["batch/0", "batch/1"]
+    outputs = {row.path: row for row in report.outputs}
+    assert outputs["out/0/0/down/weight"].spec == "P(None, 'tp')"
+
+
+def test_specs_from_another_build_of_a_model_with_state_index(tmp_path):
+    # Each build of `Net` makes a new StateIndex marker, so the spec trees of an
+    # abstract build differ from the model's in static metadata only: they fit by
+    # structure and path, as inputs and as outputs (jax.jit's `out_shardings`
+    # alone refuses them: "different pytree metadata").
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
+    other = eqshard.match_partition_rules(
+        RULES, eqx.filter_eval_shape(make, jax.random.key(1))
+    )
+    state = eqshard.init_sharded(make, jax.random.key(0), specs=other, mesh=mesh)
+    step = eqshard.filter_jit(
+        train_step, in_specs=(P("dp"), other), out_specs=(other, P()), mesh=mesh
+    )
+    state, _ = step(BATCH, state)
+    eqshard.check_layout(state, other, mesh)
+    partitioner = eqshard.t5x.Partitioner(mesh=mesh)
+    same = partitioner.partition(train_step, (P("dp"), other), (other, P()))
+    state, _ = same(BATCH, state)
+    eqshard.check_layout(state, other, mesh)
+    placed = eqshard.shard(eqx.filter_jit(make)(jax.random.key(1)), other, mesh)
+    eqshard.check_layout(placed, other, mesh)
+    moved = eqshard.restrict_specs(other, mesh, like=placed)
+    assert moved[0].up.weight == P("tp")
+    plan = eqshard.plan_training(placed[0], other[0], mesh, optimizer=OPTIMIZER)
+    assert plan.params.total_parameters == 8 * 16 + 16 + 16 * 4 + 4 + 4 * 8
+    eqshard.save(tmp_path / "c", placed)
+    like = eqx.filter_eval_shape(make, jax.random.key(2))  # a third build
+    back = eqshard.restore(tmp_path / "c", like, other, mesh)
+    eqshard.check_layout(back, other, mesh)
+
+
+def test_inputs_as_placed_decorator_and_quiet_donation(mesh):
+    model = eqshard.init_sharded(Net, jax.random.key(0), specs=RULES, mesh=mesh)
+
+    @eqshard.filter_jit(out_specs=0, donate="all")
+    def scale(model, factor):  # an array of the output that no input fits
+        return jax.tree.map(lambda x: x * factor, model)
+
+    out = scale(model, jnp.float32(2.0))
+    eqshard.check_layout(out, eqshard.match_partition_rules(RULES, out), mesh)
+    assert out.up.weight.sharding.spec == P("tp")
+    assert repr(scale) == "filter_jit(scale)"
+
+
+def test_filter_jit_errors_name_what_and_where(mesh):
+    model = eqshard.init_sharded(Net, jax.random.key(0), specs=RULES, mesh=mesh)
+    x = np.ones((8, 8), np.float32)
+
+    def apply(model, x):
+        return jax.vmap(model)(x)
+
+    with pytest.raises(ValueError, match=r"filter_jit: `in_specs` has 3 entries.* 2"):
+        eqshard.filter_jit(apply, in_specs=(None, P("dp"), P()), mesh=mesh)(model, x)
+    with pytest.raises(
+        ValueError, match=r"`out_specs` has 2 at '<root>'.*2 positional"
+    ):
+        eqshard.filter_jit(apply, out_specs=2)(model, x)
+    with pytest.raises(TypeError, match=r"keyword arguments 'x'; pass them"):
+        eqshard.filter_jit(apply)(model, x=x)
+    with pytest.raises(ValueError, match=r"'1' \(shape \(8, 6\)\).*size 8"):
+        eqshard.filter_jit(apply, in_specs=(None, P(None, ("dp", "tp"))), mesh=mesh)(
+            model, np.ones((8, 6), np.float32)
+        )
+    with pytest.raises(ValueError, match=r"`in_specs` has P\('dp',\) at '1'.*no mesh"):
+        eqshard.filter_jit(apply, in_specs=(None, P("dp")))(
+            jax.tree.map(np.asarray, eqshard.gather(model)), x
+        )
+    with pytest.raises(ValueError, match=r"given one array at both '0' and '1'"):
+        eqshard.filter_jit(lambda a, b: a + b, donate="all")(x := jnp.ones(3), x)
+    with pytest.raises(ValueError, match=r"filter_jit: `donate` is 'first'; use"):
+        eqshard.filter_jit(apply, donate="first")
