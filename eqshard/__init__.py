@@ -63,6 +63,11 @@ from ._safetensors import (
     load_safetensors as load_safetensors,
     save_safetensors as save_safetensors,
 )
+from ._search import search_layout as search_layout
+from ._search_report import (
+    LayoutCandidate as LayoutCandidate,
+    LayoutSearch as LayoutSearch,
+)
 from ._shard import (
     gather as gather,
     iter_gather as iter_gather,
@@ -144,6 +149,7 @@ __all__ = [
     "extract_shardings",
     # The compiled step.
     "analyze_step",
+    "search_layout",
 ]
 
 
