@@ -36,7 +36,8 @@ from typing import Any, TextIO
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.extend.core import jaxpr_as_fun
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._candidates import (
@@ -170,6 +171,8 @@ class _Step:
         self.fn = fn
         self.leaves, self.treedef = jtu.tree_flatten((params, *args))
         self.array_index = [i for i, x in enumerate(self.leaves) if is_array(x)]
+        self.jaxpr: Any = None
+        self.out_tree: Any = None
 
     def call(self, *arrays: Any) -> Any:
         """`fn` on the arguments with these arrays, its output's arrays (other
@@ -180,18 +183,33 @@ class _Step:
         out = self.fn(*jtu.tree_unflatten(self.treedef, full))
         return jtu.tree_map(lambda x: x if isinstance(x, jax.Array) else None, out)
 
-    def trace(self, count: int) -> tuple[list[Any], Any]:
+    def trace(self, count: int, mesh: Mesh) -> tuple[list[Any], Any]:
         """The uses of the first `count` arrays (the parameters), and the output's
         structure with `ShapeDtypeStruct` leaves."""
         structs = [_struct(self.leaves[i]) for i in self.array_index]
         jaxpr, out = jax.make_jaxpr(self.call, return_shape=True)(*structs)
+        # On Auto axes, the trace does not depend on the arguments' shardings:
+        # each layout compiles this jaxpr rather than tracing `fn` again.
+        self.jaxpr = jaxpr if set(mesh.axis_types) == {AxisType.Auto} else None
+        self.out_tree = jtu.tree_structure(out)
         return parameter_uses(jaxpr, count), out
+
+    def replay(self, *arrays: Any) -> Any:
+        """`call`, from its jaxpr."""
+        return jtu.tree_unflatten(self.out_tree, jaxpr_as_fun(self.jaxpr)(*arrays))
 
     def program(self, out_shardings: Any, donate: Sequence[int]) -> Callable[..., Any]:
         """The step as `analyze_step` reads it: `fn`'s signature, one `jax.jit`
         with these output shardings and donations inside."""
+        body = self.call if self.jaxpr is None else self.replay
+
+        def inner(*arrays: Any) -> Any:
+            return body(*arrays)
+
+        # XLA's op names then read `jit(step)/jit(train_step)/...`.
+        inner.__name__ = inner.__qualname__ = _name(self.fn)
         jitted = jax.jit(
-            self.call, out_shardings=out_shardings, donate_argnums=tuple(donate)
+            inner, out_shardings=out_shardings, donate_argnums=tuple(donate)
         )
 
         @functools.wraps(self.fn)
@@ -461,7 +479,7 @@ def search_layout(
     data_axes = _data_axes(arguments, mesh, placed)
     step = _Step(fn, params, args)
     with jax.set_mesh(mesh):
-        uses, out = step.trace(arguments[0].count)
+        uses, out = step.trace(arguments[0].count, mesh)
     params_info = parameters(params, uses)
 
     layouts: list[tuple[str, str, list[Any], Any]] = []

@@ -108,10 +108,8 @@ class LayoutCandidate:
         return self.file_text
 
     def rule_lines(self) -> list[str]:
-        return [
-            f"{pattern_text(regex)!r}  {value_text(value)}"
-            for regex, value in self.rules
-        ]
+        """The rules, one a line: the regex, then the value."""
+        return [f"{pattern_text(r)}  {value_text(v)}" for r, v in self.rules]
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "DOES NOT FIT"

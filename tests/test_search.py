@@ -219,7 +219,7 @@ def test_the_result_reads_as_the_other_reports(activations):
     text = str(result)
     assert text.startswith("layout search for step 'step' on mesh {'dp': 2, 'tp': 4}")
     assert f"best: {result.best.name}" in text
-    assert "rules of " in text and "'.*'  P()" in text
+    assert "rules of " in text and "\n  .*  P()" in text
     assert "\n" not in repr(result) and repr(result).startswith("LayoutSearch(")
     assert "0x" not in text
     shown = io.StringIO()
