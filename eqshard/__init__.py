@@ -92,7 +92,8 @@ __version__ = _version("eqshard")
 
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`, `AutoFSDP`,
-# `HostKey`) are importable from here too, and documented with their functions.
+# `HostKey`, `StepReport`, `LayoutSearch`, `LayoutCandidate`) are importable from
+# here too, and documented with their functions.
 __all__ = [
     # Meshes.
     "create_mesh",

@@ -28,9 +28,11 @@ How a search goes:
 
 import functools
 import inspect
+import io
 import operator
 import sys
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -100,6 +102,11 @@ def _candidate_error(name: str, error: Exception) -> ValueError:
 # ---------------------------------------------------------------------------------
 
 
+def _signature(tree: Any) -> list[tuple[tuple[int, ...], str]]:
+    """The shape and dtype of each array of `tree`."""
+    return [(tuple(x.shape), str(x.dtype)) for x in jtu.tree_leaves(tree)]
+
+
 class _Argument:
     """An argument of the step: its kind (`"params"`, `"follows"`, `"placed"` or
     `"replicated"`), its tree, and its leaves' positions among the step's."""
@@ -111,7 +118,7 @@ class _Argument:
         self.positions = list(range(start, start + self.count))
         filtered = jtu.tree_map(lambda x: x if is_array(x) else None, tree)
         self.structure = jtu.tree_structure(filtered)
-        self.shapes = [tuple(x.shape) for x in jtu.tree_leaves(filtered)]
+        self.signature = _signature(filtered)
 
 
 def _follows(tree: Any, params: Any) -> bool:
@@ -227,14 +234,13 @@ def _out_shardings(
     indices of the targets returned that way."""
 
     def target(node: Any) -> int | None:
-        if node is None or is_array(node):
+        if node is None:
             return None
         structure = jtu.tree_structure(node)
         for k, (argument, _) in enumerate(targets):
-            if structure == argument.structure and argument.shapes == [
-                tuple(x.shape) for x in jtu.tree_leaves(node)
-            ]:
-                return k
+            if structure == argument.structure:
+                if argument.signature == _signature(node):
+                    return k
         return None
 
     nodes = jtu.tree_leaves(out, is_leaf=lambda x: target(x) is not None)
@@ -258,7 +264,9 @@ def _out_shardings(
 class _Progress:
     """A progress bar on a terminal's stderr: rich's when installed."""
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO) -> None:
+    def __init__(
+        self, total: int, enabled: bool, stream: io.TextIOBase | TextIO
+    ) -> None:
         self.total, self.stream, self.done = total, stream, 0
         self.rich: Any = None
         self.enabled = enabled and stream.isatty()
@@ -269,7 +277,8 @@ class _Progress:
             from rich.progress import Progress
         except ImportError:
             return
-        self.rich = Progress(console=Console(file=stream), transient=True)
+        console = Console(file=typing.cast(TextIO, stream))
+        self.rich = Progress(console=console, transient=True)
         self.task = self.rich.add_task("compiling layouts", total=total)
         self.rich.start()
 

@@ -6,7 +6,11 @@
 
 import io
 import json
+import os
+import pty
 import re
+import sys
+import threading
 from collections.abc import Callable
 
 import equinox as eqx
@@ -360,6 +364,48 @@ def test_max_candidates_time_budget_and_a_batch_without_shardings(mesh):
     )
     assert len(timed.candidates) == 1
     assert timed.skipped and {why for _, why in timed.skipped} == {"time budget"}
+
+
+def test_the_progress_bar_draws_on_a_terminal_only(monkeypatch):
+    from eqshard._search import _Progress
+
+    def drawn(enabled):
+        # A real pseudo-terminal, drained while the bar draws on it.
+        master, slave = pty.openpty()
+        stream = os.fdopen(slave, "w")
+        chunks = []
+
+        def drain():
+            while True:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # the terminal closed
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        bar = _Progress(2, enabled, stream)
+        for name in ("fsdp(dp)", "tp(tp)"):
+            bar.update(name)
+        bar.close()
+        stream.close()
+        reader.join(timeout=10)
+        os.close(master)
+        return b"".join(chunks).decode(errors="replace")
+
+    assert "tp(tp)" in drawn(True)  # rich's bar
+    assert drawn(False) == ""
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # as without rich
+    assert "layouts [########################] 2/2  tp(tp)" in drawn(True)
+    # Not a terminal (a log, a pipe): nothing is drawn.
+    log = io.StringIO()
+    bar = _Progress(2, True, log)
+    bar.update("tp(tp)")
+    bar.close()
+    assert log.getvalue() == ""
 
 
 # ---------------------------------------------------------------------------------
