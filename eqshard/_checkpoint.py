@@ -75,6 +75,7 @@ from ._keys import is_key
 from ._mesh import require_mesh
 from ._multiprocess import check_timeout, fail_together, meet
 from ._shard import unplaceable
+from ._spec_args import resolve_specs
 from ._specs import (
     check_leaves,
     check_placeable,
@@ -907,9 +908,11 @@ def restore(
     - `like`: a tree of the saved tree's structure, concrete or abstract; its
       array leaves give the shapes and dtypes, the rest is returned as it is.
     - `specs`: where to put the arrays: a spec tree for `like` (or a prefix of
-      it), e.g. `eqshard.restrict_specs(specs, mesh)` for another mesh. `None`
-      (the default, also at a leaf) keeps `like`'s own shardings: those of its
-      `jax.Array`s, or of its structs made by [`eqshard.abstract`][].
+      it), e.g. `eqshard.restrict_specs(specs, mesh)` for another mesh, partition
+      rules, or a function of the abstract tree (see
+      [the spec-tree family](specs.md)). `None` (the default, also at a leaf)
+      keeps `like`'s own shardings: those of its `jax.Array`s, or of its structs
+      made by [`eqshard.abstract`][].
     - `mesh`: the mesh for `PartitionSpec`s (a concrete one: arrays are read
       onto its devices); defaults to the mesh set by `jax.set_mesh`.
     - `dtype`: if given, floating arrays are cast to it as they are read: a
@@ -959,6 +962,7 @@ def restore(
         if isinstance(mesh, AbstractMesh):
             raise _abstract_mesh_error(caller, [p for _, p, _ in named.values()], mesh)
         placed = leaves
+        specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
         if specs is not None:
             _check_placeable(like, leaves, specs, mesh, caller)
             placed = jtu.tree_leaves(abstract_tree(like, specs, mesh, caller=caller))

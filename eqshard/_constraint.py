@@ -16,8 +16,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from ._deprecated import renamed_keywords
+from ._logical import normalize_rules
 from ._mesh import current_mesh
 from ._shard import abstract_leaf_error
+from ._spec_args import resolve_specs
 from ._specs import (
     check_leaf,
     check_spec,
@@ -189,8 +191,10 @@ def with_sharding_constraint(
     **Arguments:**
 
     - `tree`: any pytree.
-    - `specs`: a spec tree for `tree`, or a prefix of one. Its leaves may also be
-      [`eqshard.AxisNames`][] (logical axis names), resolved by `axis_rules`.
+    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
+      function of the abstract tree returning a spec tree (see
+      [the spec-tree family](specs.md)). Its leaves (and rules' values) may also
+      be [`eqshard.AxisNames`][] (logical axis names), resolved by `axis_rules`.
     - `mesh`: defaults to the mesh set by `jax.set_mesh` (the abstract mesh inside
       `jit`).
     - `on_invalid`: `"warn"` corrects and warns, naming each leaf; `"raise"` raises
@@ -231,6 +235,8 @@ def with_sharding_constraint(
     if mesh is None:
         mesh = current_mesh()
     caller = "with_sharding_constraint"
+    table = None if axis_rules is None else normalize_rules(axis_rules, caller=caller)
+    specs = resolve_specs(specs, tree, caller=caller, mesh=mesh, axis_rules=table)
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in path_leaves]
     abstract = [p for p, x in path_leaves if isinstance(x, jax.ShapeDtypeStruct)]
@@ -244,7 +250,7 @@ def with_sharding_constraint(
     }
     for i, ((path, spec), leaf) in enumerate(
         zip(
-            leaf_specs(specs, tree, caller=caller, logical=True, axis_rules=axis_rules),
+            leaf_specs(specs, tree, caller=caller, logical=True, axis_rules=table),
             leaves,
             strict=True,
         )

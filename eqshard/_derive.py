@@ -20,6 +20,7 @@ from jaxtyping import PyTree
 
 from ._logical import AxisNames
 from ._mesh import require_mesh
+from ._spec_args import NO_TREE, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
     check_leaves,
@@ -69,8 +70,9 @@ def abstract(
 
     - `tree`: any pytree, concrete or abstract.
     - `specs`: `None`, or a spec tree for `tree` (or a prefix of it) of
-      `PartitionSpec`s, `NamedSharding`s and `None`s. A `None` spec gives a struct
-      without a sharding.
+      `PartitionSpec`s, `NamedSharding`s and `None`s, partition rules, or a
+      function of the abstract tree (see [the spec-tree family](specs.md)). A
+      `None` spec gives a struct without a sharding.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed without specs or with `NamedSharding`s only.
 
@@ -94,6 +96,7 @@ def abstract(
         target["n"]  # 3
         ```
     """
+    specs = resolve_specs(specs, tree, caller="abstract", mesh=mesh)
     return abstract_tree(tree, specs, mesh, caller="abstract")
 
 
@@ -231,7 +234,8 @@ def derive_specs(
     - `params`: the parameters, concrete or abstract, with the paths `tree`
       follows (e.g. the `params` of `eqx.partition(model, eqx.is_inexact_array)`).
     - `param_specs`: their spec tree (or a prefix of it), as made by
-      [`eqshard.match_partition_rules`][].
+      [`eqshard.match_partition_rules`][]; or the partition rules, or a function
+      of the abstract parameters (see [the spec-tree family](specs.md)).
     - `on_unmatched`: what to do with a leaf of 1 KiB or more that follows no
       parameter: `"error"` (the default) raises, `"replicate"` gives it `P()`.
 
@@ -261,7 +265,10 @@ def derive_specs(
     check_choice(
         on_unmatched, ("error", "replicate"), caller=caller, name="on_unmatched"
     )
-    pairs = leaf_specs(param_specs, params, caller=caller)
+    param_specs = resolve_specs(
+        param_specs, params, caller=caller, argname="param_specs"
+    )
+    pairs = leaf_specs(param_specs, params, caller=caller, argname="param_specs")
     by_path = {
         tuple(path): (tuple(int(n) for n in leaf.shape), spec)
         for (path, spec), leaf in zip(pairs, jtu.tree_leaves(params), strict=True)
@@ -428,7 +435,8 @@ def restrict_specs(
     **Arguments:**
 
     - `specs`: a spec tree of `PartitionSpec`s, `NamedSharding`s and `None`s (or,
-      with `like`, a prefix of `like`'s spec tree).
+      with `like`, a prefix of `like`'s spec tree, partition rules, or a function
+      of the abstract tree: see [the spec-tree family](specs.md)).
     - `mesh`: the mesh the specs are for (a `Mesh` or an `AbstractMesh`).
     - `rename`: a mapping from an axis name in `specs` to the name it has on
       `mesh`, a tuple of names (the dimension is split over all of them) or
@@ -467,6 +475,13 @@ def restrict_specs(
     # `(path, spec, shape)` per leaf; without `like`, a shape of zeros, which
     # every mesh axis divides.
     items: list[tuple[KeyPath, Any, tuple[int, ...]]] = []
+    specs = resolve_specs(
+        specs,
+        NO_TREE if like is None else like,
+        caller=caller,
+        mesh=mesh,
+        no_tree="Pass the tree they are for as `like=`.",
+    )
     if like is None:
         path_leaves, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
         for path, spec in path_leaves:

@@ -31,26 +31,13 @@ from jaxtyping import PyTree
 
 from ._derive import abstract_tree
 from ._mesh import current_mesh
-from ._rules import is_rules, rules_to_specs
+from ._spec_args import resolve_specs
 from ._specs import check_placeable, check_spec_on_mesh
 from ._tree import is_array, path_str
 from ._typing import typecheck
 
 
 _CALLER = "init_sharded"
-
-
-def _resolve_specs(
-    specs: Any, shapes: PyTree, mesh: Mesh | None, *, caller: str
-) -> PyTree:
-    """The spec tree that `specs` (a spec tree, rules, or a callable of the abstract
-    model) gives for `shapes`."""
-    if is_rules(specs):
-        return rules_to_specs(specs, shapes, mesh=mesh, caller=caller)
-    # An Equinox module may define `__call__`, but as `specs` it is a spec tree.
-    if callable(specs) and not isinstance(specs, eqx.Module | PartitionSpec):
-        return specs(shapes)
-    return specs
 
 
 def sharded_init(
@@ -79,7 +66,7 @@ def sharded_init(
         found = current_mesh()
         mesh = found if isinstance(found, Mesh) else None
     closed, dynamic, shapes, outputs = _trace(fn, args, kwargs)
-    spec_tree = _resolve_specs(specs, shapes, mesh, caller=caller)
+    spec_tree = resolve_specs(specs, shapes, caller=caller, mesh=mesh)
     # Built arrays need a layout: no `P.UNCONSTRAINED`, as for `shard`.
     check = ft.partial(check_placeable, check_spec_on_mesh)
     shapes = abstract_tree(shapes, spec_tree, mesh, caller=caller, check=check)
@@ -359,16 +346,11 @@ def init_sharded(
     - `fn`: a callable returning the pytree, e.g. an `eqx.Module` class.
     - `*args`, `**kwargs`: its arguments. Arrays among them (such as the key) are
       inputs of the compiled program; everything else is a constant of it.
-    - `specs`: where the arrays go, as one of
-        - a spec tree for the model (or a prefix of it) of `PartitionSpec`s,
-          `NamedSharding`s and `None`s, as for [`eqshard.shard`][];
-        - a list of partition rules, applied to the abstract model with
-          [`eqshard.match_partition_rules`][];
-        - a callable taking the abstract model (arrays as `jax.ShapeDtypeStruct`)
-          and returning a spec tree.
-
-      An array whose spec is `None` is replicated on the mesh (one program puts
-      all its outputs on the same devices).
+    - `specs`: where the arrays go: a spec tree for the model or a prefix of
+      it, partition rules, or a function of the abstract model returning a spec
+      tree (see [the spec-tree family](specs.md)). An array whose spec is `None`
+      is replicated on the mesh (one program puts all its outputs on the same
+      devices).
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when the specs are `NamedSharding`s.
 

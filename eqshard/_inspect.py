@@ -27,6 +27,7 @@ from jaxtyping import PyTree
 
 from ._host import placed_dtype
 from ._mesh import current_mesh, require_mesh
+from ._spec_args import resolve_specs
 from ._specs import (
     check_leaf,
     entry_axes,
@@ -632,11 +633,13 @@ def analyze_sharding_strategy(
     **Arguments:**
 
     - `tree`: any pytree; concrete or abstract.
-    - `specs`: a spec tree for `tree` or a prefix of one, as for [`eqshard.shard`][].
-      `NamedSharding`s may be on the analysed mesh or on a part of its devices
-      (e.g. one pipeline stage). `None` (the whole argument) reads the shardings
-      the arrays have: an array on a single device counts on that device and is
-      flagged `single device`; NumPy arrays are unplaced.
+    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
+      function of the abstract tree, as for [`eqshard.shard`][] (see
+      [the spec-tree family](specs.md)). `NamedSharding`s may be on the analysed
+      mesh or on a part of its devices (e.g. one pipeline stage). `None` (the
+      whole argument) reads the shardings the arrays have: an array on a single
+      device counts on that device and is flagged `single device`; NumPy arrays
+      are unplaced.
     - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
       (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
       by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
@@ -666,6 +669,7 @@ def analyze_sharding_strategy(
     """
     caller = "analyze_sharding_strategy"
     check_choice(on_invalid, REPORT_ON_INVALID, caller=caller, name="on_invalid")
+    specs = resolve_specs(specs, tree, caller=caller, mesh=mesh)
     if specs is None:
         pairs = own_shardings(tree, caller)
     else:

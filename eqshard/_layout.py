@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._mesh import current_mesh, same_mesh
+from ._spec_args import resolve_specs
 from ._specs import check_spec, entry_axes, leaf_specs
 from ._tree import is_array, is_deleted, path_str
 from ._typing import typecheck
@@ -171,7 +172,8 @@ def check_layout(
     - `tree`: any pytree.
     - `specs`: a spec tree for `tree` or a prefix of one, as for
       [`eqshard.shard`][]: `PartitionSpec`s (on `mesh`), `NamedSharding`s (on their
-      own mesh) or `None`.
+      own mesh) or `None`; or partition rules, or a function of the abstract tree
+      (see [the spec-tree family](specs.md)).
     - `mesh`: the mesh `PartitionSpec`s refer to; defaults to the mesh set by
       `jax.set_mesh`.
 
@@ -198,8 +200,9 @@ def check_layout(
         ```
     """
     caller = "check_layout"
-    pairs = leaf_specs(specs, tree, caller=caller)
     found = _expected_mesh(mesh)
+    specs = resolve_specs(specs, tree, caller=caller, mesh=found)
+    pairs = leaf_specs(specs, tree, caller=caller)
     mismatches = []
     for (path, spec), leaf in zip(pairs, jtu.tree_leaves(tree), strict=True):
         if spec is None or not is_array(leaf):

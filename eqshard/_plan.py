@@ -33,6 +33,7 @@ from ._inspect import (
     ShardingRow,
     TableReport,
 )
+from ._spec_args import resolve_specs
 from ._specs import leaf_specs, ShardingProblem, spec_error_message
 from ._tree import is_array
 from ._typing import (
@@ -401,8 +402,9 @@ def plan_training(
     **Arguments:**
 
     - `params`: any pytree, such as an Equinox model; concrete or abstract.
-    - `specs`: a spec tree for `params` or a prefix of one, or `None` to read the
-      shardings the arrays have.
+    - `specs`: a spec tree for `params` or a prefix of one, partition rules, or a
+      function of the abstract parameters (see [the spec-tree family](specs.md));
+      or `None` to read the shardings the arrays have.
     - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have;
       defaults to the mesh set by `jax.set_mesh`, then to the mesh of the
       `NamedSharding`s.
@@ -452,6 +454,7 @@ def plan_training(
     check_choice(on_invalid, REPORT_ON_INVALID, caller=caller, name="on_invalid")
     _check_optimizer(optimizer, caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
+    specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
     if specs is None:
         pairs = own_shardings(params, caller)
     else:

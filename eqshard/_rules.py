@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._auto import AutoFSDP
-from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec
+from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
 from ._mesh import mesh_repr
 from ._specs import check_spec
 from ._tree import is_array, path_name
@@ -80,12 +80,15 @@ def _compile(patterns: Sequence[Any], caller: str, what: str) -> list[re.Pattern
     return compiled
 
 
-def _compile_rules(rules: Rules, caller: str) -> Compiled:
+def _compile_rules(rules: Rules, caller: str, source: str | None = None) -> Compiled:
+    """The rules checked and compiled; `source` says where they were given when
+    not as `rules` (e.g. "`specs`")."""
     if isinstance(rules, str) or not isinstance(rules, Sequence):
         raise TypeError(
             f"eqshard.{caller}: `rules` must be a sequence of (regex, spec) pairs, "
             f"got {rules!r} (a {type(rules).__name__}). " + sequence_fix(rules)
         )
+    of = "" if source is None else f" of the partition rules {source}"
     for i, rule in enumerate(rules):
         if not (
             isinstance(rule, tuple | list)
@@ -93,8 +96,9 @@ def _compile_rules(rules: Rules, caller: str) -> Compiled:
             and (isinstance(rule[1], PartitionSpec | AxisNames) or callable(rule[1]))
         ):
             raise TypeError(
-                f"eqshard.{caller}: rule {i} is {rule!r}; every rule must be a pair "
-                "`(regex, PartitionSpec)`, e.g. `('attn/.*/kernel', P('dp', 'tp'))`, "
+                f"eqshard.{caller}: rule {i}{of} is {rule!r}; every rule must be a "
+                "pair `(regex, PartitionSpec)`, e.g. "
+                "`('attn/.*/kernel', P('dp', 'tp'))`, "
                 "`(regex, eqshard.AxisNames(...))`, "
                 "or `(regex, fn)` with `fn(shape) -> PartitionSpec`, such as "
                 "`eqshard.auto_fsdp('fsdp')`."
@@ -155,15 +159,18 @@ def rule_spec(
     name: str | None,
     rule: int,
     mesh: Mesh | AbstractMesh | None,
+    axis_rules: LogicalRules | None = None,
 ) -> tuple[PartitionSpec, str | None]:
     """The spec a rule's value gives a leaf of `shape` at `name`, and a note on how
     it was chosen (`None` for a `PartitionSpec`, which is as written). `mesh` is
     the mesh the rules are matched on: a value that needs axis sizes
-    ([`eqshard.auto_fsdp`][]) reads them from it, and from nowhere else."""
+    ([`eqshard.auto_fsdp`][]) reads them from it, and from nowhere else. Logical
+    names are resolved by `axis_rules`, or by the rules in force."""
     if isinstance(value, PartitionSpec):
         return value, None
     if isinstance(value, AxisNames):
-        spec = logical_to_spec(value, get_logical_axis_rules(), caller=caller)
+        table = get_logical_axis_rules() if axis_rules is None else axis_rules
+        spec = logical_to_spec(value, table, caller=caller)
         return spec, f"logical {tuple(value)}"
     if isinstance(value, AutoFSDP):
         return value.choose(shape, mesh)
@@ -184,15 +191,25 @@ def _strict_spec(
     caller: str,
     name: str | None,
     mesh: Mesh | AbstractMesh | None,
+    *,
+    check_on_mesh: bool = True,
+    axis_rules: LogicalRules | None = None,
 ) -> tuple[PartitionSpec | None, str | None, str | None]:
     """The spec an array gets under `strict=True`, what is wrong with it if
-    anything (on `mesh`, if given), and how a rule's function chose it."""
+    anything (on `mesh`, if given and `check_on_mesh`), and how a rule's function
+    chose it."""
     if rule == _UNMATCHED:
         return None, "no rule matches", None
     if rule < 0:
         return PartitionSpec(), None, None
     spec, note = rule_spec(
-        compiled[rule][1], shape, caller=caller, name=name, rule=rule, mesh=mesh
+        compiled[rule][1],
+        shape,
+        caller=caller,
+        name=name,
+        rule=rule,
+        mesh=mesh,
+        axis_rules=axis_rules,
     )
     rank = len(shape)
     if len(spec) > rank:
@@ -201,7 +218,7 @@ def _strict_spec(
             f"array has rank {rank}"
         )
         return spec, problem, note
-    if mesh is not None:
+    if mesh is not None and check_on_mesh:
         _, reasons = check_spec(shape, spec, dict(mesh.shape))
         if reasons:
             problem = (
@@ -237,9 +254,11 @@ def _bad_leaves_message(
     compiled: Compiled,
     sep: str,
     caller: str,
+    source: str | None = None,
 ) -> str:
     count = "1 array leaf has" if len(bad) == 1 else f"{len(bad)} array leaves have"
-    lines = [f"eqshard.{caller}: {count} no valid spec:"]
+    by = "" if source is None else f" by the partition rules {source}"
+    lines = [f"eqshard.{caller}: {count} no valid spec{by}:"]
     for name, shape, problem in bad[:_LIMIT]:
         lines.append(f"  {_show(name)} shape {shape}: {problem}")
     if len(bad) > _LIMIT:
@@ -252,11 +271,17 @@ def _bad_leaves_message(
         "path wins):"
     )
     lines += _rule_lines(compiled)
+    relax = (
+        "pass `strict=False` to replicate unmatched leaves and trim or correct "
+        "the specs"
+        if source is None
+        else "match them first with `eqshard.match_partition_rules(rules, tree, "
+        "strict=False)`, which replicates unmatched leaves and trims the specs"
+    )
     lines.append(
         "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
         "replicates the rest), make each spec at most as long as the array's rank "
-        "(and, with `mesh`, one that applies on it), or pass `strict=False` to "
-        "replicate unmatched leaves and trim or correct the specs."
+        f"(and, with `mesh`, one that applies on it), or {relax}."
     )
     return "\n".join(lines)
 
@@ -348,21 +373,6 @@ def match_partition_rules(
     )
 
 
-def is_rules(specs: Any) -> bool:
-    """Whether `specs` is a list of partition rules: `(regex, spec)` pairs. A spec
-    tree never has a string leaf, so this cannot take a spec tree for rules."""
-    return (
-        isinstance(specs, list | tuple)
-        and len(specs) > 0
-        and all(
-            isinstance(rule, tuple | list)
-            and len(rule) == 2
-            and isinstance(rule[0], str)
-            for rule in specs
-        )
-    )
-
-
 def rules_to_specs(
     rules: Rules,
     tree: PyTree,
@@ -373,11 +383,17 @@ def rules_to_specs(
     mesh: Mesh | AbstractMesh | None = None,
     exact_rank: bool = False,
     on_unused: str = "ignore",
+    check_on_mesh: bool = True,
+    axis_rules: LogicalRules | None = None,
     caller: str,
+    source: str | None = None,
 ) -> PyTree:
-    """[`eqshard.match_partition_rules`][], its errors in the name of `caller`."""
+    """[`eqshard.match_partition_rules`][], its errors in the name of `caller`
+    (and of `source`, e.g. "`specs`", for rules given elsewhere than as `rules`).
+    Without `check_on_mesh`, `mesh` only gives rule values the axis sizes they
+    read; `axis_rules` resolves logical names (the rules in force otherwise)."""
     min_size = operator.index(min_size)
-    compiled = _compile_rules(rules, caller)
+    compiled = _compile_rules(rules, caller, source)
     matches = _match_leaves(compiled, tree, min_size, sep, caller)
     specs: list[PartitionSpec | None] = []
     bad = []
@@ -388,7 +404,16 @@ def rules_to_specs(
             specs.append(None)
             continue
         shape = tuple(leaf.shape)
-        spec, problem, _ = _strict_spec(rule, shape, compiled, caller, name, mesh)
+        spec, problem, _ = _strict_spec(
+            rule,
+            shape,
+            compiled,
+            caller,
+            name,
+            mesh,
+            check_on_mesh=check_on_mesh,
+            axis_rules=axis_rules,
+        )
         short = spec is not None and rule >= 0 and 0 < len(spec) < len(shape)
         if problem is None and exact_rank and short:
             problem = (
@@ -403,10 +428,10 @@ def rules_to_specs(
         if problem is not None:
             if strict:
                 bad.append((name, tuple(leaf.shape), problem))
-            spec = _relax(spec, shape, mesh)
+            spec = _relax(spec, shape, mesh if check_on_mesh else None)
         specs.append(spec)
     if bad:
-        raise ValueError(_bad_leaves_message(bad, compiled, sep, caller))
+        raise ValueError(_bad_leaves_message(bad, compiled, sep, caller, source))
     if on_unused == "warn":
         used = {rule for rule in matches.rules if rule is not None}
         unused = [

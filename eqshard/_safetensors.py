@@ -62,6 +62,7 @@ from ._host import converted, leaf_casts, loss_error, Lost, lost_text, more_lost
 from ._keys import is_key, key_impl_name
 from ._multiprocess import check_timeout, fail_together, is_global, wait_for_processes
 from ._shard import abstract_leaf_error, iter_gather
+from ._spec_args import resolve_specs
 from ._typing import typecheck
 
 
@@ -388,6 +389,7 @@ def load_safetensors(
     safetensors = import_optional("safetensors", "safetensors", caller)
     named = named_arrays(like, caller, sep)
     leaves, treedef = jtu.tree_flatten(like)
+    specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
     placed = (
         leaves
         if specs is None

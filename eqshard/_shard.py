@@ -65,6 +65,7 @@ from ._multiprocess import (
     wait_for_processes,
 )
 from ._resident import move_in_programs, route
+from ._spec_args import NO_TREE, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
     check_leaves,
@@ -460,9 +461,10 @@ def shard(
     **Arguments:**
 
     - `tree`: any pytree, e.g. an Equinox module.
-    - `specs`: a spec tree for `tree`, as made by [`eqshard.match_partition_rules`][]:
-      `PartitionSpec`s or `NamedSharding`s where `tree` has arrays. A prefix works
-      too: one spec for a whole subtree. `None` leaves that subtree where it is.
+    - `specs`: a spec tree for `tree` (`PartitionSpec`s or `NamedSharding`s where
+      `tree` has arrays) or a prefix of one (one spec for a whole subtree; `None`
+      leaves that subtree where it is), partition rules, or a function of the
+      abstract tree returning a spec tree (see [the spec-tree family](specs.md)).
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
     - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
@@ -522,6 +524,7 @@ def shard(
         ```
     """
     check_choice(check_values, CHECK_VALUES, caller="shard", name="check_values")
+    specs = resolve_specs(specs, tree, caller="shard", mesh=mesh)
     return shard_tree(
         tree, specs, mesh, dtype=dtype, caller="shard", check_values=check_values
     )
@@ -822,7 +825,9 @@ def _iter_host(named: list[tuple[str, Any]]) -> Iterator[tuple[str, np.ndarray]]
 
 
 @typecheck
-def named_shardings(specs: PyTree, mesh: Mesh | AbstractMesh | None = None) -> PyTree:
+def named_shardings(
+    specs: PyTree, mesh: Mesh | AbstractMesh | None = None, *, like: PyTree = None
+) -> PyTree:
     """Turns a spec tree into a tree of `NamedSharding`s on `mesh`.
 
     `NamedSharding`s and `None`s are kept as they are. The result can be passed to
@@ -830,12 +835,17 @@ def named_shardings(specs: PyTree, mesh: Mesh | AbstractMesh | None = None) -> P
 
     **Arguments:**
 
-    - `specs`: a pytree of `PartitionSpec`s, `NamedSharding`s and `None`s.
+    - `specs`: a pytree of `PartitionSpec`s, `NamedSharding`s and `None`s; with
+      `like`, also partition rules or a function of the abstract tree (see
+      [the spec-tree family](specs.md)).
     - `mesh`: defaults to the mesh set by `jax.set_mesh`.
+    - `like`: the tree the specs are for, concrete or abstract: needed for rules
+      and functions only.
 
     **Returns:**
 
-    A pytree of the structure of `specs`.
+    A pytree of the structure of `specs` (of what rules or a function give for
+    `like`).
 
     **Raises:**
 
@@ -852,6 +862,13 @@ def named_shardings(specs: PyTree, mesh: Mesh | AbstractMesh | None = None) -> P
         ```
     """
     caller = "named_shardings"
+    specs = resolve_specs(
+        specs,
+        NO_TREE if like is None else like,
+        caller=caller,
+        mesh=mesh,
+        no_tree="Pass the tree they are for as `like=`.",
+    )
     path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
     not_specs = [
         bad_spec_leaf_message(caller, path, spec, logical=False)
@@ -922,6 +939,7 @@ def make_shard_and_gather_fns(
         ```
     """
     caller = "compat.make_shard_and_gather_fns"
+    specs = resolve_specs(specs, NO_TREE, caller=caller, mesh=mesh)
     path_specs, treedef = jtu.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
     if dtype is not None:
         check_cast_dtype(dtype, caller)

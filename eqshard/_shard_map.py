@@ -36,8 +36,8 @@ from jaxtyping import PyTree
 
 from ._logical import AxisNames, get_logical_axis_rules
 from ._mesh import current_mesh, mesh_repr, same_mesh
-from ._rules import is_rules, rules_to_specs
 from ._shard import abstract_leaf_error
+from ._spec_args import resolve_specs
 from ._specs import (
     check_leaves,
     check_spec,
@@ -210,29 +210,6 @@ def _no_out_spec_error(paths: list[KeyPath]) -> ValueError:
 # Specs: resolved against a tree, checked against a mesh.
 
 
-def _resolve(specs: Any, tree: Any, mesh: Any, *, per_item: bool) -> Any:
-    """The spec tree that `specs` gives for `tree`: partition rules are matched
-    against it, and with `per_item` (for the tuple of arguments) against each
-    item, as is a rules list at one entry of a tuple prefix."""
-    if is_rules(specs):
-        if per_item:
-            return tuple(
-                rules_to_specs(specs, item, mesh=mesh, caller=_CALLER) for item in tree
-            )
-        return rules_to_specs(specs, tree, mesh=mesh, caller=_CALLER)
-    if (
-        isinstance(specs, tuple | list)
-        and isinstance(tree, tuple | list)
-        and len(specs) == len(tree)
-        and any(map(is_rules, specs))
-    ):
-        return type(tree)(
-            _resolve(s, item, mesh, per_item=False)
-            for s, item in zip(specs, tree, strict=True)
-        )
-    return specs
-
-
 def _check(
     shape: tuple[int, ...],
     spec: PartitionSpec,
@@ -345,7 +322,9 @@ def _in_specs(
         given: list[Any] = [None] * len(leaves)
         paths: list[KeyPath] | None = None
     else:
-        resolved = _resolve(in_specs, args, mesh, per_item=True)
+        resolved = resolve_specs(
+            in_specs, args, caller=_CALLER, argname="in_specs", mesh=mesh, per_item=True
+        )
         pairs = leaf_specs(
             resolved, args, caller=_CALLER, logical=True, argname="in_specs"
         )
@@ -409,7 +388,9 @@ def _out_specs(
     out_specs: Any, blocks: Any, mesh: Mesh | AbstractMesh, manual: frozenset[str]
 ) -> list[PartitionSpec]:
     """One spec per array output, given each device's `blocks` of the outputs."""
-    resolved = _resolve(out_specs, blocks, mesh, per_item=False)
+    resolved = resolve_specs(
+        out_specs, blocks, caller=_CALLER, argname="out_specs", mesh=mesh
+    )
     pairs = leaf_specs(
         resolved, blocks, caller=_CALLER, logical=True, argname="out_specs"
     )
@@ -586,8 +567,9 @@ def shard_map(
     - `fn`: the per-device function, called with the positional arguments.
     - `out_specs`: a spec tree for `fn`'s output or a prefix of it (`P('dp')` for
       all of it; `None` only where it returns no array), partition rules matched
-      against the output, or logical [`eqshard.AxisNames`][]. An axis a spec
-      leaves out promises that the output is the same along it.
+      against the output, a function of the abstract output (see
+      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]. An
+      axis a spec leaves out promises that the output is the same along it.
     - `in_specs`: the same for the tuple of arguments, e.g. `(model_specs,
       P('dp'))`; rules are matched against each argument (paths start inside
       it), also as one entry of such a tuple. `None` at an array, and the

@@ -32,6 +32,7 @@ from .._logical import (
 )
 from .._mesh import mesh_repr
 from .._shard import shard_tree
+from .._spec_args import NO_TREE, resolve_specs
 from .._specs import axes_repr, entry_axes
 from .._typing import AxisRulesArg, Int, typecheck
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
@@ -238,8 +239,21 @@ class Partitioner:
             raise self._rules_error
         return self._batch_axes
 
-    def _shardings(self, specs: PyTree, name: str, caller: str) -> PyTree:
-        """`specs` as `NamedSharding`s on the mesh; logical names need rules."""
+    def _shardings(
+        self, specs: PyTree, name: str, caller: str, tree: PyTree = NO_TREE
+    ) -> PyTree:
+        """`specs` for `tree` as `NamedSharding`s on the mesh; logical names need
+        rules. Partition rules and functions need the tree."""
+        specs = resolve_specs(
+            specs,
+            tree,
+            caller=caller,
+            argname=name,
+            mesh=self._mesh,
+            axis_rules=self._rules,
+            no_tree="Match them first against the arguments (or their "
+            "`eqx.filter_eval_shape`): `eqshard.match_partition_rules(rules, args)`.",
+        )
         if self._rules_error is not None and any(
             isinstance(leaf, AxisNames)
             for leaf in jtu.tree_leaves(
@@ -520,7 +534,8 @@ class Partitioner:
         - `tree`: any pytree, e.g. an Equinox module or an optimizer state.
         - `specs`: a spec tree for `tree` or a prefix of one, with
           `PartitionSpec`, `NamedSharding`, [`eqshard.AxisNames`][] or `None`
-          (left where it is) leaves.
+          (left where it is) leaves; or partition rules, or a function of the
+          abstract tree (see [the spec-tree family](specs.md)).
         - `host_local`: in a multi-process run, whether each process passes only
           the block of each array that its own devices hold (t5x's host-local
           arrays, e.g. its part of the batch, as `data_layout` describes) rather
@@ -548,7 +563,7 @@ class Partitioner:
             ```
         """
         caller = "t5x.Partitioner.move_to_devices"
-        shardings = self._shardings(specs, "specs", caller)
+        shardings = self._shardings(specs, "specs", caller, tree)
         return shard_tree(
             tree,
             shardings,
