@@ -125,8 +125,11 @@ def activations(mesh):
 
 @pytest.fixture(scope="module")
 def stacked(mesh):
+    # The step under eqx.filter_jit, as users write it.
     args = arguments(Stacked, mesh, 64, P("dp"))
-    return args, eqshard.search_layout(step, *args, mesh=mesh, device_memory="1GiB")
+    return args, eqshard.search_layout(
+        eqx.filter_jit(step), *args, mesh=mesh, device_memory="1GiB"
+    )
 
 
 def by_name(result):
@@ -260,6 +263,9 @@ def test_no_candidate_splits_the_layer_axis_of_a_stacked_model(stacked):
                 split.add(path)
     # The candidates do split the stacked arrays, past the layer axis.
     assert {"blocks/up/weight", "blocks/down/weight"} <= split
+    # Named by the step's signature through eqx.filter_jit.
+    paths = [row.path for row in result.candidates[0].report.arguments]
+    assert "params/blocks/up/weight" in paths and "x" in paths
 
 
 def _read_back(candidate, params, mesh):
