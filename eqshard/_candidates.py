@@ -207,7 +207,7 @@ def tensor_pairs(params: Sequence[Param]) -> list[Pair]:
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """A built-in layout: tensor parallel over `tp` (with the vocabulary if
-    `vocab`), FSDP over `fsdp`; neither is replicated."""
+    `vocab`), FSDP over `fsdp`; with neither, replicated."""
 
     tp: tuple[str, ...] = ()
     fsdp: tuple[str, ...] = ()
@@ -236,7 +236,8 @@ def strategies(mesh: Mesh, data_axes: Sequence[str]) -> list[Strategy]:
         found.append(Strategy(fsdp=tuple(axes)))
     # Tensor parallel over the axes the batch does not use; if it uses them all,
     # over each axis in turn, the largest first.
-    tps = [tuple(model)] if model else [(a,) for a in sorted(axes, key=_size(mesh))]
+    largest = sorted(axes, key=lambda a: (-mesh.shape[a], mesh.axis_names.index(a)))
+    tps = [tuple(model)] if model else [(a,) for a in largest]
     for tp in tps:
         for vocab in (False, True):
             found.append(Strategy(tp=tp, vocab=vocab))
@@ -247,11 +248,8 @@ def strategies(mesh: Mesh, data_axes: Sequence[str]) -> list[Strategy]:
     return found
 
 
-def _size(mesh: Mesh) -> Any:
-    return lambda axis: (-mesh.shape[axis], mesh.axis_names.index(axis))
-
-
-def _split(param: Param, dim: int, axes: tuple[str, ...]) -> PartitionSpec:
+def _split(dim: int, axes: tuple[str, ...]) -> PartitionSpec:
+    """The spec that splits dimension `dim` over `axes`."""
     entry = axes[0] if len(axes) == 1 else axes
     return PartitionSpec(*([None] * dim), entry)
 
@@ -275,12 +273,12 @@ def tp_specs(
         for f in pair.firsts:
             dim = f.out_dim
             if dim is not None and f.shape[dim] % size == 0:
-                specs[f.name] = _split(f, dim, axes)
+                specs[f.name] = _split(dim, axes)
         for b in pair.biases:
             if b.shape[-1] % size == 0:
-                specs[b.name] = _split(b, len(b.shape) - 1, axes)
+                specs[b.name] = _split(len(b.shape) - 1, axes)
         for s in seconds:
-            specs[s.name] = _split(s, s.in_dim or 0, axes)
+            specs[s.name] = _split(s.in_dim or 0, axes)
     if vocab:
         for p in params:
             dim = p.indexed_dim
@@ -288,7 +286,7 @@ def tp_specs(
                 widens = p.size(p.out_dim) > p.size(p.in_dim)
                 dim = p.out_dim if widens else None
             if dim is not None and p.shape[dim] % size == 0:
-                specs.setdefault(p.name, _split(p, dim, axes))
+                specs.setdefault(p.name, _split(dim, axes))
     return specs
 
 
