@@ -326,6 +326,7 @@ def test_help_shows_the_planning_options():
     assert result.returncode == 0
     for option in (
         "--model MODULE:CALLABLE",
+        "--step MODULE:CALLABLE",
         "--optimizer {adamw,adam,sgd,lion,adafactor,none}",
         "--param-dtype DTYPE",
         "--device-memory BYTES",
