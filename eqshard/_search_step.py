@@ -15,9 +15,12 @@ parameters (`_search.py` makes the layouts and ranks them).
 4. **A program per layout**: one `jax.jit` whose outputs with the structure,
    shapes and dtypes of `params` (or of an argument that follows it) get that
    argument's shardings, and whose arguments returned that way are donated, as
-   a training step's are; compiled for abstract arguments by
-   [`eqshard.analyze_step`][], with `fn`'s signature, so that the report names
-   the leaves `params/...`, `opt_state/...`, `out/...`.
+   a training step's are; compiled for abstract arguments as
+   [`eqshard.analyze_step`][] compiles, with `fn`'s signature, so that the
+   report names the leaves `params/...`, `opt_state/...`, `out/...`, but at
+   XLA's backend optimisation level 0: the machine code is not optimised, which
+   changes neither the program's text nor its memory analysis (all a report
+   reads), and halves the compile.
 """
 
 import functools
@@ -34,13 +37,18 @@ from jaxtyping import PyTree
 from ._derive import abstract_tree, derive_specs, follow_spec
 from ._mesh import same_mesh
 from ._specs import entry_axes
-from ._step import analyze_step
+from ._step import analysis_report
 from ._step_report import StepReport
 from ._tree import is_array, path_name
 from ._uses import parameter_uses, Use
 
 
 CALLER = "search_layout"
+# XLA's options for the layouts' compiles. The report reads the program's text
+# and memory analysis, which LLVM's optimisation of the machine code does not
+# change: without it, a compile takes about half as long
+# (tests/test_search.py checks that the reports are the same).
+_OPTIONS: dict[str, Any] | None = {"xla_backend_optimization_level": 0}
 
 
 def search_error(message: str) -> ValueError:
@@ -253,8 +261,9 @@ class Step:
                 targets.append((argument, shardings))
         out_shardings, returned = _out_shardings(self.out, targets)
         donate = [p for k in sorted(returned) for p in targets[k][0].positions]
+        program = self._program(out_shardings, donate)
         with jax.set_mesh(self.mesh):
-            return analyze_step(self._program(out_shardings, donate), *trees)
+            return analysis_report(program, *trees, compiler_options=_OPTIONS)
 
 
 def _out_shardings(

@@ -244,6 +244,24 @@ def test_the_result_reads_as_the_other_reports(activations):
     assert "\n" not in repr(candidate)
 
 
+def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
+    activations, stacked, mesh, monkeypatch
+):
+    # The search compiles at XLA's backend optimisation level 0, which changes
+    # the machine code only: the reports are those of the default compile.
+    from eqshard import _search_step
+
+    for fn, ((params, state, x), result) in (
+        (step, activations),
+        (eqx.filter_jit(step), stacked),
+    ):
+        best = result.best
+        assert best is not None
+        monkeypatch.setattr(_search_step, "_OPTIONS", None)
+        default = _search_step.Step(fn, params, (state, x), mesh).report(best.specs)
+        assert default.to_json() == best.report.to_json()
+
+
 # ---------------------------------------------------------------------------------
 # Stacked layers, and the rules read back.
 # ---------------------------------------------------------------------------------
