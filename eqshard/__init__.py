@@ -74,6 +74,11 @@ from ._rules import (
     Stacked as Stacked,
     stacked as stacked,
 )
+from ._search import search_layout as search_layout
+from ._search_report import (
+    LayoutCandidate as LayoutCandidate,
+    LayoutSearch as LayoutSearch,
+)
 from ._shard import named_shardings as named_shardings, shard as shard
 from ._shard_map import shard_map as shard_map
 from ._specs import ShardingProblem as ShardingProblem
@@ -93,9 +98,9 @@ __version__ = _version("eqshard")
 
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
-# `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `AutoFSDP`,
-# `Stacked`, `HostKey`) are importable from here too, and documented with their
-# functions.
+# `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `LayoutSearch`,
+# `LayoutCandidate`, `AutoFSDP`, `Stacked`, `HostKey`) are importable from here
+# too, and documented with their functions.
 __all__ = [
     # Meshes.
     "create_mesh",
@@ -155,6 +160,7 @@ __all__ = [
     # The compiled step.
     "filter_jit",
     "analyze_step",
+    "search_layout",
 ]
 
 

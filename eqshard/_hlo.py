@@ -624,6 +624,47 @@ def _closure(summary: Sequence[frozenset[int]]) -> list[frozenset[int]]:
     return [frozenset(s) for s in closed]
 
 
+# Helpers of `Program`'s passes, at module level: a function defined in a loop is
+# made again at every turn (and type-checked again when the tests instrument
+# eqshard), which made reading a program several times slower than compiling it.
+
+
+def _each(n: int, sources: list[int]) -> list[list[int]]:
+    return [sources for _ in range(n)]
+
+
+def _union(sets: Iterable[frozenset[int]]) -> frozenset[int]:
+    out: frozenset[int] = frozenset()
+    for one in sets:
+        if one and not one <= out:
+            out = out | one
+    return out
+
+
+def _derive(
+    inputs: list[list[int]], param_slot: dict[int, int]
+) -> list[frozenset[int]]:
+    back: list[frozenset[int]] = []
+    for slot, sources in enumerate(inputs):
+        if slot in param_slot:
+            back.append(frozenset((param_slot[slot],)))
+        else:
+            back.append(_union(back[s] for s in sources))
+    return back
+
+
+def _caller_slots(
+    operands: list[list[int]], params: list[tuple[int, int]], slots: Iterable[int]
+) -> list[int]:
+    return [operands[i][k] for i, k in map(params.__getitem__, slots)]
+
+
+def _origins_of(
+    origins: Sequence[frozenset[int]], found: frozenset[int]
+) -> frozenset[int]:
+    return frozenset().union(*(origins[p] for p in found))
+
+
 @dataclasses.dataclass(eq=False)
 class _Graph:
     """The slots of one computation's instructions and, for each, the parameter
@@ -758,10 +799,7 @@ class Program:
         (no arithmetic)."""
         n = len(instruction.slots)
         opcode = instruction.opcode
-
-        def each(sources: list[int]) -> list[list[int]]:
-            return [sources for _ in range(n)]
-
+        each = functools.partial(_each, n)
         if opcode == "get-tuple-element":
             tuple_shape = computation.instructions[
                 computation.index[instruction.operands[0]]
@@ -863,24 +901,9 @@ class Program:
                 loose = self._inputs(computation, instruction, operands, True)
             strict_inputs += loose
         empty: frozenset[int] = frozenset()
-
-        def union(sets: Iterable[frozenset[int]]) -> frozenset[int]:
-            out: frozenset[int] = empty
-            for one in sets:
-                if one and not one <= out:
-                    out = out | one
-            return out
-
-        def derive(inputs: list[list[int]]) -> list[frozenset[int]]:
-            back: list[frozenset[int]] = []
-            for slot, sources in enumerate(inputs):
-                if slot in param_slot:
-                    back.append(frozenset((param_slot[slot],)))
-                else:
-                    back.append(union(back[s] for s in sources))
-            return back
-
-        back, strict_back = derive(inputs), derive(strict_inputs)
+        union = _union
+        back = _derive(inputs, param_slot)
+        strict_back = _derive(strict_inputs, param_slot)
         # Next to each slot, the slots of the nearest mixing ops: the operands of
         # the one producing it (`near_in`), and the operands and results of those
         # consuming it (`near_out`, `near_out_results`).
@@ -907,10 +930,7 @@ class Program:
                 (callee,) = _callees(instruction)
                 graph = self._graphs[callee]
                 params = self._param_slots(callee)
-
-                def caller(slots: Iterable[int]) -> list[int]:
-                    return [operands[i][k] for i, k in map(params.__getitem__, slots)]
-
+                caller = functools.partial(_caller_slots, operands, params)
                 for r, slot in zip(graph.root, result, strict=True):
                     near_in[slot] += caller(graph.producers[r])
                 for q, (i, k) in enumerate(params):
@@ -1190,10 +1210,7 @@ class Program:
             )
             slots = slots[offset : offset + len(shapes)]
         origins, reaches = self._origins[name], self._reaches[name]
-
-        def arguments(found: frozenset[int]) -> frozenset[int]:
-            return frozenset().union(*(origins[p] for p in found))
-
+        arguments = functools.partial(_origins_of, origins)
         parts = tuple(
             Part(
                 shape,

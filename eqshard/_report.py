@@ -142,6 +142,11 @@ class Report:
     def _json(self) -> Any:
         return plain(self)
 
+    def _rich_width(self) -> int:
+        """The width `show` needs for `_rich()`'s rows to stay on one line each
+        (0: the console's own)."""
+        return 0
+
     def __str__(self) -> str:
         return self.table()
 
@@ -158,6 +163,10 @@ class Report:
             print(self.table(), file=file or sys.stdout)
             return
         console = Console(file=typing.cast(IO[str] | None, file))
+        if console.width < self._rich_width():
+            console = Console(
+                file=typing.cast(IO[str] | None, file), width=self._rich_width()
+            )
         for renderable in self._rich():
             console.print(renderable)
 

@@ -443,6 +443,24 @@ def analyze_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRepor
         report.memory.fits("16GiB")
         ```
     """
+    treedef, leaves, array_index, paths, abstract = _arguments(fn, args, kwargs)
+    key = _cache_key(treedef, leaves, array_index, abstract)
+    cache = _cache_for(fn)
+    if cache is not None and key is not None and key in cache:
+        return cache[key]
+    report = _analyze(fn, treedef, leaves, array_index, paths, abstract)
+    if cache is not None and key is not None:
+        if len(cache) >= _KEEP:
+            del cache[next(iter(cache))]
+        cache[key] = report
+    return report
+
+
+def _arguments(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, list[Any], list[int], list[str], list[_Leaf]]:
+    """The flattened arguments, the positions of their arrays, the arrays' paths
+    and how the call sees them."""
     names = _names(fn, args, kwargs)
     path_leaves, treedef = jtu.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in path_leaves]
@@ -454,16 +472,19 @@ def analyze_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> StepRepor
     error = _devices_error(paths, abstract)
     if error is not None:
         raise error
-    key = _cache_key(treedef, leaves, array_index, abstract)
-    cache = _cache_for(fn)
-    if cache is not None and key is not None and key in cache:
-        return cache[key]
-    report = _analyze(fn, treedef, leaves, array_index, paths, abstract)
-    if cache is not None and key is not None:
-        if len(cache) >= _KEEP:
-            del cache[next(iter(cache))]
-        cache[key] = report
-    return report
+    return treedef, leaves, array_index, paths, abstract
+
+
+def analysis_report(
+    fn: Callable[..., Any], *args: Any, compiler_options: dict[str, Any] | None
+) -> StepReport:
+    """[`eqshard.analyze_step`][] compiled with XLA `compiler_options`, uncached:
+    for options that change the machine code only (such as
+    `xla_backend_optimization_level`), and so not the program's text or memory
+    analysis, which is all a report reads (`search_layout` compiles each layout
+    this way, once)."""
+    treedef, leaves, array_index, paths, abstract = _arguments(fn, args, {})
+    return _analyze(fn, treedef, leaves, array_index, paths, abstract, compiler_options)
 
 
 def _cache_for(fn: Any) -> dict[Any, StepReport] | None:
@@ -499,6 +520,7 @@ def _analyze(
     array_index: list[int],
     paths: list[str],
     abstract: list[_Leaf],
+    compiler_options: dict[str, Any] | None = None,
 ) -> StepReport:
     out_paths: list[str] = []
 
@@ -552,7 +574,7 @@ def _analyze(
         )
         traced = jitted.trace(*structs)
     with _captured_stderr() as log:
-        compiled = traced.lower().compile()
+        compiled = traced.lower().compile(compiler_options=compiler_options)
     in_shardings = list(compiled.input_shardings[0])
     out_shardings = list(compiled.output_shardings)
     mesh = _mesh_of(in_shardings + out_shardings)

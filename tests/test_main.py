@@ -84,6 +84,26 @@ def test_default_run_trains_round_trips_and_summarises(default_run):
     assert re.search(r"^  total +\d+\.\d{3} s", summary, re.M)
 
 
+def test_default_run_reports_its_training_step(default_run):
+    out = default_run.stdout
+    report = out[out.index("the training step, compiled (eqshard.analyze_step):") :]
+    assert report.splitlines()[1] == "step 'train_step' on mesh {'dp': 2, 'tp': 4}"
+    found = re.search(
+        r"^collectives: (\d+) instructions, \d+ runs, .*; ([\d.]+)% of the bytes "
+        r"belong to a leaf$",
+        report,
+        re.M,
+    )
+    assert found is not None and float(found[2]) >= 90
+    # One row per collective, each over the mesh's axes, most named by a leaf.
+    rows = re.findall(
+        r"^(all-reduce|all-gather|all-to-all|collective-permute) ", report, re.M
+    )
+    assert len(rows) == int(found[1]) > 0
+    assert "model/head/weight" in report and "out/0/embed/weight" in report
+    assert re.search(r"^  step report +\d+\.\d{3} s", out, re.M)
+
+
 @pytest.mark.parametrize(
     "mesh, shape, q_per_device",
     [
@@ -306,6 +326,7 @@ def test_help_shows_the_planning_options():
     assert result.returncode == 0
     for option in (
         "--model MODULE:CALLABLE",
+        "--step MODULE:CALLABLE",
         "--optimizer {adamw,adam,sgd,lion,adafactor,none}",
         "--param-dtype DTYPE",
         "--device-memory BYTES",
@@ -454,6 +475,16 @@ def test_missing_optax_is_a_clear_error():
             ("--model", TINY, "--mesh", "tp:8", "--device-memory", "1KiB", "--fit"),
             r"no data axis|has none",
         ),
+        (("--step", "x.py:training"), r"--step compiles the step of --model"),
+        (
+            ("--model", TINY, "--step", f"{TINY}", "--optimizer", "sgd"),
+            r"--optimizer plans the parameters without a step",
+        ),
+        (
+            ("--model", TINY, "--step", TINY),
+            rf"--step '{TINY}': it returned Llama; return "
+            r"\(step, optimizer, batch\)",
+        ),
     ],
 )
 def test_bad_model_options(args, match):
@@ -492,3 +523,85 @@ def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "model mymodels:abstract: 2,080 parameters in 2 arrays" in result.stdout
+
+
+# ---------------------------------------------------------------------------------
+# --step: the user's compiled training step, and --fit by compiling it.
+# ---------------------------------------------------------------------------------
+
+STEP_MODULE = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MLP(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(32, 128, key=k1)
+        self.down = eqx.nn.Linear(128, 32, key=k2)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def model():
+    return MLP(jax.random.key(0))
+
+
+optimizer = optax.adamw(1e-3)
+
+
+def step(model, opt_state, x):
+    loss = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
+    value, grads = eqx.filter_value_and_grad(loss)(model, x)
+    updates, opt_state = optimizer.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state, value
+
+
+def training():
+    return step, optimizer, jax.ShapeDtypeStruct((2048, 32), jnp.float32)
+"""
+
+
+def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
+    # Replicated, the parameters and AdamW's state are ~100 KiB a device, but the
+    # activations of a batch of 1024 rows a device do not fit in 1 MiB.
+    (tmp_path / "mlp.py").write_text(STEP_MODULE)
+    saved = tmp_path / "fit.rules"
+    command = [sys.executable, "-m", "eqshard", "--model", "mlp.py:model"]
+    command += ["--step", "mlp.py:training", "--device-memory", "1MiB"]
+    fit = subprocess.run(
+        [*command, "--fit", "--save-rules", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert fit.returncode == 0, fit.stderr
+    out = fit.stdout
+    assert "step mlp.py:training: batch (2048, 32) float32, split over dp" in out
+    assert re.search(r"^-  +replicated  +[\d.]+ MiB +over by ", out, re.M)
+    best = re.search(r"^best: (.+), peak ", out, re.M)
+    assert best is not None and best[1] != "replicated"
+    assert f"rules that fit (a --rules file), {best[1]}:" in out
+    assert saved.read_text() in out and "^down/weight$  None,tp" in saved.read_text()
+    assert f"step report of {best[1]}:" in out
+    # The rules saved compile to the same step, which fits.
+    again = subprocess.run(
+        [*command, "--rules", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert again.returncode == 0, again.stderr
+    peak = re.search(rf"^best: {re.escape(best[1])}, peak ([\d.]+ \w+),", out, re.M)
+    assert peak is not None
+    assert f"compiled peak {peak[1]} of 1.0 MiB: fits" in again.stdout
+    assert "step 'step' on mesh {'dp': 2, 'tp': 4}" in again.stdout
+    assert "model/down/weight [producer]" in again.stdout

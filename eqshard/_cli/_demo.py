@@ -340,7 +340,21 @@ def train(
             f"batch {batch} over {batch_spec}, loss {losses[0]:.4f} -> "
             f"{losses[-1]:.4f}"
         )
+    step_report(train_step, model, tokens, mesh, timer)
     return model
+
+
+def step_report(
+    train_step: Any, model: Transformer, tokens: Any, mesh: Mesh, timer: Timer
+) -> None:
+    """Prints what the training step's compiled program holds and communicates,
+    each collective named by the leaves it belongs to."""
+    with jax.set_mesh(mesh):
+        report, seconds = timed(lambda: eqshard.analyze_step(train_step, model, tokens))
+    timer("step report", seconds, "eqshard.analyze_step: compiled, not run")
+    print()
+    print("the training step, compiled (eqshard.analyze_step):")
+    print(report.table())
 
 
 def round_trip(

@@ -19,7 +19,6 @@ import dataclasses
 import importlib
 import importlib.util
 import pathlib
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,12 +32,12 @@ from jaxtyping import PyTree
 import eqshard
 
 from .._auto import auto_fsdp
+from .._candidates import rules_text
 from .._mesh import mesh_repr
 from .._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
 from .._rules import match_partition_rules
-from .._specs import entry_axes
-from .._tree import is_array, path_name
+from .._tree import is_array
 from ._demo import Config, timed, Timer
 
 
@@ -53,14 +52,17 @@ class UsageError(Exception):
     """A bad option: reported as one line on stderr, with exit code 2."""
 
 
-def _import(module: str) -> Any:
+def _import(module: str, option: str) -> Any:
     if module.endswith(".py") or "/" in module:
-        path = pathlib.Path(module)
+        path = pathlib.Path(module).resolve()
         if not path.is_file():
-            raise ValueError(f"--model: no file {module!r}")
+            raise ValueError(f"{option}: no file {module!r}")
+        loaded = sys.modules.get(path.stem)
+        if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+            return loaded  # `--model m.py:model --step m.py:step`: one module
         spec = importlib.util.spec_from_file_location(path.stem, path)
         if spec is None or spec.loader is None:
-            raise ValueError(f"--model: cannot import the file {module!r}")
+            raise ValueError(f"{option}: cannot import the file {module!r}")
         loaded = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = loaded
         spec.loader.exec_module(loaded)
@@ -71,31 +73,43 @@ def _import(module: str) -> Any:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:
         raise ValueError(
-            f"--model: cannot import {module!r} ({error}); run from the directory "
+            f"{option}: cannot import {module!r} ({error}); run from the directory "
             "that holds it, set PYTHONPATH, or give a file path (model.py:fn)"
         ) from None
+
+
+_EXAMPLES = {
+    "--model": "mymodels:llama_7b or models.py:llama_7b (a function of no "
+    "arguments returning the model)",
+    "--step": "mymodels:training or models.py:training (a function of no "
+    "arguments returning (step, optimizer, batch))",
+}
+
+
+def import_target(text: str, option: str) -> Callable[..., Any]:
+    """The callable `MODULE:CALLABLE` (or `path/to/file.py:CALLABLE`) names, for
+    `option` (`--model` or `--step`)."""
+    module, sep, name = text.rpartition(":")
+    if not sep or not module or not name:
+        raise ValueError(
+            f"{option} {text!r}: write MODULE:CALLABLE, e.g. {_EXAMPLES[option]}"
+        )
+    fn = _import(module, option)
+    for attribute in name.split("."):
+        try:
+            fn = getattr(fn, attribute)
+        except AttributeError:
+            raise ValueError(f"{option} {text!r}: {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{option} {text!r}: {name!r} is not callable")
+    return fn
 
 
 def load_model(text: str) -> PyTree:
     """The abstract model `MODULE:CALLABLE` (or `path/to/file.py:CALLABLE`) makes:
     the callable is called with no arguments under `eqx.filter_eval_shape`, so
     nothing is allocated; it may return a module or an abstract one."""
-    module, sep, name = text.rpartition(":")
-    if not sep or not module or not name:
-        raise ValueError(
-            f"--model {text!r}: write MODULE:CALLABLE, e.g. mymodels:llama_7b or "
-            "models.py:llama_7b (a function of no arguments returning the model)"
-        )
-    target = _import(module)
-    fn = target
-    for attribute in name.split("."):
-        try:
-            fn = getattr(fn, attribute)
-        except AttributeError:
-            raise ValueError(f"--model {text!r}: {module!r} has no {name!r}") from None
-    if not callable(fn):
-        raise ValueError(f"--model {text!r}: {name!r} is not callable")
-    shapes = eqx.filter_eval_shape(fn)
+    shapes = eqx.filter_eval_shape(import_target(text, "--model"))
     if not any(is_array(leaf) for leaf in jtu.tree_leaves(shapes)):
         raise ValueError(f"--model {text!r}: the model it returns has no arrays")
     return shapes
@@ -128,49 +142,6 @@ def make_optimizer(name: str) -> Any:
 def data_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
     """The mesh's data axes, which FSDP shards parameters over."""
     return tuple(a for a in mesh.axis_names if a in ("data", "dp", "fsdp"))
-
-
-def spec_text(spec: PartitionSpec) -> str:
-    """`spec` in the rules-file form: `dp,tp`, `None,tp`, `dp+fsdp`, `()`."""
-    if not len(spec):
-        return "()"
-    return ",".join("+".join(entry_axes(entry)) or "None" for entry in spec)
-
-
-def _pattern(name: str, sep: str) -> str:
-    """A regex for the path `name` with its sequence indices generalised."""
-    parts = [r"\d+" if part.isdigit() else re.escape(part) for part in name.split(sep)]
-    return "^" + re.escape(sep).join(parts) + "$"
-
-
-def rules_text(tree: PyTree, specs: PyTree, *, header: Sequence[str] = ()) -> str:
-    """A rules file that gives every array of `tree` its spec in `specs`: one line
-    per group of paths that differ only in sequence indices (the layers), or one
-    line per path where a group's specs differ."""
-    names = [
-        path_name(path, "/")
-        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
-        if is_array(leaf)
-    ]
-    spec_leaves = [
-        spec
-        for spec in jtu.tree_leaves(
-            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-        )
-        if isinstance(spec, PartitionSpec)
-    ]
-    groups: dict[str, list[tuple[str, PartitionSpec]]] = {}
-    for name, spec in zip(names, spec_leaves, strict=True):
-        groups.setdefault(_pattern(str(name), "/"), []).append((str(name), spec))
-    lines = [f"# {line}" for line in header]
-    for pattern, members in groups.items():
-        if len({spec for _, spec in members}) == 1:
-            lines.append(f"{pattern}  {spec_text(members[0][1])}")
-        else:
-            for name, spec in members:
-                lines.append(f"^{re.escape(name)}$  {spec_text(spec)}")
-    lines.append(".*  ()")
-    return "\n".join(lines) + "\n"
 
 
 def fsdp_rules(
@@ -364,12 +335,12 @@ class PlanOptions:
         if args.save_rules is not None and not args.fit:
             raise UsageError("--save-rules writes the rules that --fit proposes")
         try:
-            optimizer = make_optimizer(args.optimizer)
+            optimizer = make_optimizer(args.optimizer or "adamw")
         except ValueError as error:
             raise UsageError(str(error)) from None
         return cls(
             optimizer=optimizer,
-            optimizer_name=args.optimizer,
+            optimizer_name=args.optimizer or "adamw",
             param_dtype=_dtype("--param-dtype", args.param_dtype),
             state_dtype=_dtype("--state-dtype", args.state_dtype),
             device_memory=memory,
@@ -458,8 +429,9 @@ def training_memory(
     return 0 if plan.fits else 1
 
 
-def run_model(args: argparse.Namespace, setup: Setup, options: PlanOptions) -> int:
-    """Plans the user's own model (`--model`); returns the exit status."""
+def show_model(args: argparse.Namespace, setup: Setup) -> tuple[PyTree, PyTree]:
+    """Loads the user's own model (`--model`) abstractly, prints what it holds
+    and checks that the rules apply; returns it and its specs."""
     mesh, rules, origin, timer = setup.mesh, setup.rules, setup.origin, setup.timer
     try:
         shapes, load_seconds = timed(lambda: load_model(args.model))
@@ -479,4 +451,4 @@ def run_model(args: argparse.Namespace, setup: Setup, options: PlanOptions) -> i
     print(f"rules: {origin}")
     _note_dead_rules(rules, shapes)
     _check_plan(report)
-    return training_memory(shapes, specs, setup, options)
+    return shapes, specs

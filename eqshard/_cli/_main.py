@@ -42,12 +42,13 @@ from ._fit import (
     PlanOptions,
     PROG,
     REPLICATED,
-    run_model,
     Setup,
+    show_model,
     show_plan,
     training_memory,
     UsageError,
 )
+from ._step import run_step
 
 
 _DEFAULT_NAMES = {
@@ -121,12 +122,24 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--step",
+        metavar="MODULE:CALLABLE",
+        help=(
+            "with --model, compile your training step and print its report: "
+            "CALLABLE() returns (step, optimizer, batch), step(params, opt_state, "
+            "batch) the step, optimizer the optax optimizer it updates (or None), "
+            "batch one batch (arrays or ShapeDtypeStructs; its leading dimension "
+            "is split over the mesh's data axes dp, fsdp, data). With --fit, "
+            "choose the layout by compiling the step (eqshard.search_layout)"
+        ),
+    )
+    parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="adamw",
         help=(
             "the optax optimizer whose state the plan counts, with the gradients "
-            "(default adamw; sgd has no state; none plans the parameters alone)"
+            "(default adamw; sgd has no state; none plans the parameters alone); "
+            "with --step, the step's own optimizer counts"
         ),
     )
     parser.add_argument(
@@ -329,7 +342,10 @@ def run(
         f"mesh {mesh_repr(mesh)}"
     )
     if options is not None and args.model is not None:
-        return run_model(args, setup, options)
+        shapes, specs = show_model(args, setup)
+        if args.step is not None:
+            return run_step(args, shapes, setup, options)
+        return training_memory(shapes, specs, setup, options)
     key = jax.random.key(0)
     config = demo_config(mesh) if size is None else config_for_size(size, mesh)
     if options is not None:
@@ -367,6 +383,24 @@ def run(
     return 0
 
 
+def _check_step_options(args: argparse.Namespace) -> None:
+    if args.step is None:
+        return
+    if args.model is None:
+        raise UsageError("--step compiles the step of --model's model: give --model")
+    for option, value in (
+        ("--optimizer", args.optimizer),
+        ("--param-dtype", args.param_dtype),
+        ("--state-dtype", args.state_dtype),
+    ):
+        if value is not None:
+            raise UsageError(
+                f"{option} plans the parameters without a step; with --step the "
+                "step is compiled with the model's dtypes and the optimizer it "
+                f"returns: leave {option} out"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit code (2 for a bad option)."""
     start = time.perf_counter()
@@ -381,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(
                 "--model plans your model, --size the built-in one: give one"
             )
+        _check_step_options(args)
         if args.rules is None:
             user_rules, origin = None, "built-in"
         else:

@@ -1,0 +1,353 @@
+"""Choosing a layout by compiling: [`eqshard.search_layout`][] compiles a training
+step for each candidate layout of its parameters and ranks those that fit by
+the communication XLA put in.
+
+How a search goes:
+
+1. **The step** (`_search_step.py`): its arguments sorted (the parameters, the
+   states that follow them, the batch that keeps its layout), its data axes
+   (those that split the batch), and one trace: how each parameter is used and
+   what the step returns.
+2. **Candidates**: the rule sets given, then the built-in strategies
+   (`_candidates.py`), each matched on the mesh; a layout equal to an earlier one
+   is compiled once (under the name given, if one was), and those beyond
+   `max_candidates` are skipped.
+3. **Compile** each for abstract arguments (`Step.report`, through
+   [`eqshard.analyze_step`][]): nothing is allocated. After `time_budget`
+   seconds, the rest is skipped.
+4. **Rank**: the layouts whose compiled peak fits `device_memory` by cost (bytes
+   sent per step, weighted by axis bandwidth), then peak, then order; then the
+   rest by peak.
+"""
+
+import io
+import operator
+import sys
+import time
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import jax.tree_util as jtu
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jaxtyping import PyTree
+
+from ._candidates import (
+    normalized,
+    parameters,
+    rules_text,
+    strategies,
+    strategy_rules,
+    tensor_pairs,
+)
+from ._inspect import format_bytes
+from ._mesh import require_mesh
+from ._plan import parse_bytes
+from ._rules import match_partition_rules
+from ._search_report import LayoutCandidate, LayoutSearch
+from ._search_step import CALLER, function_name, search_error, Step
+from ._step_report import StepReport
+from ._tree import is_array
+from ._typing import Int, typecheck
+
+
+def _abstract_mesh_error(mesh: AbstractMesh) -> ValueError:
+    return search_error(
+        f"the mesh {dict(mesh.shape)} is an AbstractMesh, which cannot be "
+        "compiled: each candidate is compiled for real devices. Without the "
+        "hardware, start JAX with as many virtual CPU devices "
+        f"(`jax.config.update('jax_num_cpu_devices', {mesh.size})` before any JAX "
+        "operation) and pass a `jax.sharding.Mesh` of that shape."
+    )
+
+
+def _candidate_error(name: str, error: Exception) -> ValueError:
+    return search_error(
+        f"the rules of candidate {name!r} cannot lay out `params`:\n{error}\nFix "
+        "those rules, or leave the candidate out."
+    )
+
+
+class _Progress:
+    """A progress bar on a terminal's stderr: rich's when installed."""
+
+    def __init__(
+        self, total: int, enabled: bool, stream: io.TextIOBase | TextIO
+    ) -> None:
+        self.total, self.stream, self.done = total, stream, 0
+        self.rich: Any = None
+        self.enabled = enabled and stream.isatty()
+        if not self.enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+        except ImportError:
+            return
+        console = Console(file=typing.cast(TextIO, stream))
+        self.rich = Progress(console=console, transient=True)
+        self.task = self.rich.add_task("compiling layouts", total=total)
+        self.rich.start()
+
+    def update(self, note: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.rich is not None:
+            self.rich.update(self.task, completed=self.done, description=note)
+            return
+        filled = 24 * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (24 - filled)
+        self.stream.write(f"\rlayouts [{bar}] {self.done}/{self.total}  {note}\x1b[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.rich is not None:
+            self.rich.stop()
+        elif self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _given(candidates: Any) -> list[tuple[str, Any]]:
+    if candidates is None:
+        return []
+    if isinstance(candidates, Mapping):
+        named = [(str(name), rules) for name, rules in candidates.items()]
+    elif isinstance(candidates, Sequence) and not isinstance(candidates, str):
+        named = [(f"candidate {i}", rules) for i, rules in enumerate(candidates, 1)]
+    else:
+        raise TypeError(
+            f"eqshard.{CALLER}: `candidates` is {candidates!r}; give a list of rule "
+            "lists, or a dict from a name to a rule list, e.g. "
+            "`{'tp': [('mlp/up', P(None, 'tp')), ('.*', P())]}`."
+        )
+    return named
+
+
+def _bandwidth(bandwidth: Mapping[str, float] | None, mesh: Mesh) -> dict[str, float]:
+    weights = {str(axis): 1.0 for axis in mesh.axis_names}
+    for axis, value in (bandwidth or {}).items():
+        if axis not in weights:
+            raise search_error(
+                f"`bandwidth` names {axis!r}, which is not an axis of the mesh "
+                f"{dict(mesh.shape)}. Give a relative bandwidth per mesh axis, e.g. "
+                f"{{{next(iter(weights))!r}: 1.0}}."
+            )
+        if not value > 0:
+            raise search_error(
+                f"`bandwidth[{axis!r}]` is {value!r}; a relative bandwidth is a "
+                "positive number (1.0 for ICI, about 0.1 for DCN)."
+            )
+        weights[axis] = float(value)
+    return weights
+
+
+def _cost(report: StepReport, weights: Mapping[str, float]) -> float:
+    total = 0.0
+    for row in report.collectives:
+        slowest = min((weights.get(a, 1.0) for a in row.axes), default=1.0)
+        total += row.link_bytes * row.count / slowest
+    return total
+
+
+# A layout: (name, origin, rules, specs).
+_Layout = tuple[str, str, list[Any], PyTree]
+
+
+def _layouts(
+    given: list[tuple[str, Any]], builtin: bool, step: Step, mesh: Mesh
+) -> tuple[list[_Layout], list[tuple[str, str]]]:
+    """The layouts to compile, each once, and the given ones that repeat one."""
+    params = step.params
+    layouts: list[_Layout] = []
+    for name, rules in given:
+        try:
+            specs = match_partition_rules(rules, params, mesh=mesh)
+        except (ValueError, TypeError) as error:
+            raise _candidate_error(name, error) from None
+        layouts.append((name, "given", list(rules), specs))
+    if builtin:
+        found = parameters(params, step.uses)
+        pairs = tensor_pairs(found)
+        for strategy in strategies(mesh, step.data_axes):
+            rules = strategy_rules(strategy, found, pairs, params, mesh)
+            specs = match_partition_rules(rules, params, mesh=mesh)
+            layouts.append((strategy.name, "built-in", rules, specs))
+    seen: dict[Any, str] = {}
+    unique, repeated = [], []
+    for layout in layouts:
+        key = tuple(
+            normalized(s)
+            for s in jtu.tree_leaves(layout[3])
+            if isinstance(s, PartitionSpec)
+        )
+        if key not in seen:
+            seen[key] = layout[0]
+            unique.append(layout)
+        elif layout[1] == "given":
+            repeated.append((layout[0], f"the same layout as {seen[key]}"))
+    return unique, repeated
+
+
+@typecheck
+def search_layout(
+    fn: Callable[..., Any],
+    params: PyTree,
+    *args: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    device_memory: Int | str,
+    candidates: Any = None,
+    builtin: bool = True,
+    bandwidth: Mapping[str, float] | None = None,
+    max_candidates: Int | None = None,
+    time_budget: float | None = None,
+    progress: bool = True,
+) -> LayoutSearch:
+    """Chooses a layout of `params` by compiling the step `fn(params, *args)` for
+    each candidate: those whose compiled peak memory fits `device_memory`, ranked
+    by the communication XLA put in.
+
+    Candidates are partition rules a person can read and keep: yours
+    (`candidates`), and built-in strategies over the mesh's axes: replicated
+    (data parallel); FSDP ([`eqshard.auto_fsdp`][]) over the data axes and over
+    all axes; tensor parallel on the step's attention and MLP pairs (found from
+    paths and shapes: the first matrices split on their output, the second on its
+    input), with and without the vocabulary, alone or with FSDP. The *data axes*
+    are the mesh axes that split the leading dimension of the arguments that
+    carry shardings (the batch, kept as it is); all axes if none does. Leading
+    axes a `lax.scan` iterates over (stacked layers) are never split. An argument
+    whose arrays follow the parameters (an optimizer state, as
+    [`eqshard.derive_specs`][] reads it) follows each candidate; others are
+    replicated.
+
+    Each candidate is compiled once with [`eqshard.analyze_step`][], for
+    abstract arguments: nothing is allocated. Outputs with the structure of
+    `params` (or of an argument that follows it) get its shardings, and those
+    arguments are donated. The figures are XLA's for the backend compiled for:
+    a search on virtual CPU devices ranks layouts; it does not forecast GPU or
+    TPU time.
+
+    **Arguments:**
+
+    - `fn`: the step, called as `fn(params, *args)`: a plain function or an
+      `eqx.filter_jit` one (a `jax.jit` with `in_shardings` fixes the layout
+      itself).
+    - `params`: the tree the candidates lay out, concrete or abstract.
+    - `*args`: the step's other arguments, concrete or abstract (the batch with
+      its shardings, e.g. `eqshard.abstract(batch, P("dp"), mesh)`).
+    - `mesh`: a concrete mesh; defaults to the one set by `jax.set_mesh`.
+    - `device_memory`: the budget per device: bytes, or a string such as
+      `"16GiB"`.
+    - `candidates`: your rule lists, as a list or a dict from names to lists;
+      ranked with the built-in ones, and kept where a built-in one gives the
+      same layout.
+    - `builtin`: whether to add the built-in strategies.
+    - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each), such
+      as `{"dcn": 0.1}`: a collective's bytes count divided by the bandwidth of
+      the slowest axis it crosses.
+    - `max_candidates`: compile at most this many layouts (yours first).
+    - `time_budget`: start no compile after this many seconds (the result is
+      then not repeatable).
+    - `progress`: show a progress bar on a terminal (`rich`'s when installed).
+
+    **Returns:**
+
+    A [`eqshard.LayoutSearch`][]: `.best` (or `None`), `.candidates`, ranked,
+    each with its `rules`, `rules_text()`, `memory`, `total_bytes` and step
+    `report`.
+
+    **Raises:**
+
+    `ValueError` for an `AbstractMesh` (compiling needs devices: use virtual CPU
+    devices), an argument on another mesh, rules of yours that cannot lay out
+    `params` (naming the candidate and the paths), or bad options.
+
+    !!! Example
+
+        ```python
+        tokens = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+        batch = eqshard.abstract(tokens, P("dp"), mesh)
+        result = eqshard.search_layout(
+            train_step, model, opt_state, batch, mesh=mesh, device_memory="16GiB"
+        )
+        print(result)  # the layouts ranked, the best one's rules
+        specs = eqshard.match_partition_rules(result.best.rules, model, mesh=mesh)
+        ```
+    """
+    found = require_mesh(mesh, caller=CALLER)
+    if not isinstance(found, Mesh):
+        raise _abstract_mesh_error(found)
+    mesh = found
+    if not isinstance(device_memory, str):
+        device_memory = operator.index(device_memory)
+    budget = parse_bytes(device_memory, caller=CALLER)
+    weights = _bandwidth(bandwidth, mesh)
+    if max_candidates is not None and max_candidates < 1:
+        raise search_error(
+            f"`max_candidates` must be at least 1; got {max_candidates}."
+        )
+    if time_budget is not None and not time_budget > 0:
+        raise search_error(
+            f"`time_budget` must be a positive number of seconds; got {time_budget}."
+        )
+    given = _given(candidates)
+    if not given and not builtin:
+        raise search_error(
+            "there is nothing to compile: `builtin=False` and no `candidates`. Give "
+            "rule lists as `candidates=`, or leave `builtin` on."
+        )
+    if not any(is_array(leaf) for leaf in jtu.tree_leaves(params)):
+        raise search_error("`params` has no arrays to lay out.")
+
+    start = time.perf_counter()
+    step = Step(fn, params, args, mesh)
+    layouts, skipped = _layouts(given, builtin, step, mesh)
+    if max_candidates is not None:
+        skipped += [
+            (layout[0], "max_candidates") for layout in layouts[max_candidates:]
+        ]
+        layouts = layouts[:max_candidates]
+    compiled = []
+    bar = _Progress(len(layouts), progress, sys.stderr)
+    try:
+        for i, layout in enumerate(layouts):
+            late = time_budget is not None and time.perf_counter() - start > time_budget
+            if i and late:
+                skipped += [(rest[0], "time budget") for rest in layouts[i:]]
+                break
+            report = step.report(layout[3])
+            text = rules_text(
+                params,
+                layout[3],
+                header=[
+                    f"{layout[0]}: made by eqshard.search_layout for mesh "
+                    f"{dict(mesh.shape)}, compiled peak "
+                    f"{format_bytes(report.memory.peak_bytes)} of "
+                    f"{format_bytes(budget)} per device"
+                ],
+            )
+            cost = _cost(report, weights)
+            compiled.append(LayoutCandidate(*layout, report, budget, cost, text))
+            bar.update(layout[0])
+    finally:
+        bar.close()
+    order = {id(c): i for i, c in enumerate(compiled)}
+    ranked = sorted(
+        compiled,
+        key=lambda c: (
+            not c.fits,
+            c.cost if c.fits else c.memory.peak_bytes,
+            c.memory.peak_bytes,
+            order[id(c)],
+        ),
+    )
+    return LayoutSearch(
+        function=ranked[0].report.function if ranked else function_name(fn),
+        mesh=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
+        device_memory=budget,
+        data_axes=step.data_axes,
+        bandwidth=tuple(sorted(weights.items())),
+        candidates=tuple(ranked),
+        skipped=tuple(skipped),
+    )
