@@ -205,7 +205,7 @@ def converted(
     return out, _lost(value, out)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts on a 64-byte boundary, which XLA's
     CPU client can use in place."""
     nbytes = math.prod(shape) * dtype.itemsize
@@ -230,7 +230,7 @@ def _copied_per_device(sharding: NamedSharding) -> bool:
 
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
-    out = _aligned_empty(leaf.shape, leaf.dtype)
+    out = aligned_empty(leaf.shape, leaf.dtype)
     np.copyto(out, leaf)
     return out
 
@@ -300,7 +300,7 @@ def host_ready(
     if target == leaf.dtype and not private:
         return leaf, None, False
     if private:
-        out = _aligned_empty(leaf.shape, target)
+        out = aligned_empty(leaf.shape, target)
     else:
         out = np.empty(leaf.shape, target)
     with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`

@@ -16,9 +16,9 @@ How data moves, in the order of this file:
    - *staging*: each array is made ready to hand to JAX, losing nothing: NumPy
      data is cast and copied on host (`_host.py`); JAX arrays whose sharding or
      dtype must change, which `device_put` would move with a program compiled
-     per shape, come through the host on CPU, and move in one program for the
-     tree on GPU and TPU (`_resident.py`); data that would lose values is
-     refused, naming every array;
+     per shape, are copied block by block on CPU (through the host for casts),
+     and move in one program for the tree on GPU and TPU (`_resident.py`); data
+     that would lose values is refused, naming every array;
    - *placing*: in one process the rest move in one batched `jax.device_put`;
      in a multi-process run, each process first checks with the others that
      they all passed the same tree (one 16-byte all-gather), then supplies only
@@ -63,7 +63,7 @@ from ._multiprocess import (
     host_local_shape,
     is_global,
 )
-from ._resident import move_in_programs, Route, route
+from ._resident import move_blocks, move_in_programs, Route, route
 from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     abstract_mesh_error,
@@ -249,9 +249,10 @@ _Loss = tuple[KeyPath, np.dtype, np.dtype, str, bool]
 
 
 def _stage(moves: list[_Move]) -> list[_Loss]:
-    """Staging: each move's `ready` value, for `device_put` (the `"program"`
-    route moves in `_move_in_programs` instead). JAX arrays of the `"host"` route
-    are fetched to host first. Returns what the conversions would lose."""
+    """Staging: each move's `ready` value, for `device_put` (the `"program"` and
+    `"blocks"` routes move in `_move_in_programs` instead). JAX arrays of the
+    `"host"` route are fetched to host first. Returns what the conversions would
+    lose."""
     by_host = [m for m in moves if m.route == "host"]
     for move, value in zip(
         by_host, fetch([m.leaf.value for m in by_host]), strict=True
@@ -259,7 +260,7 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
         move.source = value
     lost = []
     for move in moves:
-        if move.route == "program":
+        if move.route in ("program", "blocks"):
             continue
         leaf = move.leaf
         source = leaf.value if move.source is None else move.source
@@ -276,7 +277,16 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
 
 def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     """The JAX arrays of the `"program"` route, placed (and cast) by one program
-    for the tree; returns the casts that overflowed."""
+    for the tree, and those of the `"blocks"` route, block by block; returns the
+    casts that overflowed."""
+    by_blocks = [m for m in moves if m.route == "blocks"]
+    if by_blocks:
+        placed = move_blocks(
+            [m.leaf.value for m in by_blocks],
+            [typing.cast(NamedSharding, m.leaf.sharding) for m in by_blocks],
+        )
+        for move, array in zip(by_blocks, placed, strict=True):
+            move.placed = array
     by_program = [m for m in moves if m.route == "program"]
     if not by_program:
         return []
