@@ -161,7 +161,7 @@ def lost_text(lost: Lost) -> str:
     return overflow_text(lost.number, float(lost.extreme), lost.dtype)
 
 
-def _lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
+def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
     """What a cast from `source` to `out` (of the same shape) lost, if anything."""
     if out.size == 0 or source.dtype == out.dtype:
         return None
@@ -200,9 +200,9 @@ def converted(
     target = placed_dtype(value.dtype if cast is None else cast)
     if target == value.dtype:
         return value, None
-    with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         out = value.astype(target)
-    return out, _lost(value, out)
+    return out, cast_lost(value, out)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -303,9 +303,9 @@ def host_ready(
         out = aligned_empty(leaf.shape, target)
     else:
         out = np.empty(leaf.shape, target)
-    with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         np.copyto(out, leaf, casting="unsafe")
-    lost = _lost(leaf, out)
+    lost = cast_lost(leaf, out)
     return out, None if lost is None else lost_text(lost), cast is not None
 
 

@@ -18,9 +18,11 @@ the route that is cheapest on their backend:
   copies twice: into the whole array, then out into the blocks.) Even one program
   for the whole tree costs far more there: XLA's CPU compiler took 4 s to build
   the 60-array resharding identity.
-- **Through the host, for casts on CPU and for host memory kinds.** The arrays
-  are copied to NumPy and placed as NumPy data (`_shard.py`'s path for host
-  arrays, with its checks: casts that overflow are refused, nothing aliased).
+  A cast (`dtype=`) is made in the same copy, and what it loses is counted per
+  block, so a lossy cast raises as it does for NumPy data.
+- **Through the host, for host memory kinds.** The arrays are copied to NumPy
+  and placed as NumPy data (`_shard.py`'s path for host arrays, with its checks:
+  casts that overflow are refused, nothing aliased).
 - **In one program, on GPU and TPU.** There a round trip crosses the host link
   twice, while device-to-device copies run over NVLink or ICI, and a single
   compilation is amortised over the whole tree. Arrays already spread over the
@@ -45,8 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._host import aligned_empty
+from ._host import aligned_empty, cast_lost, Lost, more_lost
 from ._keys import is_key
+from ._tree import placed_dtype
 
 
 Route = Literal["blocks", "host", "program"]
@@ -88,11 +91,7 @@ def route(leaf: Any, sharding: NamedSharding, cast: np.dtype | None) -> Route | 
         return None
     if cast is None and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return None
-    if (
-        (cast is None or cast == leaf.dtype)
-        and _in_cpu_memory(leaf.sharding)
-        and _in_cpu_memory(sharding)
-    ):
+    if _in_cpu_memory(leaf.sharding) and _in_cpu_memory(sharding):
         return "blocks"
     if _on_cpu_or_host_memory(leaf.sharding) or _on_cpu_or_host_memory(sharding):
         return "host"
@@ -237,13 +236,17 @@ def _index_key(index: Any) -> tuple[Any, ...]:
     return tuple((s.start, s.stop, s.step) for s in index)
 
 
-def _blocks(x: jax.Array, plan: _BlockPlan) -> dict[Any, np.ndarray]:
-    """The blocks of the target for `x`, by `_index_key` of their index: a strided view
-    of the source's device buffer where one source block holds the block (which
-    `device_put` copies, as it cannot take it in place), else a copy in an
-    aligned buffer of its own (which it takes in place)."""
+def _blocks(
+    x: jax.Array, plan: _BlockPlan, dtype: np.dtype
+) -> tuple[dict[Any, np.ndarray], Lost | None]:
+    """The blocks of the target for `x` in `dtype`, by `_index_key` of their
+    index: a strided view of the source's device buffer where one source block
+    holds the block and nothing is cast (which `device_put` copies, as it cannot
+    take it in place), else a copy, cast as it is made, in an aligned buffer of
+    its own (which it takes in place). Also what the cast lost."""
     views: dict[int, np.ndarray] = {}
     out: dict[Any, np.ndarray] = {}
+    lost = None
     for raw, shape, copies in plan:
         parts = []
         for k, source, target in copies:
@@ -251,15 +254,18 @@ def _blocks(x: jax.Array, plan: _BlockPlan) -> dict[Any, np.ndarray]:
             if view is None:  # the device buffer itself, not a copy
                 view = views[k] = np.asarray(x.addressable_data(k))
             parts.append((view[source], target))
-        if len(parts) == 1 and not parts[0][0].flags.c_contiguous:
+        if len(parts) == 1 and dtype == x.dtype and not parts[0][0].flags.c_contiguous:
             value = parts[0][0]
         else:
-            value = aligned_empty(shape, np.dtype(x.dtype))
+            value = aligned_empty(shape, dtype)
             for part, target in parts:
-                value[target] = part
+                with np.errstate(over="ignore", invalid="ignore"):  # `cast_lost`
+                    value[target] = part
+                if dtype != x.dtype:  # the distinct blocks do not overlap
+                    lost = more_lost(lost, cast_lost(part, value[target]))
         for key in raw:
             out[key] = value
-    return out
+    return out, lost
 
 
 def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | None:
@@ -277,32 +283,39 @@ def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | No
 
 
 def move_blocks(
-    arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]
-) -> list[jax.Array]:
+    arrays: Sequence[jax.Array],
+    shardings: Sequence[NamedSharding],
+    casts: Sequence[np.dtype | None],
+) -> tuple[list[jax.Array], list[tuple[int, Lost]]]:
     """The arrays of the `"blocks"` route (on CPU devices), each placed on its
-    sharding, every block of the target copied once from the source's device
-    buffers (see `_blocks` and `_whole_and_strided`)."""
+    sharding and cast, every block of the target copied once from the source's
+    device buffers (see `_blocks` and `_whole_and_strided`). Also returns
+    `(position, lost)` for each cast that lost values."""
     out: list[Any] = [None] * len(arrays)
     strided: list[tuple[int, np.ndarray]] = []
-    for i, (x, sharding) in enumerate(zip(arrays, shardings, strict=True)):
-        whole = _whole_and_strided(x, sharding)
+    losses = []
+    for i, (x, sharding, cast) in enumerate(zip(arrays, shardings, casts, strict=True)):
+        dtype = np.dtype(x.dtype) if cast is None else placed_dtype(np.dtype(cast))
+        whole = _whole_and_strided(x, sharding) if dtype == x.dtype else None
         if whole is not None:
             strided.append((i, whole))
             continue
         shape = tuple(x.shape)
-        blocks = _blocks(x, _block_plan(x.sharding, sharding, shape))
+        blocks, lost = _blocks(x, _block_plan(x.sharding, sharding, shape), dtype)
+        if lost is not None:
+            losses.append((i, lost))
         out[i] = jax.make_array_from_callback(
             shape,
             sharding,
             lambda index, blocks=blocks: blocks[_index_key(index)],
-            dtype=x.dtype,
+            dtype=dtype,
         )
     placed = jax.device_put(
         [whole for _, whole in strided], [shardings[i] for i, _ in strided]
     )
     for (i, _), array in zip(strided, placed, strict=True):
         out[i] = array
-    return out
+    return out, losses
 
 
 def move_in_programs(

@@ -48,6 +48,7 @@ from ._host import (
     host_ready,
     leaf_casts,
     loss_error,
+    lost_text,
     may_alias,
     overflow_text,
     private_copy,
@@ -279,17 +280,24 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     """The JAX arrays of the `"program"` route, placed (and cast) by one program
     for the tree, and those of the `"blocks"` route, block by block; returns the
     casts that overflowed."""
+    lost = []
     by_blocks = [m for m in moves if m.route == "blocks"]
     if by_blocks:
-        placed = move_blocks(
+        placed, casts_lost = move_blocks(
             [m.leaf.value for m in by_blocks],
             [typing.cast(NamedSharding, m.leaf.sharding) for m in by_blocks],
+            [m.leaf.cast for m in by_blocks],
         )
         for move, array in zip(by_blocks, placed, strict=True):
             move.placed = array
+        for j, what in casts_lost:
+            leaf = by_blocks[j].leaf
+            lost.append(
+                (leaf.path, leaf.value.dtype, what.dtype, lost_text(what), True)
+            )
     by_program = [m for m in moves if m.route == "program"]
     if not by_program:
-        return []
+        return lost
     placed, overflowed = move_in_programs(
         [m.leaf.value for m in by_program],
         [typing.cast(NamedSharding, m.leaf.sharding) for m in by_program],
@@ -297,7 +305,6 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     )
     for move, array in zip(by_program, placed, strict=True):
         move.placed = array
-    lost = []
     for j, count, largest in overflowed:
         leaf = by_program[j].leaf
         target = np.dtype(typing.cast(np.dtype, leaf.cast))

@@ -1,6 +1,6 @@
 # The "program" route of `_resident.py` (GPU and TPU) runs on CPU devices too, so
 # it is tested here by calling it directly; `shard` takes the "blocks" route on CPU
-# (here and in tests/test_shard.py), and the host route for casts.
+# (here and in tests/test_shard.py).
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def test_route(mesh):
     assert route(np.ones(4), same, None) is None  # NumPy: `device_put`'s own path
     assert route(placed, same, None) is None  # already as asked
     assert route(placed, NamedSharding(mesh, P("tp")), None) == "blocks"  # on CPU
-    assert route(placed, same, np.dtype(jnp.bfloat16)) == "host"  # casts
+    assert route(placed, same, np.dtype(jnp.bfloat16)) == "blocks"  # casts too
     key = jax.device_put(jax.random.key(0))
     assert route(key, NamedSharding(mesh, P()), None) is None  # keys: device_put
 
@@ -95,14 +95,31 @@ def test_blocks_route_copies_every_block_once_bit_exact(mesh):
     sources.append(jax.device_put(np.zeros((0, 4), np.int8), jax.devices()[1]))
     specs = [spec for _, spec in cases] + [P("tp"), P(), P(None, "tp")]
     shardings = [NamedSharding(mesh, spec) for spec in specs]
-    wants = [np.asarray(x).copy() for x in sources]
+    # Every float32 array again, cast to bfloat16 as it is copied.
+    sources += sources[: len(cases)]
+    shardings += shardings[: len(cases)]
+    casts = [None] * (len(sources) - len(cases)) + [np.dtype(jnp.bfloat16)] * len(cases)
+    wants = [
+        np.asarray(x).astype(c if c is not None else x.dtype)
+        for x, c in zip(sources, casts)
+    ]
     with Compiles() as compiles:
-        out = move_blocks(sources, shardings)
-    assert compiles.count == 0
+        out, lost = move_blocks(sources, shardings, casts)
+    assert compiles.count == 0 and lost == []
     for array, source, want, sharding in zip(out, sources, wants, shardings):
         assert array.sharding == sharding and array.dtype == want.dtype
         # Copies: no block of the result lies in the source's buffers.
         for start, _ in _buffers(array):
             assert not any(lo <= start < hi for lo, hi in _buffers(source))
-        source.delete()
         assert np.asarray(array).tobytes() == want.tobytes()
+
+
+def test_blocks_route_counts_what_a_cast_loses_once_per_value(mesh):
+    # Replicated on the target: each block is on two devices, counted once.
+    value = np.array([[1e6, -3e5, 1.0, 2.0]] * 8, np.float32)
+    source = jax.device_put(value, NamedSharding(mesh, P("dp", "tp")))
+    target = NamedSharding(mesh, P("tp"))
+    _, lost = move_blocks([source], [target], [np.dtype(np.float16)])
+    ((position, found),) = lost
+    assert (position, found.number, found.extreme) == (0, 16, 1e6)
+    assert found.dtype == np.float16
