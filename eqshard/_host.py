@@ -28,8 +28,8 @@ needed, converted on host, in one pass over its data:
 This is the one policy for every path that brings data in: a cast asked for may
 round, but values that would become inf or nan, wrap around, or be narrowed are
 refused, naming every array, its values and the fix (`loss_error`). JAX arrays
-cast with `dtype=` are checked alike: on CPU they come through the host and this
-same path, elsewhere the check runs in the program that casts them (see
+cast with `dtype=` are checked alike: on CPU block by block as they are copied
+(`cast_lost`, `more_lost`), elsewhere in the program that casts them (see
 `_resident.py`). `load_safetensors` converts each block it reads with
 `converted`, and adds up what the blocks lost (`Lost`, `more_lost`); `restore`
 checks the arrays orbax read shard by shard (see `_checkpoint/`), with the same

@@ -416,7 +416,8 @@ def shard(
     untouched, so an Equinox module comes back as a module of the same type. All
     arrays move in one batched `jax.device_put`, with no compilation, and JAX
     arrays already on other devices or meshes move without one compilation per
-    shape (on CPU through the host, on GPU and TPU in one program for the tree).
+    shape (on CPU each block copied once from their buffers, on GPU and TPU in
+    one program for the tree).
 
     In a multi-process run, every process of the mesh makes the same call with a
     full copy of every array, and copies to its devices only the shards they hold.
@@ -447,7 +448,7 @@ def shard(
       or a tree of dtypes and `None`s (keep) that is a prefix of `tree`, to keep
       some in float32 on purpose (e.g. `{"layers": jnp.bfloat16, "norm": None}`).
       NumPy arrays are cast on host and JAX arrays with the rest of the tree
-      (through the host on CPU, in one program elsewhere); a cast that would
+      (block by block on CPU, in one program elsewhere); a cast that would
       turn finite values into inf is refused.
     - `check_values`: in a multi-process run, how much of the values the processes
       compare: `"sample"` (64 elements of each array) or `"full"` (every byte).
