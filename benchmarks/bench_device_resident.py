@@ -8,21 +8,24 @@
   order (as a mesh built for other hardware, or a restore, can be), split the
   other way;
 - **cast to bf16**: the arrays already on the (2, 4) mesh, cast with `dtype=`;
+- **replicated**: the arrays whole on every device of the (2, 4) mesh;
 - **NumPy**: the same arrays as host NumPy data (eqshard's fast path, which must
   stay at raw `device_put` speed).
 
 Each variant is compared with raw JAX in the same run: one batched
 `jax.device_put(leaves, shardings)` (for the cast: `astype` per leaf, then
 `device_put`), and, for device-resident data, the two ways around it: a host
-round trip by hand (`jax.device_put(jax.device_get(leaves), shardings)`) and one
-batched `jax.jit` identity with `out_shardings` over the whole tree (possible only
-where inputs and outputs share their devices, in the same order). Every run starts
-cold (`jax.clear_caches()`: a model is sharded once, so the first call is the one
-that counts), with the garbage collector fixed (`benchmarks/_timing.py`); runs of
-the variants are interleaved. XLA backend compilations are counted with
-`jax.monitoring`. Prints, for each hand-written route, the min and median seconds
-of eqshard and of the route, their ratios, and eqshard's compile count in the last
-run.
+round trip by hand (`jax.device_put(jax.device_get(leaves), shardings)`, with
+`astype` on host for the cast) and one batched `jax.jit` identity with
+`out_shardings` over the whole tree (possible only where inputs and outputs share
+their devices, in the same order). Every run starts cold (`jax.clear_caches()`: a
+model is sharded once, so the first call is the one that counts) on fresh source
+arrays (`jax.device_get` caches its host copy on the arrays it reads, which would
+spare later runs of the round trip its first copy), with the garbage collector
+fixed (`benchmarks/_timing.py`); runs of the variants are interleaved. XLA backend
+compilations are counted with `jax.monitoring`. Prints, for each hand-written
+route, the min and median seconds of eqshard and of the route, their ratios, and
+eqshard's compile count in the last run.
 
     python benchmarks/bench_device_resident.py            # 5 runs, ~3-4 minutes
     python benchmarks/bench_device_resident.py --runs 3    # quicker
@@ -68,12 +71,12 @@ def make_values(count: int = 60) -> list[np.ndarray]:
     return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
 
 
-def counted(fn: Callable[[], Any], compiles: dict[str, int], name: str):
+def counted(fn: Callable[[Any], Any], compiles: dict[str, int], name: str):
     """`fn`, recording in `compiles[name]` the compilations of its last call."""
 
-    def run() -> Any:
+    def run(sources: Any) -> Any:
         before = _compiles[0]
-        out = fn()
+        out = fn(sources)
         compiles[name] = _compiles[0] - before
         return out
 
@@ -101,63 +104,81 @@ def main() -> int:
     target = [NamedSharding(mesh, spec)] * len(values)
     bf16 = [v.astype(jnp.bfloat16) for v in values]
 
-    on_device0 = [jax.device_put(v, jax.devices()[0]) for v in values]
-    on_other = jax.device_put(values, [NamedSharding(other, P("tp", "dp"))] * 60)
-    on_mesh = jax.device_put(values, target)
-    on_replicated = jax.device_put(values, [NamedSharding(mesh, P())] * 60)
     identity = jax.jit(lambda xs: xs, out_shardings=target)
     cast_identity = jax.jit(
         lambda xs: [x.astype(jnp.bfloat16) for x in xs], out_shardings=target
     )
 
-    # variant -> [(name, fn, expected values)], raw device_put first.
-    variants: dict[str, list[tuple[str, Callable[[], Any], list[np.ndarray]]]] = {
-        "one device -> (2, 4)": [
-            ("raw device_put", lambda: jax.device_put(on_device0, target), values),
-            (
-                "host round trip by hand",
-                lambda: jax.device_put(jax.device_get(on_device0), target),
-                values,
-            ),
-            ("eqshard.shard", lambda: eqshard.shard(on_device0, spec, mesh), values),
-        ],
-        "(4, 2) permuted -> (2, 4)": [
-            ("raw device_put", lambda: jax.device_put(on_other, target), values),
-            (
-                "host round trip by hand",
-                lambda: jax.device_put(jax.device_get(on_other), target),
-                values,
-            ),
-            ("eqshard.shard", lambda: eqshard.shard(on_other, spec, mesh), values),
-        ],
-        "cast to bf16 on (2, 4)": [
-            (
-                "raw astype + device_put",
-                lambda: jax.device_put(
-                    [x.astype(jnp.bfloat16) for x in on_mesh], target
+    def on(where: Any) -> Callable[[], list[jax.Array]]:
+        """Fresh arrays for each run: `jax.device_get` caches its host copy on the
+        arrays it reads, which would spare later runs of a host round trip."""
+        return lambda: jax.device_put(values, [where] * len(values))
+
+    def round_trip(xs: list[jax.Array]) -> list[jax.Array]:
+        return jax.device_put(jax.device_get(xs), target)
+
+    def cast_round_trip(xs: list[jax.Array]) -> list[jax.Array]:
+        host = [x.astype(jnp.bfloat16) for x in jax.device_get(xs)]
+        return jax.device_put(host, target)
+
+    def ours(xs: list[Any]) -> list[jax.Array]:
+        return eqshard.shard(xs, spec, mesh)
+
+    # case -> (the sources, [(name, fn of the sources, expected values)]), raw
+    # device_put first and eqshard last.
+    Variant = tuple[str, Callable[[Any], Any], list[np.ndarray]]
+    variants: dict[str, tuple[Callable[[], Any], list[Variant]]] = {
+        "one device -> (2, 4)": (
+            on(jax.devices()[0]),
+            [
+                ("raw device_put", lambda xs: jax.device_put(xs, target), values),
+                ("host round trip by hand", round_trip, values),
+                ("eqshard.shard", ours, values),
+            ],
+        ),
+        "(4, 2) permuted -> (2, 4)": (
+            on(NamedSharding(other, P("tp", "dp"))),
+            [
+                ("raw device_put", lambda xs: jax.device_put(xs, target), values),
+                ("host round trip by hand", round_trip, values),
+                ("eqshard.shard", ours, values),
+            ],
+        ),
+        "cast to bf16 on (2, 4)": (
+            on(target[0]),
+            [
+                (
+                    "raw astype + device_put",
+                    lambda xs: jax.device_put(
+                        [x.astype(jnp.bfloat16) for x in xs], target
+                    ),
+                    bf16,
                 ),
-                bf16,
-            ),
-            ("one jit (cast + out_shardings)", lambda: cast_identity(on_mesh), bf16),
-            (
-                "eqshard.shard(dtype=)",
-                lambda: eqshard.shard(on_mesh, spec, mesh, dtype=jnp.bfloat16),
-                bf16,
-            ),
-        ],
-        "(2, 4) replicated -> (2, 4) split": [
-            (
-                "raw device_put",
-                lambda: jax.device_put(on_replicated, target),
-                values,
-            ),
-            ("one jit (out_shardings)", lambda: identity(on_replicated), values),
-            ("eqshard.shard", lambda: eqshard.shard(on_replicated, spec, mesh), values),
-        ],
-        "NumPy -> (2, 4)": [
-            ("raw device_put", lambda: jax.device_put(values, target), values),
-            ("eqshard.shard", lambda: eqshard.shard(values, spec, mesh), values),
-        ],
+                ("one jit (cast + out_shardings)", cast_identity, bf16),
+                ("host round trip by hand", cast_round_trip, bf16),
+                (
+                    "eqshard.shard(dtype=)",
+                    lambda xs: eqshard.shard(xs, spec, mesh, dtype=jnp.bfloat16),
+                    bf16,
+                ),
+            ],
+        ),
+        "(2, 4) replicated -> (2, 4) split": (
+            on(NamedSharding(mesh, P())),
+            [
+                ("raw device_put", lambda xs: jax.device_put(xs, target), values),
+                ("one jit (out_shardings)", identity, values),
+                ("host round trip by hand", round_trip, values),
+                ("eqshard.shard", ours, values),
+            ],
+        ),
+        "NumPy -> (2, 4)": (
+            lambda: values,
+            [
+                ("raw device_put", lambda xs: jax.device_put(xs, target), values),
+                ("eqshard.shard", ours, values),
+            ],
+        ),
     }
 
     print(
@@ -167,12 +188,13 @@ def main() -> int:
     rows = []
     ratios: dict[str, float] = {}  # case -> raw median / eqshard median
     compiled: dict[str, int] = {}  # case -> eqshard's compilations
-    for case, variants_of_case in variants.items():
+    for case, (sources, variants_of_case) in variants.items():
         compiles: dict[str, int] = {}
         wants = {name: want for name, _, want in variants_of_case}
         times = interleaved(
             {name: counted(fn, compiles, name) for name, fn, _ in variants_of_case},
             args.runs,
+            setup=sources,
             before=jax.clear_caches,
             check=lambda name, out, wants=wants: check(out, wants[name], target),
             warmup=False,

@@ -2,11 +2,11 @@
 
 Arrays whose shards this process can all see are copied straight to host with one
 `jax.device_get`, without leaving a host copy cached on the arrays (`fetch`, which
-`shard` also uses to bring JAX arrays through the host on CPU). An array spread
-over several processes is first laid out again over the same devices, whole on
-each process and split across that process's devices, then copied to host from
-those local shards, one leaf at a time: no device ever holds a full replica (see
-`_multiprocess.py`).
+`shard` also uses to bring JAX arrays in host memory kinds through the host). An
+array spread over several processes is first laid out again over the same
+devices, whole on each process and split across that process's devices, then
+copied to host from those local shards, one leaf at a time: no device ever holds
+a full replica (see `_multiprocess.py`).
 """
 
 import functools as ft

@@ -28,8 +28,8 @@ needed, converted on host, in one pass over its data:
 This is the one policy for every path that brings data in: a cast asked for may
 round, but values that would become inf or nan, wrap around, or be narrowed are
 refused, naming every array, its values and the fix (`loss_error`). JAX arrays
-cast with `dtype=` are checked alike: on CPU they come through the host and this
-same path, elsewhere the check runs in the program that casts them (see
+cast with `dtype=` are checked alike: on CPU block by block as they are copied
+(`cast_lost`, `more_lost`), elsewhere in the program that casts them (see
 `_resident.py`). `load_safetensors` converts each block it reads with
 `converted`, and adds up what the blocks lost (`Lost`, `more_lost`); `restore`
 checks the arrays orbax read shard by shard (see `_checkpoint/`), with the same
@@ -161,7 +161,7 @@ def lost_text(lost: Lost) -> str:
     return overflow_text(lost.number, float(lost.extreme), lost.dtype)
 
 
-def _lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
+def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
     """What a cast from `source` to `out` (of the same shape) lost, if anything."""
     if out.size == 0 or source.dtype == out.dtype:
         return None
@@ -200,12 +200,12 @@ def converted(
     target = placed_dtype(value.dtype if cast is None else cast)
     if target == value.dtype:
         return value, None
-    with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         out = value.astype(target)
-    return out, _lost(value, out)
+    return out, cast_lost(value, out)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts on a 64-byte boundary, which XLA's
     CPU client can use in place."""
     nbytes = math.prod(shape) * dtype.itemsize
@@ -230,7 +230,7 @@ def _copied_per_device(sharding: NamedSharding) -> bool:
 
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
-    out = _aligned_empty(leaf.shape, leaf.dtype)
+    out = aligned_empty(leaf.shape, leaf.dtype)
     np.copyto(out, leaf)
     return out
 
@@ -300,12 +300,12 @@ def host_ready(
     if target == leaf.dtype and not private:
         return leaf, None, False
     if private:
-        out = _aligned_empty(leaf.shape, target)
+        out = aligned_empty(leaf.shape, target)
     else:
         out = np.empty(leaf.shape, target)
-    with np.errstate(over="ignore", invalid="ignore"):  # checked by `_lost`
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         np.copyto(out, leaf, casting="unsafe")
-    lost = _lost(leaf, out)
+    lost = cast_lost(leaf, out)
     return out, None if lost is None else lost_text(lost), cast is not None
 
 

@@ -9,12 +9,20 @@ project's CPU before training could start (`benchmarks/bench_device_resident.py`
 `shard` moves such arrays (those whose sharding or dtype must change) together, by
 the route that is cheapest on their backend:
 
-- **Through the host, on CPU.** A CPU device's memory is host memory: copying the
-  arrays to NumPy and placing them as NumPy data (`_shard.py`'s path for host
-  arrays, with its checks: casts that overflow are refused, nothing aliased) costs
-  two memory copies and no compilation, ~15 ms for 64 MiB. Even one program for
-  the whole tree costs far more there: XLA's CPU compiler took 4 s to build the
-  60-array resharding identity.
+- **Block by block, on CPU.** A CPU device's memory is host memory, and XLA's
+  CPU client takes an aligned NumPy buffer as a device buffer without copying.
+  So each block of the target is copied once, straight from the parts of the
+  source's device buffers it overlaps, into an aligned buffer of its own, which
+  becomes that device's buffer (`move_blocks`): one memory copy of the data in
+  all, and no compilation. (A host round trip, `device_get` then `device_put`,
+  copies twice: into the whole array, then out into the blocks.) Even one program
+  for the whole tree costs far more there: XLA's CPU compiler took 4 s to build
+  the 60-array resharding identity.
+  A cast (`dtype=`) is made in the same copy, and what it loses is counted per
+  block, so a lossy cast raises as it does for NumPy data.
+- **Through the host, for host memory kinds.** The arrays are copied to NumPy
+  and placed as NumPy data (`_shard.py`'s path for host arrays, with its checks:
+  casts that overflow are refused, nothing aliased).
 - **In one program, on GPU and TPU.** There a round trip crosses the host link
   twice, while device-to-device copies run over NVLink or ICI, and a single
   compilation is amortised over the whole tree. Arrays already spread over the
@@ -39,15 +47,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._host import aligned_empty, cast_lost, Lost, more_lost
 from ._keys import is_key
+from ._tree import placed_dtype
 
 
-Route = Literal["host", "program"]
+Route = Literal["blocks", "host", "program"]
 
 
 @ft.lru_cache(maxsize=1024)
 def _on_cpu_or_host_memory(sharding: Any) -> bool:
     return sharding.memory_kind not in (None, "device") or any(
+        device.platform == "cpu" for device in sharding.device_set
+    )
+
+
+@ft.lru_cache(maxsize=1024)
+def _in_cpu_memory(sharding: Any) -> bool:
+    """Whether `sharding` is on CPU devices only, in their default memory."""
+    return sharding.memory_kind in (None, "device") and all(
         device.platform == "cpu" for device in sharding.device_set
     )
 
@@ -73,6 +91,8 @@ def route(leaf: Any, sharding: NamedSharding, cast: np.dtype | None) -> Route | 
         return None
     if cast is None and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return None
+    if _in_cpu_memory(leaf.sharding) and _in_cpu_memory(sharding):
+        return "blocks"
     if _on_cpu_or_host_memory(leaf.sharding) or _on_cpu_or_host_memory(sharding):
         return "host"
     one_device = len(leaf.sharding.device_set) == 1
@@ -165,6 +185,136 @@ def _from_one_device(
                 shape, s, shards, dtype=jnp.dtype(dtype)
             )
         )
+    return out, losses
+
+
+# How each distinct block of the target is made: the `_index_key`s of its index
+# on the devices that hold it, its shape, and the parts of the source's blocks it
+# is copied from, `(k, source slices, target slices)`, `k` being the source
+# block's position in `array.addressable_data(k)`.
+_Copies = tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+_BlockPlan = tuple[tuple[Any, tuple[int, ...], _Copies], ...]
+
+
+@ft.lru_cache(maxsize=4096)
+def _block_plan(source: Any, target: Any, shape: tuple[int, ...]) -> _BlockPlan:
+    """For each distinct block of `target` for an array of `shape`, where in the
+    distinct blocks of `source` its parts are."""
+    sources: dict[Any, int] = {}
+    for k, index in enumerate(source.addressable_devices_indices_map(shape).values()):
+        sources.setdefault(_block_key(index, shape), k)
+    keys: dict[Any, list[Any]] = {}  # bounds -> the `_index_key`s of the block
+    for index in target.addressable_devices_indices_map(shape).values():
+        keys.setdefault(_block_key(index, shape), []).append(_index_key(index))
+    plan = []
+    for block, raw in keys.items():
+        copies = []
+        for bounds, k in sources.items():
+            low = [max(a, c) for (a, _), (c, _) in zip(block, bounds, strict=True)]
+            high = [min(b, d) for (_, b), (_, d) in zip(block, bounds, strict=True)]
+            if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
+                continue
+            copies.append(
+                (
+                    k,
+                    tuple(
+                        slice(lo - c, hi - c)
+                        for lo, hi, (c, _) in zip(low, high, bounds, strict=True)
+                    ),
+                    tuple(
+                        slice(lo - a, hi - a)
+                        for lo, hi, (a, _) in zip(low, high, block, strict=True)
+                    ),
+                )
+            )
+        plan.append((tuple(raw), tuple(b - a for a, b in block), tuple(copies)))
+    return tuple(plan)
+
+
+def _index_key(index: Any) -> tuple[Any, ...]:
+    """A block's index as `addressable_devices_indices_map` gives it, hashable."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _blocks(
+    x: jax.Array, plan: _BlockPlan, dtype: np.dtype
+) -> tuple[dict[Any, np.ndarray], Lost | None]:
+    """The blocks of the target for `x` in `dtype`, by `_index_key` of their
+    index: a strided view of the source's device buffer where one source block
+    holds the block and nothing is cast (which `device_put` copies, as it cannot
+    take it in place), else a copy, cast as it is made, in an aligned buffer of
+    its own (which it takes in place). Also what the cast lost."""
+    views: dict[int, np.ndarray] = {}
+    out: dict[Any, np.ndarray] = {}
+    lost = None
+    for raw, shape, copies in plan:
+        parts = []
+        for k, source, target in copies:
+            view = views.get(k)
+            if view is None:  # the device buffer itself, not a copy
+                view = views[k] = np.asarray(x.addressable_data(k))
+            parts.append((view[source], target))
+        if len(parts) == 1 and dtype == x.dtype and not parts[0][0].flags.c_contiguous:
+            value = parts[0][0]
+        else:
+            value = aligned_empty(shape, dtype)
+            for part, target in parts:
+                with np.errstate(over="ignore", invalid="ignore"):  # `cast_lost`
+                    value[target] = part
+                if dtype != x.dtype:  # the distinct blocks do not overlap
+                    lost = more_lost(lost, cast_lost(part, value[target]))
+        for key in raw:
+            out[key] = value
+    return out, lost
+
+
+def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | None:
+    """`x`'s device buffer, if one holds all of `x` and every block of `sharding`
+    is a strided view of it (which `device_put` copies, as it cannot take it in
+    place): then `device_put` of the buffer itself copies each block once, as
+    `_blocks` would, on its own faster path. Else `None`."""
+    if not x.sharding.is_fully_replicated:
+        return None
+    whole = np.asarray(x.addressable_data(0))  # the buffer itself, not a copy
+    indices = sharding.addressable_devices_indices_map(tuple(x.shape)).values()
+    if any(whole[index].flags.c_contiguous for index in indices):
+        return None
+    return whole
+
+
+def move_blocks(
+    arrays: Sequence[jax.Array],
+    shardings: Sequence[NamedSharding],
+    casts: Sequence[np.dtype | None],
+) -> tuple[list[jax.Array], list[tuple[int, Lost]]]:
+    """The arrays of the `"blocks"` route (on CPU devices), each placed on its
+    sharding and cast, every block of the target copied once from the source's
+    device buffers (see `_blocks` and `_whole_and_strided`). Also returns
+    `(position, lost)` for each cast that lost values."""
+    out: list[Any] = [None] * len(arrays)
+    strided: list[tuple[int, np.ndarray]] = []
+    losses = []
+    for i, (x, sharding, cast) in enumerate(zip(arrays, shardings, casts, strict=True)):
+        dtype = np.dtype(x.dtype) if cast is None else placed_dtype(np.dtype(cast))
+        whole = _whole_and_strided(x, sharding) if dtype == x.dtype else None
+        if whole is not None:
+            strided.append((i, whole))
+            continue
+        shape = tuple(x.shape)
+        blocks, lost = _blocks(x, _block_plan(x.sharding, sharding, shape), dtype)
+        if lost is not None:
+            losses.append((i, lost))
+        out[i] = jax.make_array_from_callback(
+            shape,
+            sharding,
+            lambda index, blocks=blocks: blocks[_index_key(index)],
+            dtype=dtype,
+        )
+    placed = jax.device_put(
+        [whole for _, whole in strided], [shardings[i] for i, _ in strided]
+    )
+    for (i, _), array in zip(strided, placed, strict=True):
+        out[i] = array
     return out, losses
 
 

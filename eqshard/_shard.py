@@ -16,9 +16,9 @@ How data moves, in the order of this file:
    - *staging*: each array is made ready to hand to JAX, losing nothing: NumPy
      data is cast and copied on host (`_host.py`); JAX arrays whose sharding or
      dtype must change, which `device_put` would move with a program compiled
-     per shape, come through the host on CPU, and move in one program for the
-     tree on GPU and TPU (`_resident.py`); data that would lose values is
-     refused, naming every array;
+     per shape, are copied block by block on CPU (through the host for casts),
+     and move in one program for the tree on GPU and TPU (`_resident.py`); data
+     that would lose values is refused, naming every array;
    - *placing*: in one process the rest move in one batched `jax.device_put`;
      in a multi-process run, each process first checks with the others that
      they all passed the same tree (one 16-byte all-gather), then supplies only
@@ -48,6 +48,7 @@ from ._host import (
     host_ready,
     leaf_casts,
     loss_error,
+    lost_text,
     may_alias,
     overflow_text,
     private_copy,
@@ -63,7 +64,7 @@ from ._multiprocess import (
     host_local_shape,
     is_global,
 )
-from ._resident import move_in_programs, Route, route
+from ._resident import move_blocks, move_in_programs, Route, route
 from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     abstract_mesh_error,
@@ -249,9 +250,10 @@ _Loss = tuple[KeyPath, np.dtype, np.dtype, str, bool]
 
 
 def _stage(moves: list[_Move]) -> list[_Loss]:
-    """Staging: each move's `ready` value, for `device_put` (the `"program"`
-    route moves in `_move_in_programs` instead). JAX arrays of the `"host"` route
-    are fetched to host first. Returns what the conversions would lose."""
+    """Staging: each move's `ready` value, for `device_put` (the `"program"` and
+    `"blocks"` routes move in `_move_in_programs` instead). JAX arrays of the
+    `"host"` route are fetched to host first. Returns what the conversions would
+    lose."""
     by_host = [m for m in moves if m.route == "host"]
     for move, value in zip(
         by_host, fetch([m.leaf.value for m in by_host]), strict=True
@@ -259,7 +261,7 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
         move.source = value
     lost = []
     for move in moves:
-        if move.route == "program":
+        if move.route in ("program", "blocks"):
             continue
         leaf = move.leaf
         source = leaf.value if move.source is None else move.source
@@ -276,10 +278,26 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
 
 def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     """The JAX arrays of the `"program"` route, placed (and cast) by one program
-    for the tree; returns the casts that overflowed."""
+    for the tree, and those of the `"blocks"` route, block by block; returns the
+    casts that overflowed."""
+    lost = []
+    by_blocks = [m for m in moves if m.route == "blocks"]
+    if by_blocks:
+        placed, casts_lost = move_blocks(
+            [m.leaf.value for m in by_blocks],
+            [typing.cast(NamedSharding, m.leaf.sharding) for m in by_blocks],
+            [m.leaf.cast for m in by_blocks],
+        )
+        for move, array in zip(by_blocks, placed, strict=True):
+            move.placed = array
+        for j, what in casts_lost:
+            leaf = by_blocks[j].leaf
+            lost.append(
+                (leaf.path, leaf.value.dtype, what.dtype, lost_text(what), True)
+            )
     by_program = [m for m in moves if m.route == "program"]
     if not by_program:
-        return []
+        return lost
     placed, overflowed = move_in_programs(
         [m.leaf.value for m in by_program],
         [typing.cast(NamedSharding, m.leaf.sharding) for m in by_program],
@@ -287,7 +305,6 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     )
     for move, array in zip(by_program, placed, strict=True):
         move.placed = array
-    lost = []
     for j, count, largest in overflowed:
         leaf = by_program[j].leaf
         target = np.dtype(typing.cast(np.dtype, leaf.cast))
@@ -399,7 +416,8 @@ def shard(
     untouched, so an Equinox module comes back as a module of the same type. All
     arrays move in one batched `jax.device_put`, with no compilation, and JAX
     arrays already on other devices or meshes move without one compilation per
-    shape (on CPU through the host, on GPU and TPU in one program for the tree).
+    shape (on CPU each block copied once from their buffers, on GPU and TPU in
+    one program for the tree).
 
     In a multi-process run, every process of the mesh makes the same call with a
     full copy of every array, and copies to its devices only the shards they hold.
@@ -430,7 +448,7 @@ def shard(
       or a tree of dtypes and `None`s (keep) that is a prefix of `tree`, to keep
       some in float32 on purpose (e.g. `{"layers": jnp.bfloat16, "norm": None}`).
       NumPy arrays are cast on host and JAX arrays with the rest of the tree
-      (through the host on CPU, in one program elsewhere); a cast that would
+      (block by block on CPU, in one program elsewhere); a cast that would
       turn finite values into inf is refused.
     - `check_values`: in a multi-process run, how much of the values the processes
       compare: `"sample"` (64 elements of each array) or `"full"` (every byte).

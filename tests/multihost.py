@@ -93,6 +93,7 @@ def run_processes(
     devices_per_process: int = 4,
     timeout: float = 60.0,
     args: tuple[Any, ...] = (),
+    typecheck: bool = True,
 ) -> list[Any]:
     """Runs `fn(*args)` in `num_processes` JAX processes and returns their results.
 
@@ -116,6 +117,9 @@ def run_processes(
     - `timeout`: seconds for the whole launch. Children still running then have
       their Python stacks printed into the error, and are killed.
     - `args`: positional arguments for `fn`, pickled and sent to every child.
+    - `typecheck`: whether the children import eqshard under jaxtyping's import
+      hook, as the tests do; the benchmarks turn it off, to time eqshard as users
+      run it (with only its own `@typecheck` on public functions).
 
     **Returns:**
 
@@ -176,6 +180,7 @@ def run_processes(
         args=pickled_args,
         num_processes=num_processes,
         devices_per_process=devices_per_process,
+        typecheck=typecheck,
     )
     with tempfile.TemporaryDirectory(prefix="eqshard-multihost-") as tmp:
         spec["port"] = _free_port()
@@ -495,7 +500,8 @@ def _child_main(spec_path: str, process_id: int, result_path: str) -> None:
         warnings.simplefilter("error")
         import jaxtyping
 
-        jaxtyping.install_import_hook(_JAXTYPING_PACKAGES, _JAXTYPING_CHECKER)
+        if spec["typecheck"]:
+            jaxtyping.install_import_hook(_JAXTYPING_PACKAGES, _JAXTYPING_CHECKER)
         sys.path.insert(0, os.path.dirname(spec["module_path"]))
         module_spec = importlib.util.spec_from_file_location(
             spec["module_name"], spec["module_path"]

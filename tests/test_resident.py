@@ -1,6 +1,6 @@
 # The "program" route of `_resident.py` (GPU and TPU) runs on CPU devices too, so
-# it is tested here by calling it directly; `shard` takes the host route on CPU
-# (tests/test_shard.py).
+# it is tested here by calling it directly; `shard` takes the "blocks" route on CPU
+# (here and in tests/test_shard.py).
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from probes import Compiles
 
-from eqshard._resident import move_in_programs, route
+from eqshard._resident import move_blocks, move_in_programs, route
 
 
 _VALUES = [
@@ -61,7 +61,65 @@ def test_route(mesh):
     same = NamedSharding(mesh, P("dp"))
     assert route(np.ones(4), same, None) is None  # NumPy: `device_put`'s own path
     assert route(placed, same, None) is None  # already as asked
-    assert route(placed, NamedSharding(mesh, P("tp")), None) == "host"  # on CPU
-    assert route(placed, same, np.dtype(jnp.bfloat16)) == "host"
+    assert route(placed, NamedSharding(mesh, P("tp")), None) == "blocks"  # on CPU
+    assert route(placed, same, np.dtype(jnp.bfloat16)) == "blocks"  # casts too
     key = jax.device_put(jax.random.key(0))
     assert route(key, NamedSharding(mesh, P()), None) is None  # keys: device_put
+
+
+def _buffers(array):
+    return [
+        (a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes)
+        for a in (array.addressable_data(k) for k in range(len(array.devices())))
+    ]
+
+
+def test_blocks_route_copies_every_block_once_bit_exact(mesh):
+    # Sources and targets whose blocks line up, nest, overlap several source
+    # blocks, or repeat (replicated), on the same devices in another order too.
+    permuted = np.array(jax.devices())[[6, 1, 4, 3, 2, 5, 0, 7]].reshape(4, 2)
+    other = jax.sharding.Mesh(permuted, ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12) / 7
+    cases = [
+        (jax.devices()[3], P("dp", "tp")),
+        (NamedSharding(other, P("tp", "dp")), P("dp", "tp")),
+        (NamedSharding(other, P("dp", "tp")), P("dp", "tp")),
+        (NamedSharding(mesh, P("tp", None)), P(None, "dp")),
+        (NamedSharding(mesh, P()), P("tp", "dp")),
+        (NamedSharding(mesh, P("dp", "tp")), P()),
+        (NamedSharding(mesh, P("dp")), P(("dp", "tp"))),
+    ]
+    sources = [jax.device_put(value, where) for where, _ in cases]
+    sources.append(jax.device_put(np.arange(8, dtype=jnp.bfloat16), jax.devices()[0]))
+    sources.append(jax.device_put(np.int32(7), NamedSharding(other, P())))
+    sources.append(jax.device_put(np.zeros((0, 4), np.int8), jax.devices()[1]))
+    specs = [spec for _, spec in cases] + [P("tp"), P(), P(None, "tp")]
+    shardings = [NamedSharding(mesh, spec) for spec in specs]
+    # Every float32 array again, cast to bfloat16 as it is copied.
+    sources += sources[: len(cases)]
+    shardings += shardings[: len(cases)]
+    casts = [None] * (len(sources) - len(cases)) + [np.dtype(jnp.bfloat16)] * len(cases)
+    wants = [
+        np.asarray(x).astype(c if c is not None else x.dtype)
+        for x, c in zip(sources, casts)
+    ]
+    with Compiles() as compiles:
+        out, lost = move_blocks(sources, shardings, casts)
+    assert compiles.count == 0 and lost == []
+    for array, source, want, sharding in zip(out, sources, wants, shardings):
+        assert array.sharding == sharding and array.dtype == want.dtype
+        # Copies: no block of the result lies in the source's buffers.
+        for start, _ in _buffers(array):
+            assert not any(lo <= start < hi for lo, hi in _buffers(source))
+        assert np.asarray(array).tobytes() == want.tobytes()
+
+
+def test_blocks_route_counts_what_a_cast_loses_once_per_value(mesh):
+    # Replicated on the target: each block is on two devices, counted once.
+    value = np.array([[1e6, -3e5, 1.0, 2.0]] * 8, np.float32)
+    source = jax.device_put(value, NamedSharding(mesh, P("dp", "tp")))
+    target = NamedSharding(mesh, P("tp"))
+    _, lost = move_blocks([source], [target], [np.dtype(np.float16)])
+    ((position, found),) = lost
+    assert (position, found.number, found.extreme) == (0, 16, 1e6)
+    assert found.dtype == np.float16
