@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._derive import abstract_tree, restricted
+from ._init_pieces import Plan, plan
 from ._mesh import concrete_mesh, find_mesh
 from ._programs import Programs
 from ._spec_args import resolve_specs
@@ -138,12 +139,20 @@ def sharded_init(
     specs: Any,
     mesh: Mesh | AbstractMesh | None,
     caller: str = _CALLER,
-) -> tuple[Any, tuple[Any, ...], PyTree, Callable[[Sequence[jax.Array]], PyTree]]:
-    """The pieces of [`eqshard.init_sharded`][]: `(jitted, inputs, shapes,
+) -> tuple[
+    Callable[..., list[jax.Array]],
+    Any,
+    tuple[Any, ...],
+    PyTree,
+    Callable[[Sequence[jax.Array]], PyTree],
+]:
+    """The parts of [`eqshard.init_sharded`][]: `(run, jitted, inputs, shapes,
     assemble)`.
 
-    `jitted(*inputs)` returns the model's arrays in their shardings, as a flat
-    list (its `.lower(*inputs)` is the program, for memory analysis);
+    `run(*inputs)` returns the model's arrays in their shardings, as a flat list,
+    from the program in pieces where pieces repeat (see `_init_pieces.py`);
+    `jitted(*inputs)` returns them from the whole program (its `.lower(*inputs)`
+    is the program, for memory analysis);
     `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
     every array's `NamedSharding`."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
@@ -213,8 +222,9 @@ def sharded_init(
         model = [next(built) if out else leaf for leaf, out in zip(leaves, outputs)]
         return jtu.tree_unflatten(treedef, model)
 
-    program, consts = _program(closed, shardings)
-    return program, (consts, dynamic), shapes, assemble
+    program, plan, consts = _program(closed, shardings)
+    run = program if plan is None else plan.run
+    return run, program, (consts, dynamic), shapes, assemble
 
 
 def _trace(
@@ -253,11 +263,14 @@ def _is_fed(const: Any) -> bool:
     return isinstance(const, np.ndarray | np.generic)
 
 
-def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]:
+def _program(
+    closed: ClosedJaxpr, shardings: list[Any]
+) -> tuple[Any, Plan | None, list[Any]]:
     """The `jax.jit` that runs `closed` and puts its outputs, a flat list, in
-    `shardings`, and the constants to give it: `jitted(consts, arrays)` with the
-    arrays among the arguments. The model's structure is not part of it, as that
-    holds the static fields of this call.
+    `shardings`, the same in pieces if pieces of it repeat (`_init_pieces.plan`,
+    else `None`), and the constants to give them: `jitted(consts, arrays)` and
+    `plan.run(consts, arrays)` with the arrays among the arguments. The model's
+    structure is not part of them, as that holds the static fields of this call.
 
     The program is kept for the next trace that is the same program, so that
     building a model again compiles nothing. Programs are told apart by what was
@@ -267,7 +280,7 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
     consts = list(closed.consts)
     key, keep = _program_key(closed, shardings)
 
-    def make() -> tuple[Any, list[Any]]:
+    def make() -> tuple[Any, Plan | None, list[Any]]:
         jaxpr = closed.jaxpr
         fixed = [None if _is_fed(c) else c for c in consts]
 
@@ -276,14 +289,18 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
             all_consts = [next(given) if c is None else c for c in fixed]
             return jaxpr_as_fun(ClosedJaxpr(jaxpr, all_consts))(*flat)
 
-        return jax.jit(run, out_shardings=shardings), keep
+        pieces = plan(
+            closed, shardings, key_of=lambda c, s: _program_key(c, s)[0], is_fed=_is_fed
+        )
+        return jax.jit(run, out_shardings=shardings), pieces, keep
 
-    jitted, _ = _PROGRAMS.get(key, make)
-    return jitted, [c for c in consts if _is_fed(c)]
+    jitted, pieces, _ = _PROGRAMS.get(key, make)
+    return jitted, pieces, [c for c in consts if _is_fed(c)]
 
 
-# Each program with the objects its key holds by identity, kept alive with it.
-_PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
+# Each program (whole, and in pieces) with the objects its key holds by
+# identity, kept alive with it.
+_PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
 
 
 @typecheck
@@ -474,5 +491,5 @@ def init_sharded(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    jitted, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
-    return assemble(jitted(*inputs))
+    run, _, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
+    return assemble(run(*inputs))
