@@ -513,3 +513,41 @@ def test_in_pieces_no_device_holds_a_whole_sharded_array(mesh):
         )
         assert stats.output_size_in_bytes == shards + 8 * len(compiled.out_info)
         assert stats.temp_size_in_bytes < whole / 2
+
+
+# ------------------------------------------------- 64-bit NumPy data, x64 off
+
+_BEYOND_INT32 = np.array([2**40 + 7, 1], np.int64)
+
+
+def test_64_bit_numpy_data_that_would_change_is_refused(mesh):
+    # JAX narrows it to 32 bits while tracing (2**40 + 7 became 7, 1e300 inf).
+    def from_argument(table, *, scale):
+        return {"t": jax.tree.map(lambda x: x * 1, table), "s": scale * 1}
+
+    fits = np.array([1.5], np.float64)
+    with pytest.raises(ValueError, match=r"(?s)init_sharded: .*'args\[0\]/big'.*int32"):
+        eqshard.init_sharded(
+            from_argument, {"big": _BEYOND_INT32}, scale=fits, specs=P(), mesh=mesh
+        )
+    with pytest.raises(ValueError, match=r"(?s)'scale' \(float64.*inf.*jax_enable_x64"):
+        eqshard.init_sharded(
+            from_argument, {"big": fits}, scale=np.array([1e300]), specs=P(), mesh=mesh
+        )
+
+    def closing_over(key):
+        return {"t": _BEYOND_INT32 + jax.random.randint(key, (2,), 0, 1)}
+
+    with pytest.raises(ValueError, match=r"'_BEYOND_INT32 \(read by .*closing_over\)'"):
+        eqshard.init_sharded(closing_over, jax.random.key(0), specs=P(), mesh=mesh)
+    # Data that fits is narrowed as JAX narrows it.
+    built = eqshard.init_sharded(
+        from_argument,
+        {"big": np.array([5, -6], np.int64)},
+        scale=fits,
+        specs=P(),
+        mesh=mesh,
+    )
+    assert built["t"]["big"].dtype == np.int32 and built["s"].dtype == np.float32
+    np.testing.assert_array_equal(built["t"]["big"], [5, -6])
+    np.testing.assert_array_equal(built["s"], [1.5])
