@@ -38,7 +38,8 @@ temporaries (one array's random bits at a time) are not counted.
 `--depths 1,6,12,24,48` instead times how the cold build grows with the number
 of blocks (width 512, 8 heads, a 4,096-token vocabulary: 12 blocks are 160 MiB),
 each route once per fresh process (the time from the call to the arrays being
-ready; importing and making the mesh are not counted), round-robin over the
+ready, the garbage collector run then disabled; importing and making the mesh
+are not counted), round-robin over the
 routes and depths for `--runs` rounds: (2) eager + `eqshard.shard`, (3)
 `init_sharded` and (4) one `jax.jit` with `out_shardings`, with the ratios of
 the medians to (2).
@@ -48,6 +49,7 @@ the medians to (2).
 
 import argparse
 import collections
+import gc
 import os
 import statistics
 import subprocess
@@ -139,6 +141,8 @@ def one_cold_build(route: str, layers: int) -> float:
         def build() -> Any:
             return eqx.combine(jitted(key), static)
 
+    gc.collect()
+    gc.disable()
     start = time.perf_counter()
     jax.block_until_ready(build())
     return time.perf_counter() - start
