@@ -5,7 +5,8 @@
   and restored onto a (2, 4) one: `eqshard.restore(dir, like, specs, mesh)`
   against `orbax.checkpoint.StandardCheckpointer().restore(dir, target)` with a
   target of `jax.ShapeDtypeStruct`s built by hand. Both run back to back in one
-  process, `--runs` times each, the garbage collector off while timed.
+  process, `--runs` times each, the garbage collector fixed
+  (`benchmarks/_timing.py`).
 - **safetensors into a sharded tree.** The same tree in one `.safetensors` file:
   `eqshard.load_safetensors(file, like, specs, mesh)` against
   `safetensors.numpy.load_file(file)` then `eqshard.shard`. Each run is a fresh
@@ -18,7 +19,7 @@
   result. The children run with `MALLOC_MMAP_THRESHOLD_=131072`, so that freed
   blocks return to the OS and "resident after" is the result itself.
 
-Prints min and median of each and of the ratios. Run with
+Prints min and median of each and their ratios. Run with
 `python benchmarks/bench_checkpoint.py` (a few minutes; `--mib 256` for a quick
 look). Files go to a temporary directory that is removed at the end.
 """
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from _timing import interleaved, once, table, Times
 
 
 def _setup_jax() -> None:
@@ -123,17 +126,14 @@ def _child(case: str, path: str, mib: int, leaf_mib: int) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    gc.disable()
-    start = time.perf_counter()
-    if case == "eqshard":
-        out = eqshard.load_safetensors(path, tree_like, specs, mesh)
-    else:
+
+    def load():
+        if case == "eqshard":
+            return eqshard.load_safetensors(path, tree_like, specs, mesh)
         flat = safetensors.numpy.load_file(path)
-        out = eqshard.shard(eqshard.unflatten_tree(flat, sep="."), specs, mesh)
-        del flat
-    jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    gc.enable()
+        return eqshard.shard(eqshard.unflatten_tree(flat, sep="."), specs, mesh)
+
+    seconds, out = once(load)
     gc.collect()
     stop.set()
     sampler.join()
@@ -176,22 +176,6 @@ def _run_child(case: str, path: str, args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------
 # The parent: orbax in process, safetensors in children.
 # ---------------------------------------------------------------------------------
-
-
-def _timed(fn) -> float:
-    import jax
-
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        return time.perf_counter() - start
-    finally:
-        del out
-        gc.enable()
-        gc.collect()
 
 
 def _row(name: str, values: list[float], unit: str = "s") -> str:
@@ -256,18 +240,17 @@ def main() -> None:
         def by_eqshard():
             return eqshard.restore(ckpt, like, specs, restored_on)
 
-        by_eqshard(), by_orbax()  # warm up
-        ours, theirs = [], []
-        for _ in range(args.runs):
-            ours.append(_timed(by_eqshard))
-            theirs.append(_timed(by_orbax))
-        ratios = [a / b for a, b in zip(ours, theirs)]
-        print("\norbax restore (4, 2) -> (2, 4)")
-        print(_row("eqshard.restore", ours))
-        print(_row("orbax StandardCheckpointer, target by hand", theirs))
-        print(
-            f"{'ratio (target <= 1.05)':<46} {min(ratios):>10.3f} "
-            f"{statistics.median(ratios):>10.3f}"
+        times = interleaved({"ours": by_eqshard, "orbax": by_orbax}, args.runs)
+        print()
+        table(
+            [
+                (
+                    "restore (4, 2) -> (2, 4) (target <= 1.05)",
+                    times["ours"],
+                    times["orbax"],
+                )
+            ],
+            theirs="orbax, target by hand",
         )
         shutil.rmtree(ckpt)
 
@@ -288,9 +271,20 @@ def main() -> None:
             "eqshard": "eqshard.load_safetensors",
             "raw": "safetensors.numpy.load_file + eqshard.shard",
         }
+        print()
+        table(
+            [
+                (
+                    "load_safetensors (target <= 0.8)",
+                    Times(tuple(r["seconds"] for r in runs["eqshard"])),
+                    Times(tuple(r["seconds"] for r in runs["raw"])),
+                )
+            ],
+            theirs="load_file + shard",
+        )
         for case, label in labels.items():
             got = runs[case]
-            print(_row(f"{label}: time", [r["seconds"] for r in got]))
+            print(label)
             print(_row("  peak RSS added (VmHWM)", [r["peak"] for r in got], "MiB"))
             print(
                 _row("  peak anonymous RSS added", [r["peak_anon"] for r in got], "MiB")
@@ -305,13 +299,6 @@ def main() -> None:
                     "MiB",
                 )
             )
-        ratios = [
-            a["seconds"] / b["seconds"] for a, b in zip(runs["eqshard"], runs["raw"])
-        ]
-        print(
-            f"{'time ratio (target <= 1.2)':<46} {min(ratios):>10.3f} "
-            f"{statistics.median(ratios):>10.3f}"
-        )
         print(f"{'largest leaf + 10% (MiB)':<46} {largest * 1.1 / 2**20:>10.3f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -18,23 +18,21 @@ round trip by hand (`jax.device_put(jax.device_get(leaves), shardings)`) and one
 batched `jax.jit` identity with `out_shardings` over the whole tree (possible only
 where inputs and outputs share their devices, in the same order). Every run starts
 cold (`jax.clear_caches()`: a model is sharded once, so the first call is the one
-that counts), with the garbage collector run and then disabled while timing;
-runs of the variants are interleaved. XLA backend compilations are counted with
-`jax.monitoring`. Prints min and median seconds, the ratio of raw
-`device_put`'s median to each median, and the compile count of the last run.
+that counts), with the garbage collector fixed (`benchmarks/_timing.py`); runs of
+the variants are interleaved. XLA backend compilations are counted with
+`jax.monitoring`. Prints, for each hand-written route, the min and median seconds
+of eqshard and of the route, their ratios, and eqshard's compile count in the last
+run.
 
-    python benchmarks/bench_device_resident.py            # 3 runs, ~2-3 minutes
-    python benchmarks/bench_device_resident.py --runs 5
+    python benchmarks/bench_device_resident.py            # 5 runs, ~3-4 minutes
+    python benchmarks/bench_device_resident.py --runs 3    # quicker
 
 Exits non-zero if a target is missed: eqshard >= 20x faster than raw `device_put`
 from one device with at most one compilation, and within 1.5x of it on NumPy.
 """
 
 import argparse
-import gc
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved, table
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -69,21 +68,16 @@ def make_values(count: int = 60) -> list[np.ndarray]:
     return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
 
 
-def timed(fn: Callable[[], Any], *, cold: bool = True) -> tuple[float, int, Any]:
-    """Seconds and compilations of one call of `fn`, and its result; cold (JAX's
-    caches cleared first) unless `cold=False`."""
-    if cold:
-        jax.clear_caches()
-    gc.collect()
-    gc.disable()
-    try:
+def counted(fn: Callable[[], Any], compiles: dict[str, int], name: str):
+    """`fn`, recording in `compiles[name]` the compilations of its last call."""
+
+    def run() -> Any:
         before = _compiles[0]
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        seconds = time.perf_counter() - start
-    finally:
-        gc.enable()
-    return seconds, _compiles[0] - before, out
+        out = fn()
+        compiles[name] = _compiles[0] - before
+        return out
+
+    return run
 
 
 def check(out: list[jax.Array], want: list[np.ndarray], shardings: list[Any]):
@@ -94,7 +88,7 @@ def check(out: list[jax.Array], want: list[np.ndarray], shardings: list[Any]):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
 
     auto = (AxisType.Auto,) * 2
@@ -168,38 +162,29 @@ def main() -> int:
 
     print(
         f"{len(values)} float32 arrays of distinct shapes, {total / MiB:.0f} MiB, "
-        f"to P('dp', 'tp') on a (2, 4) mesh; {args.runs} cold runs each\n"
+        f"to P('dp', 'tp') on a (2, 4) mesh; {args.runs} cold runs each"
     )
-    header = (
-        f"{'case':<34} {'variant':<32} {'min s':>7} {'median s':>9} "
-        f"{'raw/this':>9} {'compiles':>8}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     ratios: dict[str, float] = {}  # case -> raw median / eqshard median
     compiled: dict[str, int] = {}  # case -> eqshard's compilations
-    for case, rows in variants.items():
-        times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    for case, variants_of_case in variants.items():
         compiles: dict[str, int] = {}
-        for _ in range(args.runs):
-            for name, fn, want in rows:
-                seconds, count, out = timed(fn)
-                check(out, want, target)
-                del out
-                times[name].append(seconds)
-                compiles[name] = count
-        raw = statistics.median(times[rows[0][0]])
-        label = case
-        for name, _, _ in rows:
-            median = statistics.median(times[name])
-            print(
-                f"{label:<34} {name:<32} {min(times[name]):>7.3f} {median:>9.3f} "
-                f"{raw / median:>8.1f}x {compiles[name]:>8}"
+        wants = {name: want for name, _, want in variants_of_case}
+        times = interleaved(
+            {name: counted(fn, compiles, name) for name, fn, _ in variants_of_case},
+            args.runs,
+            before=jax.clear_caches,
+            check=lambda name, out, wants=wants: check(out, wants[name], target),
+            warmup=False,
+        )
+        *routes, (ours, _, _) = variants_of_case
+        for name, _, _ in routes:
+            rows.append(
+                (f"{case}, vs {name}", times[ours], times[name], compiles[ours])
             )
-            label = ""
-        ours = rows[-1][0]
-        ratios[case] = raw / statistics.median(times[ours])
+        ratios[case] = times[routes[0][0]].median / times[ours].median
         compiled[case] = compiles[ours]
+    table(rows, theirs="by hand", columns=("compiles",))
     failed = []
     if ratios["one device -> (2, 4)"] < 20:
         failed.append("one device: eqshard under 20x faster than raw device_put")

@@ -18,7 +18,7 @@ biases and norms are small. Four ways to get it onto the mesh:
 
 The raw rows get their `NamedSharding` tree and (2) its spec tree ready-made (as
 if written by hand); `init_sharded` matches the rules inside the timing. Each run
-times every row cold (`jax.clear_caches()` first: a model is made once, so
+times every row cold (`jax.clear_caches()` and `eqshard.clear_init_cache()` first: a model is made once, so
 compilation counts), then warm (the same call again), with the garbage collector
 run and then disabled while timing; rows are interleaved within a run. XLA
 compilations are counted with `jax.monitoring`. The first run checks that all
@@ -49,12 +49,10 @@ the medians to (2).
 
 import argparse
 import collections
-import gc
 import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,11 +64,35 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
-from bench_device_resident import MiB, timed  # cold/warm timing, compile count
+from _timing import once
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from models import Config, config_for_size, RULES, Transformer
 
 import eqshard
+
+
+MiB = 1 << 20
+_compiles = [0]
+
+
+def _count_compiles(event: str, duration: float, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def timed(fn: Callable[[], Any], *, cold: bool = True) -> tuple[float, int, Any]:
+    """Seconds and compilations of one call of `fn` (`_timing.once`), and its
+    result; cold (JAX's caches and `init_sharded`'s cleared first) unless
+    `cold=False`."""
+    if cold:
+        jax.clear_caches()
+        eqshard.clear_init_cache()
+    before = _compiles[0]
+    seconds, out = once(fn)
+    return seconds, _compiles[0] - before, out
 
 
 def per_device_bytes(*trees: Any) -> dict[Any, int]:
@@ -141,11 +163,7 @@ def one_cold_build(route: str, layers: int) -> float:
         def build() -> Any:
             return eqx.combine(jitted(key), static)
 
-    gc.collect()
-    gc.disable()
-    start = time.perf_counter()
-    jax.block_until_ready(build())
-    return time.perf_counter() - start
+    return once(build)[0]
 
 
 def depths_table(depths: list[int], runs: int) -> None:
@@ -278,7 +296,6 @@ def main() -> int:
     for run in range(args.runs):
         reference = None
         for name, fn, _ in rows:
-            eqshard.clear_init_cache()  # cold: as in a fresh process
             seconds, count, out = timed(fn)
             cold[name].append(seconds)
             seconds, again, out = timed(fn, cold=False)

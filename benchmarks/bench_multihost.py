@@ -13,20 +13,16 @@ MiB in all) and places it with the spec P('dp', 'tp'):
   all-gather.
 - **shard, full** (`check_values="full"`): the same, hashing every byte.
 
-Each row runs `--runs` times with the garbage collector off; process 0 prints the
-min and median, in ms, and the ratios to raw JAX. The processes are started by the
+Each row runs `--runs` times with the garbage collector fixed
+(`benchmarks/_timing.py`); process 0 prints the min and median, in ms, and the
+ratios to raw JAX. The processes are started by the
 tests' harness (`tests/multihost.py`), which gives them a free port, a timeout and
 a clean exit. Run with `python benchmarks/bench_multihost.py` (about a minute).
 """
 
 import argparse
-import gc
 import pathlib
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -35,20 +31,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
+from _timing import interleaved, table, Times  # noqa: E402
 from multihost import run_processes  # noqa: E402
 
 import eqshard  # noqa: E402
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        return time.perf_counter() - start
-    finally:
-        gc.enable()
 
 
 def _child(leaves: int, mib: int, runs: int) -> dict[str, list[float]]:
@@ -72,11 +58,8 @@ def _child(leaves: int, mib: int, runs: int) -> dict[str, list[float]]:
         "sample": lambda: eqshard.shard(tree, sharding),
         "full": lambda: eqshard.shard(tree, sharding, check_values="full"),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(runs):
-        for name, fn in cases.items():
-            times[name].append(_timed(fn))
-    return times
+    times = interleaved(cases, runs, warmup=False)
+    return {name: list(t.seconds) for name, t in times.items()}
 
 
 def main() -> None:
@@ -97,18 +80,17 @@ def main() -> None:
         f"{args.mib} MiB in {args.leaves} float32 arrays, full copies on 2 "
         f"processes, P('dp', 'tp'); ms, min / median over {args.runs} runs"
     )
-    print(f"{'case':<32} {'min':>9} {'median':>9} {'x min':>7} {'x med':>7}")
-    for name, label in (
-        ("raw", "raw make_array_from_callback"),
-        ("sample", "shard (sample check)"),
-        ("full", 'shard (check_values="full")'),
-    ):
-        ratios = [a / b for a, b in zip(times[name], raw, strict=True)]
-        print(
-            f"{label:<32} {min(times[name]) * 1e3:9.1f} "
-            f"{statistics.median(times[name]) * 1e3:9.1f} "
-            f"{min(ratios):7.2f} {statistics.median(ratios):7.2f}"
-        )
+    table(
+        [
+            (label, Times(tuple(times[name])), Times(tuple(raw)))
+            for name, label in (
+                ("sample", "shard (sample check)"),
+                ("full", 'shard (check_values="full")'),
+            )
+        ],
+        unit="ms",
+        theirs="make_array_from_callback",
+    )
 
 
 if __name__ == "__main__":

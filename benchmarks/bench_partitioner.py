@@ -10,23 +10,24 @@ against `eqx.filter_jit`, on 8 virtual CPU devices:
   done once, outside the timing): the floor any filtering wrapper is measured
   against.
 
-Every variant is warmed up, then called round-robin in rotating order (so load on
-the machine hits all of them alike). Each call is timed from the call to its
-return, without waiting for the computation; the result is waited for outside
-the timing, so the queue of work never grows. The table gives the median
-microseconds per call and the ratio to `jax.jit`. `eqx.filter_jit` waits for a
+Every variant is warmed up, then timed in `--runs` rounds of `--calls` calls,
+the variants round-robin in rotating order (so load on the machine hits all of
+them alike), with the garbage collector fixed (`benchmarks/_timing.py`). Each
+call is timed from the call to its return, without waiting for the computation;
+the result is waited for outside the timing, so the queue of work never grows.
+The table gives the min and median over the rounds of the microseconds per call,
+and the ratios to `jax.jit`. `eqx.filter_jit` waits for a
 marker output on every call, so its time includes running the computation; that
 is part of its overhead.
 
 Targets: within 1.05x of `jax.jit` for arrays; at or below `eqx.filter_jit` for
 modules.
 
-    python benchmarks/bench_partitioner.py [--calls 2000]
+    python benchmarks/bench_partitioner.py [--calls 400] [--runs 5]
 """
 
 import argparse
-import statistics
-import time
+from functools import partial
 
 import jax
 
@@ -36,6 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved, table
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -49,24 +51,6 @@ class Stack(eqx.Module):
         for layer, activation in zip(self.layers, self.activations):
             x = activation(layer(x))
         return x
-
-
-def _time(variants, calls, warmup):
-    """Median microseconds per call of each variant, called round-robin."""
-    for fn, args in variants.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn(*args))
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for i in range(calls):
-        # Rotate the order, so no variant always runs first after a wait.
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            fn, args = variants[name]
-            start = time.perf_counter()
-            out = fn(*args)
-            times[name].append(time.perf_counter() - start)
-            jax.block_until_ready(out)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def _matmul(mesh, partitioner):
@@ -129,21 +113,27 @@ def _module(mesh, partitioner):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--runs", type=int, default=5)
     options = parser.parse_args()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     partitioner = eqshard.t5x.Partitioner(mesh=mesh)
     print(
         f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh "
-        f"{dict(mesh.shape)}, {options.calls} calls per variant, median us per call"
+        f"{dict(mesh.shape)}, {options.runs} rounds of {options.calls} calls"
     )
-    print(f"{'case':<8} {'variant':<16} {'us/call':>9} {'vs jax.jit':>11}")
+    rows = []
     for case, build in (("matmul", _matmul), ("module", _module)):
-        medians = _time(build(mesh, partitioner), options.calls, options.warmup)
-        base = medians["jax.jit"]
-        for name, median in medians.items():
-            print(f"{case:<8} {name:<16} {median:>9.1f} {median / base:>10.3f}x")
+        variants = build(mesh, partitioner)
+        times = interleaved(
+            {name: partial(fn, *args) for name, (fn, args) in variants.items()},
+            options.runs,
+            calls=options.calls,
+            block=False,
+        )
+        base = times.pop("jax.jit")
+        rows += [(f"{case}: {name}", t, base) for name, t in times.items()]
+    table(rows, unit="us", ours="variant", theirs="jax.jit")
 
 
 if __name__ == "__main__":

@@ -18,20 +18,19 @@ with `eqx.filter_eval_shape`, so nothing is allocated. The mesh is an
 - `10k leaves: plan + device_view` and `... + show (rich)`: a 10,000-array tree
   (625 blocks of 16 arrays), the issue's under-2-seconds target.
 
-Times are the median and min of 5 runs, the variants round-robin, each after a
-`gc.collect()`. Run: `python benchmarks/bench_plan.py`.
+Times are the min and median of 5 runs, the variants round-robin, with the
+garbage collector fixed (`benchmarks/_timing.py`).
+Run: `python benchmarks/bench_plan.py`.
 """
 
-import gc
 import io
 import math
-import statistics
-import time
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from _timing import interleaved, table
 from bench_rules import make_tree  # the same 10,000-leaf tree
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
@@ -124,19 +123,6 @@ def raw_plan(shapes, specs):
     return total + sum(x.dtype.itemsize for x in count)
 
 
-def timed(variants):
-    for _, fn in variants:
-        fn()  # warm up
-    times = {name: [] for name, _ in variants}
-    for _ in range(REPEATS):
-        for name, fn in variants:
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return [(name, statistics.median(ts), min(ts)) for name, ts in times.items()]
-
-
 def main():
     shapes = eqx.filter_eval_shape(Llama)
     n_arrays = len(jax.tree.leaves(shapes))
@@ -158,21 +144,20 @@ def main():
     def big_show():
         eqshard.plan_training(big, big_specs, MESH).show(file=io.StringIO())
 
-    rows = timed(
-        [
-            (
-                "match rules (auto_fsdp)",
-                lambda: eqshard.match_partition_rules(rules, shapes),
+    times = interleaved(
+        {
+            "match rules (auto_fsdp)": lambda: eqshard.match_partition_rules(
+                rules, shapes
             ),
-            ("plan_training (adamw)", lambda: plan(shapes, specs)),
-            ("raw JAX plan", lambda: raw_plan(shapes, specs)),
-            ("device_view", result.device_view),
-            ("show (rich)", lambda: result.show(file=io.StringIO())),
-            ("10k leaves: plan + device_view", big_view),
-            ("10k leaves: plan + show (rich)", big_show),
-        ]
+            "plan_training (adamw)": lambda: plan(shapes, specs),
+            "raw JAX plan": lambda: raw_plan(shapes, specs),
+            "device_view": result.device_view,
+            "show (rich)": lambda: result.show(file=io.StringIO()),
+            "10k leaves: plan + device_view": big_view,
+            "10k leaves: plan + show (rich)": big_show,
+        },
+        REPEATS,
     )
-    raw = dict((name, median) for name, median, _ in rows)["raw JAX plan"]
     print(
         f"70B-shaped model: {n_arrays} arrays, "
         f"{result.params.total_parameters / 1e9:.1f}B parameters; mesh "
@@ -182,10 +167,14 @@ def main():
         f"plan: {result.max_bytes_per_device / 2**30:.1f} GiB per "
         "device (bf16 params + grads, f32 AdamW) of 80 GiB"
     )
-    width = max(len(name) for name, _, _ in rows)
-    print(f"{'variant':<{width}}  {'median s':>9}  {'min s':>7}  {'/ raw JAX':>9}")
-    for name, median, best in rows:
-        print(f"{name:<{width}}  {median:9.3f}  {best:7.3f}  {median / raw:9.2f}")
+    raw = times.pop("raw JAX plan")
+    table(
+        [
+            (name, t, raw if name == "plan_training (adamw)" else None)
+            for name, t in times.items()
+        ],
+        theirs="raw JAX plan",
+    )
 
 
 if __name__ == "__main__":

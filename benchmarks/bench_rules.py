@@ -13,18 +13,15 @@ Also times the `@typecheck` wrapper on a trivial public function.
 Run: `python benchmarks/bench_rules.py`.
 """
 
-import gc
 import os
 import re
-import statistics
 import subprocess
 import sys
-import time
-import timeit
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from _timing import interleaved, once, table
 from jax.sharding import PartitionSpec as P
 
 import eqshard
@@ -110,39 +107,15 @@ def naive_full_cold(rules, tree):
     return naive_full(rules, tree)
 
 
-def time_interleaved(variants):
-    """Median and min (ms) of REPEATS runs of each variant. Runs go round-robin,
-    so that load from other processes hits every variant alike, and each starts
-    after a `gc.collect()`, so that no run pays for another's garbage (the GC
-    stays on during the run)."""
-    for _, fn, args in variants:
-        fn(*args)  # warm up
-    times = {name: [] for name, _, _ in variants}
-    for _ in range(REPEATS):
-        for name, fn, args in variants:
-            gc.collect()
-            start = time.perf_counter()
-            fn(*args)
-            times[name].append(time.perf_counter() - start)
-    return [
-        (name, statistics.median(ts) * 1e3, min(ts) * 1e3) for name, ts in times.items()
-    ]
-
-
 def typecheck_overhead():
     path = (jtu.DictKey("layers"), jtu.SequenceKey(3))
     decorated = eqshard.tree_path_to_string
     raw = getattr(decorated, "__wrapped__", None)
     n = 20_000
-    rows = [
-        ("@typecheck (default)", timeit.timeit(lambda: decorated(path, "/"), number=n))
-    ]
+    rows = [("@typecheck (default)", once(lambda: decorated(path, "/"), calls=n)[0])]
     if raw is not None:
         rows.append(
-            (
-                "undecorated (__wrapped__)",
-                timeit.timeit(lambda: raw(path, "/"), number=n),
-            )
+            ("undecorated (__wrapped__)", once(lambda: raw(path, "/"), calls=n)[0])
         )
     code = (
         "import timeit, jax.tree_util as jtu, eqshard;"
@@ -157,8 +130,8 @@ def typecheck_overhead():
         text=True,
         check=True,
     )
-    rows.append(("JAXTYPING_DISABLE=1", float(result.stdout.strip())))
-    return [(name, seconds / n * 1e6) for name, seconds in rows]
+    rows.append(("JAXTYPING_DISABLE=1", float(result.stdout.strip()) / n))
+    return [(name, seconds * 1e6) for name, seconds in rows]
 
 
 def main():
@@ -171,25 +144,24 @@ def main():
     specs = eqshard.match_partition_rules(rules, tree)
     assert jax.tree.leaves(specs) == jax.tree.leaves(naive_full(rules, tree))
 
-    rows = time_interleaved(
-        [
-            (
-                "eqshard.match_partition_rules",
-                eqshard.match_partition_rules,
-                (rules, tree),
+    times = interleaved(
+        {
+            "eqshard.match_partition_rules": lambda: eqshard.match_partition_rules(
+                rules, tree
             ),
-            ("naive re.search loop (paths given)", naive_match, (rules, names)),
-            ("naive + flatten_with_path + paths", naive_full, (rules, tree)),
-            ("naive + flatten, cold re cache", naive_full_cold, (rules, tree)),
-        ]
+            "naive re.search loop (paths given)": lambda: naive_match(rules, names),
+            "naive + flatten_with_path + paths": lambda: naive_full(rules, tree),
+            "naive + flatten, cold re cache": lambda: naive_full_cold(rules, tree),
+        },
+        REPEATS,
     )
-    base = rows[0][1]
     print(f"{n_leaves} leaves, {len(rules)} rules, {REPEATS} interleaved runs each")
-    width = max(len(name) for name, _, _ in rows)
-    print(f"{'variant':<{width}}  {'median ms':>9}  {'min ms':>7}  {'/ eqshard':>9}")
-    for name, median, best in rows:
-        print(f"{name:<{width}}  {median:9.2f}  {best:7.2f}  {median / base:9.2f}")
-
+    ours = times.pop("eqshard.match_partition_rules")
+    table(
+        [(f"vs {name}", ours, t) for name, t in times.items()],
+        unit="ms",
+        theirs="naive",
+    )
     print()
     print("@typecheck overhead: eqshard.tree_path_to_string(2-key path, '/')")
     overhead = typecheck_overhead()

@@ -14,8 +14,9 @@ placed on a (2, 4) ('dp', 'tp') mesh with Auto axes and copied back:
 - for contrast, on a small tree of 200 leaves, the fjformer approach of one
   `jax.jit(lambda x: x, out_shardings=s)` per leaf against `eqshard.shard`.
 
-Each timing is the median of 5 runs (eqshard and raw JAX interleaved), after one
-warm-up run; arrays are deleted between runs. Run with
+Each timing is the min and median of 5 runs (eqshard and raw JAX interleaved,
+the garbage collector fixed: `benchmarks/_timing.py`), after one warm-up run;
+arrays are deleted between runs. Run with
 `python benchmarks/bench_shard.py` (about 1-2 minutes); `--layers` scales the tree
 (16 layers is ~1 GiB). Exits non-zero if a target is missed.
 """
@@ -24,7 +25,6 @@ import argparse
 import ctypes
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +37,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np
+from _timing import interleaved, once, table, Times
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -126,41 +127,33 @@ def _count_compiles(event: str, duration: float, **kwargs: Any) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
-def timed(fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
-    """Milliseconds for one call of `fn(setup())`, results blocked and deleted."""
-    arg = setup() if setup is not None else None
-    start = time.perf_counter()
-    out = fn() if setup is None else fn(arg)
-    jax.block_until_ready(out)
-    ms = (time.perf_counter() - start) * 1e3
-    delete(out)
-    delete(arg)
-    del out, arg
-    gc.collect()
-    return ms
-
-
 def compare(
     ours: Callable[..., Any],
     theirs: Callable[..., Any],
     setup: Callable[[], Any] | None = None,
     runs: int = RUNS,
-) -> tuple[float, float, float, int]:
-    """Median ms of `ours` and of `theirs`, run in adjacent pairs after a warm-up of
-    each; the median of the pairs' ratios (robust to a machine whose load drifts);
-    and the number of backend compiles during the runs of `ours`."""
-    timed(ours, setup)
-    timed(theirs, setup)
-    mine, raw, compiles = [], [], 0
-    for i in range(runs):
-        order = [(ours, mine), (theirs, raw)]
-        for fn, out in order if i % 2 == 0 else order[::-1]:
-            before = len(COMPILES)
-            out.append(timed(fn, setup))
-            if fn is ours:
-                compiles += len(COMPILES) - before
-    ratio = statistics.median(m / r for m, r in zip(mine, raw))
-    return statistics.median(mine), statistics.median(raw), ratio, compiles
+) -> tuple[Times, Times, int]:
+    """The times of `ours` and of `theirs`, interleaved after a warm-up of each,
+    results deleted between runs; and the number of backend compiles during the
+    timed runs of `ours`."""
+    compiles = [0]
+
+    def counted(*args: Any) -> Any:
+        before = len(COMPILES)
+        out = ours(*args)
+        compiles[0] += len(COMPILES) - before
+        return out
+
+    for fn in (ours, theirs):  # warm up
+        delete(once(fn, setup=setup)[1])
+    times = interleaved(
+        {"ours": counted, "theirs": theirs},
+        runs,
+        setup=setup,
+        check=lambda name, out: delete(out),
+        warmup=False,
+    )
+    return times["ours"], times["theirs"], compiles[0]
 
 
 def _status_mib(key: str) -> float:
@@ -268,40 +261,40 @@ def main(n_layers: int) -> int:
     )
     print(
         f"tree: {nbytes(params) / 2**30:.2f} GiB float32, {len(leaves)} leaves, "
-        f"largest leaf {largest:.0f} MiB; times are medians of {RUNS} runs\n"
+        f"largest leaf {largest:.0f} MiB; {RUNS} runs\n"
     )
     rows: list[Row] = []
+    timings: list[tuple[str, Times, Times, str, str]] = []
     compiles = 0
 
     def timing_row(name: str, limit: float, *args: Any) -> None:
         nonlocal compiles
-        ours, raw, ratio, n = compare(*args)
+        ours, raw, n = compare(*args)
         compiles += n
-        rows.append((name, ours, raw, ratio, f"<= {limit}x", ratio <= limit))
+        ok = ours.median <= limit * raw.median
+        timings.append((name, ours, raw, f"<= {limit}x", "pass" if ok else "FAIL"))
 
     def on_mesh() -> Any:  # fresh arrays for each gather: JAX caches host copies
         return jax.block_until_ready(eqshard.shard(params, specs, mesh))
 
     timing_row(
-        "shard vs one device_put [ms]",
+        "shard vs one device_put",
         1.1,
         lambda: eqshard.shard(params, specs, mesh),
         lambda: jax.device_put(leaves, shardings),
     )
-    timing_row(
-        "gather vs device_get [ms]", 1.1, eqshard.gather, jax.device_get, on_mesh
-    )
+    timing_row("gather vs device_get", 1.1, eqshard.gather, jax.device_get, on_mesh)
     before = len(COMPILES)
     shard_fns, gather_fns = eqshard.compat.make_shard_and_gather_fns(specs, mesh)
     compiles += len(COMPILES) - before
     timing_row(
-        "tree_apply(shard_fns) vs shard [ms]",
+        "tree_apply(shard_fns) vs shard",
         1.5,
         lambda: eqshard.tree_apply(shard_fns, params),
         lambda: eqshard.shard(params, specs, mesh),
     )
     timing_row(
-        "tree_apply(gather_fns) vs gather [ms]",
+        "tree_apply(gather_fns) vs gather",
         1.5,
         lambda x: eqshard.tree_apply(gather_fns, x),
         eqshard.gather,
@@ -324,12 +317,19 @@ def main(n_layers: int) -> int:
         }
 
     before = len(COMPILES)
-    ours, raw, ratio, _ = compare(
+    ours, raw, _ = compare(
         lambda: eqshard.shard(small, small_specs, mesh), jit_per_leaf
     )
     jit_compiles = len(COMPILES) - before
-    rows.append(
-        ("shard vs jit per leaf, 200 leaves [ms]", ours, raw, ratio, "< 1x", ratio < 1)
+    ok = ours.median < raw.median
+    timings.append(
+        (
+            "shard vs jit per leaf, 200 leaves",
+            ours,
+            raw,
+            "< 1x",
+            "pass" if ok else "FAIL",
+        )
     )
 
     # peak resident memory above the baseline, a fresh process for each
@@ -370,10 +370,11 @@ def main(n_layers: int) -> int:
         )
     )
 
+    table(timings, unit="ms", theirs="raw JAX", columns=("target", "result"))
+    print()
     print_table(rows)
     print(
-        f"\nratio = median over the runs of eqshard / raw JAX, each pair run back to "
-        f"back.\nThe jit-per-leaf (fjformer) passes compiled {jit_compiles} times "
+        f"\nThe jit-per-leaf (fjformer) passes compiled {jit_compiles} times "
         f"({RUNS + 1} passes of 200 leaves).\nRSS baseline (process and the tree "
         f"on the mesh): {mem['gather']['baseline_mib']:,.0f} MiB; gather target = "
         f"tree ({tree_mib:,.0f} MiB) + largest leaf; iter_gather target = 2 x "
@@ -382,7 +383,8 @@ def main(n_layers: int) -> int:
         f"live.\n"
         f"total time {time.perf_counter() - start:.0f} s"
     )
-    return 0 if all(ok for *_, ok in rows) else 1
+    ok = all(ok for *_, ok in rows) and all(r[-1] == "pass" for r in timings)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

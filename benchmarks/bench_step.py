@@ -16,8 +16,8 @@ abstract arguments (`eqshard.abstract`: nothing is allocated).
    program text and the memory analysis;
 3. the same call again: the cached report (target: no compile).
 
-Rows are interleaved within a run, with the garbage collector run and then
-disabled while timing; XLA compilations are counted with `jax.monitoring`. The
+Rows are interleaved within a run, with the garbage collector fixed
+(`benchmarks/_timing.py`); XLA compilations are counted with `jax.monitoring`. The
 first run checks the report against the raw program: every collective
 instruction (counted by a regex over `as_text()`) is a row, with the same kind
 and bytes. Then a 1,000-leaf model (500 layers of a weight and a bias) laid out
@@ -33,12 +33,10 @@ bytes attributed to a leaf, diff and JSON round trip under 1 s.
 """
 
 import argparse
-import gc
 import math
 import re
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +48,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import optax
+from _timing import once, table, Times
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqshard
@@ -244,15 +243,8 @@ def timed(fn: Callable[[], Any], *, cold: bool) -> tuple[float, int, Any]:
     """Seconds and compilations of one call of `fn`, and its result."""
     if cold:
         jax.clear_caches()
-    gc.collect()
-    gc.disable()
-    try:
-        before = _compiles[0]
-        start = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - start
-    finally:
-        gc.enable()
+    before = _compiles[0]
+    seconds, out = once(fn)
     return seconds, _compiles[0] - before, out
 
 
@@ -338,29 +330,28 @@ def main() -> int:
         f"1024, {n_params / 1e6:.1f}M parameters ({len(report.arguments)} argument "
         f"arrays with the AdamW state); (2, 4) ('fsdp', 'tp') mesh; {args.runs} runs\n"
     )
-    header = f"{'row':<44} {'min s':>8} {'median s':>9} {'/ raw':>7} {'compiles':>9}"
-    print(header)
-    print("-" * len(header))
-    base = statistics.median(raw)
-    table = [
-        ("(1) raw: jit(...).lower().compile()", raw, compiles["raw"]),
-        ("(2) eqshard.analyze_step, cold", ours, compiles["analyze_step"]),
-        ("(3) eqshard.analyze_step, again (cached)", warm, compiles["again"]),
-    ]
-    for name, values, count in table:
-        ratio = statistics.median(values) / base
-        print(
-            f"{name:<44} {min(values):>8.3f} {statistics.median(values):>9.3f} "
-            f"{ratio:>6.2f}x {count:>9}"
-        )
-    for name, values in (
-        ("diff, 1,000 leaves", timings["diff"]),
-        ("to_json + from_json, 1,000 leaves", timings["json"]),
-    ):
-        print(
-            f"{name:<44} {min(values):>8.3f} {statistics.median(values):>9.3f} "
-            f"{'-':>7} {0:>9}"
-        )
+    table(
+        [
+            ("(2) eqshard.analyze_step, cold", Times(tuple(ours)), Times(tuple(raw)))
+            + (compiles["analyze_step"],),
+            (
+                "(3) eqshard.analyze_step, again (cached)",
+                Times(tuple(warm)),
+                Times(tuple(raw)),
+                compiles["again"],
+            ),
+            ("diff, 1,000 leaves", Times(tuple(timings["diff"])), None, 0),
+            (
+                "to_json + from_json, 1,000 leaves",
+                Times(tuple(timings["json"])),
+                None,
+                0,
+            ),
+        ],
+        theirs="raw compile",
+        columns=("compiles",),
+    )
+    print(f"(raw: jit(...).lower().compile() compiled {compiles['raw']} times)")
     share = report.attributed_share
     print(
         f"\ncollectives: {len(report.collectives)} instructions, every one in the "
@@ -371,7 +362,7 @@ def main() -> int:
     print(f"by kind: {report.bytes_by_kind}; by axes: {report.bytes_by_axes}")
     print(f"diff of the 1,000-leaf layouts names: {list(changed)}")
     ok = (
-        statistics.median(ours) <= 1.2 * base
+        statistics.median(ours) <= 1.2 * statistics.median(raw)
         and every
         and share >= 0.9
         and compiles["again"] == 0

@@ -465,6 +465,8 @@ def restricted(
         inner = spec.spec if isinstance(spec, NamedSharding) else spec
         renamed = _renamed(inner, rename)
         fixed, reasons = check_spec(shape, renamed, mesh_shape)
+        if not reasons and not rename:
+            fixed = inner  # unchanged: as it was written
         if reasons:
             changed.append(
                 f"'{path_str(path)}': {inner} -> {fixed}: {'; '.join(reasons)}."

@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._jit import JitFunction
-from ._mesh import current_mesh, mesh_repr, same_mesh
+from ._mesh import find_mesh, mesh_repr, same_mesh
 from ._spec_args import is_partition_rules, resolve_specs
 from ._specs import bad_spec_leaf_message, is_spec_leaf, leaf_specs, named_sharding
 from ._tree import path_str
@@ -83,9 +83,7 @@ class _Specs:
 
     def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:
         """The mesh given, else the one set, else the one the arguments are on."""
-        if self.mesh is not None:
-            return self.mesh
-        found = current_mesh()
+        found = find_mesh(self.mesh)
         if found is not None:
             return found
         meshes: list[Mesh | AbstractMesh] = []

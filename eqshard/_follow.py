@@ -10,7 +10,7 @@ state they make abstractly.
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -86,18 +86,19 @@ class Followed(NamedTuple):
 def followed(
     path: KeyPath,
     shape: tuple[int, ...],
-    shapes: Mapping[KeyPath, tuple[int, ...]],
+    shape_of: Callable[[KeyPath], tuple[int, ...] | None],
     *,
     first: int = 0,
 ) -> Followed | None:
-    """The parameter (in `shapes`, `{path: shape}`) that the leaf at `path` of
+    """The parameter (`shape_of(path)` is its shape, `None` where there is none;
+    for example `shapes.get` of `{path: shape}`) that the leaf at `path` of
     `shape` follows: the one whose path is the longest end of the leaf's path
     (starting at index `first` or later), if its shape is the leaf's or the
     leaf's with one dimension reduced away (Adafactor's factored `v_row`/
     `v_col`). `None` if no parameter's path ends the leaf's."""
     for start in range(first, len(path)):
         key = tuple(path[start:])
-        pshape = shapes.get(key)
+        pshape = shape_of(key)
         if pshape is None:
             continue
         if shape == pshape:
@@ -116,8 +117,12 @@ def follow_spec(
     `by_path`, `{path: (shape, spec)}`) whose path ends the leaf's path: its spec
     for its shape, its spec without the reduced entry for a factored shape. Returns
     `(found, spec)`; `found` is `False` (and `spec` `None`) if no parameter fits."""
-    shapes = {key: pshape for key, (pshape, _) in by_path.items()}
-    found = followed(path, shape, shapes)
+
+    def shape_of(key: KeyPath) -> tuple[int, ...] | None:
+        entry = by_path.get(key)
+        return None if entry is None else entry[0]
+
+    found = followed(path, shape, shape_of)
     if found is None or not found.fits:
         return False, None
     return True, without_dim(by_path[found.path][1], found.dim)

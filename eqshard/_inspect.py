@@ -665,24 +665,32 @@ def analyze_pairs(
         else None
     )
     per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
+    every = 0  # bytes on every device of `mesh`, added to `per_device` at the end
     rows: list[ShardingRow] = []
     problems: list[ShardingProblem] = []
+    dtypes: dict[Any, tuple[int, str]] = {}  # dtype -> (itemsize, name)
+    # (spec, shape) -> what a spec that applies places: (spec, the devices, the
+    # elements of each piece, shards, devices holding one). Trees repeat a few
+    # shapes under a few specs many times over (layers, gradients, moments).
+    placed: dict[Any, tuple[Any, slice | list[int], int, int, int]] = {}
     for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if not is_array(leaf):
             continue
-        shape = tuple(int(n) for n in leaf.shape)
+        shape = tuple(map(int, leaf.shape))
         # NumPy data placed counts as `shard` places it (32-bit without x64).
         dtype = (
             placed_dtype(leaf.dtype)
             if spec is not None and isinstance(leaf, np.ndarray | np.generic)
             else leaf.dtype
         )
-        itemsize = int(dtype.itemsize)
+        known = dtypes.get(dtype)
+        if known is None:
+            known = dtypes[dtype] = (int(dtype.itemsize), str(dtype))
+        itemsize, dtype_name = known
         nbytes = math.prod(shape) * itemsize
         name = path_str(path)
-        dtype = str(dtype)
         if spec is None:
-            rows.append(ShardingRow(name, shape, dtype, None, nbytes, 0, 1, 0))
+            rows.append(ShardingRow(name, shape, dtype_name, None, nbytes, 0, 1, 0))
             continue
         if is_single_device(spec):
             (device,) = spec.device_set
@@ -690,40 +698,64 @@ def analyze_pairs(
                 per_device[index[device.id]] += nbytes
             rows.append(
                 ShardingRow(
-                    name, shape, dtype, None, nbytes, nbytes, 1, 1, single_device=True
+                    name,
+                    shape,
+                    dtype_name,
+                    None,
+                    nbytes,
+                    nbytes,
+                    1,
+                    1,
+                    single_device=True,
                 )
             )
             continue
-        memory_kind = None
-        if isinstance(spec, NamedSharding):
-            devices = _device_rows(spec.mesh, mesh, index, path)
-            memory_kind = spec.memory_kind
+        memory_kind = spec.memory_kind if isinstance(spec, NamedSharding) else None
+        found = placed.get((spec, shape))
+        problem = None
+        if found is None:
+            if isinstance(spec, NamedSharding):
+                devices = _device_rows(spec.mesh, mesh, index, path)
+            else:
+                devices = slice(None)
+            asked, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
+            sizes = dict(leaf_mesh.shape)
+            # `fixed` divides every dimension evenly: every device holds as much.
+            splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
+            piece = math.prod(
+                n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
+            )
+            found = (
+                asked,
+                devices,
+                piece,
+                math.prod(splits),
+                math.prod(leaf_mesh.axis_sizes),
+            )
+            if problem is None:
+                placed[(spec, shape)] = found
+            else:
+                problems.append(problem)
+        asked, devices, piece, shards, holders = found
+        if isinstance(devices, slice):
+            every += piece * itemsize
         else:
-            devices = slice(None)
-        spec, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
-        if problem is not None:
-            problems.append(problem)
-        sizes = dict(leaf_mesh.shape)
-        # `fixed` divides every dimension evenly, so every device holds as much.
-        splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
-        piece = math.prod(
-            n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
-        )
-        per_device[devices] += piece * itemsize
+            per_device[devices] += piece * itemsize
         rows.append(
             ShardingRow(
                 name,
                 shape,
-                dtype,
-                spec,
+                dtype_name,
+                asked,
                 nbytes,
                 piece * itemsize,
-                math.prod(splits),
-                math.prod(leaf_mesh.axis_sizes),
+                shards,
+                holders,
                 problem is None,
                 memory_kind=memory_kind,
             )
         )
+    per_device += every
     if problems and on_invalid == "raise":
         raise ValueError(spec_error_message(caller, problems))
     if problems and on_invalid == "warn":

@@ -9,7 +9,8 @@ budget, and a per-device picture.
 """
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -49,14 +50,32 @@ def _placed(dtype: Any) -> Any:
     return placed_dtype(np.dtype(dtype))
 
 
-def _abstract(leaf: Any, dtype: Any) -> Any:
-    """`leaf` as a `ShapeDtypeStruct` in the dtype it would be placed in: `dtype`
-    if it is a float array and `dtype` is given, else its own."""
-    if not is_array(leaf):
-        return leaf
-    if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.inexact):
-        dtype = leaf.dtype
-    return jax.ShapeDtypeStruct(leaf.shape, _placed(dtype))
+@functools.cache
+def _placed_as(own: Any, dtype: Any) -> Any:
+    """The dtype an array of dtype `own` is placed in when asked for `dtype`:
+    `dtype` for a float array if given, else its own."""
+    if dtype is None or not jnp.issubdtype(own, jnp.inexact):
+        dtype = own
+    return _placed(dtype)
+
+
+def _abstracter() -> Callable[[Any, Any], Any]:
+    """`abstract(leaf, dtype)`: `leaf` as a `ShapeDtypeStruct` in the dtype it
+    would be placed in (`dtype` if it is a float array and `dtype` is given, else
+    its own); one struct for each shape and dtype (a model repeats a few, layer
+    after layer)."""
+    made: dict[tuple[tuple[int, ...], Any], jax.ShapeDtypeStruct] = {}
+
+    def abstract(leaf: Any, dtype: Any) -> Any:
+        if not is_array(leaf):
+            return leaf
+        key = (tuple(leaf.shape), _placed_as(leaf.dtype, dtype))
+        struct = made.get(key)
+        if struct is None:
+            struct = made[key] = jax.ShapeDtypeStruct(*key)
+        return struct
+
+    return abstract
 
 
 def _is_filter_leaf(x: Any) -> bool:
@@ -68,6 +87,8 @@ def _is_filter_leaf(x: Any) -> bool:
 def _trained(trainable: Any, params: PyTree, caller: str) -> list[bool]:
     """For each leaf of `params`, whether it is trained: a floating-point array
     that the filter `trainable` (as `eqx.partition`'s `filter_spec`) selects."""
+    if trainable is True:
+        return [_is_trainable(leaf) for leaf in jtu.tree_leaves(params)]
     pairs = broadcast_prefix(
         trainable, params, is_leaf=_is_filter_leaf, name="trainable", caller=caller
     )
@@ -107,18 +128,19 @@ def _check_optimizer(optimizer: Any, caller: str) -> None:
 
 
 def state_pairs(
-    state: PyTree, param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]]
+    path_leaves: Sequence[tuple[KeyPath, Any]],
+    param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]],
 ) -> list[tuple[KeyPath, Any]]:
-    """A spec for each leaf of an optimizer state, following the parameter it
-    belongs to as [`eqshard.derive_specs`][] does; any other leaf (step counts) is
-    replicated on the parameters' mesh."""
+    """A spec for each leaf of an optimizer state (its `(path, leaf)` pairs),
+    following the parameter it belongs to as [`eqshard.derive_specs`][] does; any
+    other leaf (step counts) is replicated on the parameters' mesh."""
     default: Any = PartitionSpec()
     for _, spec in param_pairs.values():
         if spec is not None:
             default = replicated_like(spec)
             break
     out = []
-    for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+    for path, leaf in path_leaves:
         shape = tuple(getattr(leaf, "shape", ()))
         found, spec = follow_spec(path, shape, param_pairs)
         out.append((path, spec if found else default))
@@ -457,15 +479,21 @@ def plan_training(
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
     trained = _trained(trainable, params, caller)
+    _abstract = _abstracter()
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
     )
     mesh = param_report.mesh
     grad_report = None
-    if gradients:
+    if gradients and grad_dtype is None and trained == list(map(is_array, abstract)):
+        # Every array is trained: its gradient is the parameter's report again.
+        grad_report = param_report
+    elif gradients:
         grads = [
-            _abstract(leaf, grad_dtype) if train else None
+            (leaf if grad_dtype is None else _abstract(leaf, grad_dtype))
+            if train
+            else None
             for leaf, train in zip(abstract, trained, strict=True)
         ]
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
@@ -479,16 +507,21 @@ def plan_training(
                 for leaf, train in zip(abstract, trained, strict=True)
             ],
         )
-        state = jax.eval_shape(optimizer.init, trained_params)
+        state = jtu.tree_flatten_with_path(
+            jax.eval_shape(optimizer.init, trained_params)
+        )[0]
         if state_dtype is not None:
-            state = jtu.tree_map(lambda x: _abstract(x, state_dtype), state)
+            state = [(path, _abstract(x, state_dtype)) for path, x in state]
         by_path = {
             tuple(path): (tuple(leaf.shape), spec)
             for (path, spec), leaf, train in zip(pairs, abstract, trained, strict=True)
             if train
         }
         state_report = analyze_pairs(
-            jtu.tree_leaves(state), state_pairs(state, by_path), mesh, caller=caller
+            [leaf for _, leaf in state],
+            state_pairs(state, by_path),
+            mesh,
+            caller=caller,
         )
     total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
     for report in (param_report, grad_report, state_report):

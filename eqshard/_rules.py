@@ -259,7 +259,7 @@ def _followers(
         for key, (i, shape) in item.items():
             if not shape:
                 continue  # scalars are replicated
-            follow = followed(key, shape, shapes, first=1)
+            follow = followed(key, shape, shapes.get, first=1)
             if follow is None:
                 continue
             index = others[follow.path][0]

@@ -40,9 +40,9 @@ from ._candidates import (
     strategy_rules,
     tensor_pairs,
 )
-from ._inspect import format_bytes
 from ._mesh import require_mesh
 from ._plan import parse_bytes
+from ._report import format_bytes
 from ._rules import match_partition_rules
 from ._search_report import LayoutCandidate, LayoutSearch
 from ._search_step import CALLER, function_name, search_error, Step

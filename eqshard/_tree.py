@@ -58,7 +58,26 @@ def is_array(x: Any) -> bool:
     return found
 
 
+# The names of attribute and sequence keys, which repeat in every layer of a tree
+# (and are equal only to keys of their own type with the same name or index; a
+# `DictKey` can equal another of a different name, `DictKey(1.0) == DictKey(1)`,
+# so those are not kept).
+_KEY_NAMES: dict[Any, str] = {}
+_KEPT = (jtu.GetAttrKey, jtu.SequenceKey)
+
+
 def _key_to_string(key: Any) -> str:
+    if type(key) not in _KEPT:
+        return _key_name(key)  # (keys of user-registered nodes may not hash)
+    name = _KEY_NAMES.get(key)
+    if name is None:
+        name = _key_name(key)
+        if len(_KEY_NAMES) < 2**16:
+            _KEY_NAMES[key] = name
+    return name
+
+
+def _key_name(key: Any) -> str:
     if isinstance(key, jtu.DictKey):
         return str(key.key)
     if isinstance(key, jtu.SequenceKey):

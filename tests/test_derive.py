@@ -299,6 +299,13 @@ def test_restrict_specs_renames_without_report():
     assert out == {"w": P("fsdp"), "b": P(None, "fsdp"), "n": None}
 
 
+def test_restrict_specs_returns_a_spec_that_fits_as_written(mesh):
+    # Printed as the user wrote it, not re-spelt: P('tp', None) stays so.
+    like = {"w": jnp.zeros((8, 4))}
+    out = eqshard.restrict_specs({"w": P("tp", None)}, mesh, like=like)
+    assert repr(out["w"]) == repr(P("tp", None))
+
+
 def test_restrict_specs_warns_naming_dropped_axes(mesh):
     specs = {"layers": [{"w": P("dp", "tp")}], "b": P("tp")}
     with pytest.warns(UserWarning, match=r"'layers/0/w': .*'tp' is not a mesh axis"):

@@ -706,6 +706,7 @@ def _child_save_safetensors(directory):
     import os
     import struct
 
+    import safetensors.numpy
     from jax.experimental import multihost_utils
     from probes import file_size_limit
 
@@ -762,6 +763,16 @@ def _child_save_safetensors(directory):
     eqshard.save_safetensors(path, placed, timeout=60)
     out["again"] = read() == saved
     out["bad_timeout"] = _error(eqshard.save_safetensors, path, placed, timeout=-1)
+    # An int64 tensor whose rows 4-7, read by process 1 only (the 'dp' half of its
+    # devices), do not fit int32 with x64 off: process 1 refuses, and process 0,
+    # whose rows fit, must not go on with an array that is half read.
+    wide = os.path.join(directory, "wide.safetensors")
+    if p == 0:
+        big = np.arange(8, dtype=np.int64) + np.where(np.arange(8) < 4, 0, 2**40)
+        safetensors.numpy.save_file({"n": big}, wide)
+    sync("wide")
+    like = {"n": jax.ShapeDtypeStruct((8,), np.int32)}
+    out["lossy"] = _error(eqshard.load_safetensors, wide, like, P("dp"), mesh)
     return out
 
 
@@ -780,6 +791,16 @@ def test_save_safetensors_alone_or_failing_raises_everywhere(tmp_path):
             assert r[f"files after {step}"] == ["m.safetensors"], (p, step)
         assert r["intact"] and r["again"]
         assert r["bad_timeout"].startswith("eqshard.save_safetensors: timeout must")
+        # Both raise: process 1 its own refusal, process 0 quoting it.
+        said = (
+            ""
+            if p
+            else "process 1 failed, so the safetensors files are not loaded "
+            "on any process. It said: "
+        )
+        assert r["lossy"] is not None, f"process {p} returned a half-read array"
+        assert r["lossy"].startswith(f"eqshard.load_safetensors: {said}"), r["lossy"]
+        assert "'n'" in r["lossy"] and "int32" in r["lossy"], r["lossy"]
         # Process 0's own error; process 1 quotes it as process 0's.
         quoted = "process 0 failed, so {!r} is not written on any process. It said: "
         missing = str(tmp_path / "no" / "m.safetensors")

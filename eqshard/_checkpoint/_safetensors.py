@@ -129,84 +129,18 @@ def _load(
     return array, lost
 
 
-@typecheck
-def load_safetensors(
+def _load_tree(
     files: str | os.PathLike | Sequence[str | os.PathLike],
     like: PyTree,
-    specs: PyTree = None,
-    mesh: Mesh | AbstractMesh | None = None,
-    *,
-    sep: str = ".",
-    rename: Callable[[str], str | None] | None = None,
-    dtype: Any = None,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    sep: str,
+    rename: Callable[[str], str | None] | None,
+    dtype: Any,
+    caller: str,
 ) -> PyTree:
-    """Loads safetensors files into a pytree, each device's shard read by slice.
-
-    The arrays of `like` are named by their paths joined by `sep`
-    (`layers.0.attn.q.weight`), and each tensor of the files goes to the array of
-    its name (after `rename`). Before any data is read, every tensor missing,
-    extra, or of another shape or dtype is reported together. Each array is then
-    built shard by shard: every device's block is read from the memory-mapped
-    file by slice and placed, so the host holds at most one array's shards at a
-    time, never a whole file. Everything that is not an array comes from `like`.
-
-    What is read: safetensors files only, each header checked against its file
-    before any data is read. An index may name only `.safetensors` files in its
-    own directory, links followed first (or in the directory the index's own link
-    resolves into, as in the Hugging Face cache): `../x.safetensors`, absolute
-    paths, links out of the directory and an index named in an index are
-    refused. Nothing is ever unpickled: `.bin` and `.pt` files are not read.
-
-    In a multi-process run, every process makes the same call (the files on a
-    file system all of them see), and reads only the shards its devices hold.
-
-    **Arguments:**
-
-    - `files`: a `.safetensors` file, a sequence of them, or a Hugging Face
-      `model.safetensors.index.json` (its files are found next to it).
-    - `like`: a tree of the structure to load into, concrete or abstract (an
-      `eqx.filter_eval_shape` skeleton is enough).
-    - `specs`, `mesh`: where to put the arrays, as for [`eqshard.restore`][]
-      (`None`: `like`'s own shardings).
-    - `sep`: the separator that joins a path into a tensor name.
-    - `rename`: a function from a tensor name in the files to the name of
-      `like`'s array (for prefixes such as `"model."` and other naming
-      differences), or to `None` to skip the tensor (such as a tied head).
-    - `dtype`: if given, floating arrays are cast to it as they are read: a
-      floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
-      As there, a cast may round, but values that would become inf or nan (or,
-      with `jax_enable_x64` off, 64-bit values that do not fit 32 bits) are
-      refused.
-
-    **Returns:**
-
-    A tree of the structure of `like`, with the tensors on their shardings.
-
-    **Raises:**
-
-    - `ValueError` naming every tensor missing, extra, or of another shape or
-      dtype (without a cast) than `like`'s array, with both names; two tensors
-      of one name; a file that is not there, or truncated or damaged (naming it,
-      and the tensor where that can be told); an index that is malformed, or
-      names a file outside its directory or not `.safetensors` (naming the
-      entry and the file); or, as [`eqshard.shard`][], specs that do not fit, or
-      arrays whose values would be lost.
-    - `TypeError` naming a tensor of a dtype eqshard cannot read (safetensors'
-      packed F4 and F6).
-    - `ImportError` if safetensors is not installed
-      (`pip install "eqshard[safetensors]"`).
-
-    !!! Example
-
-        ```python
-        like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
-        model = eqshard.load_safetensors(
-            "model.safetensors.index.json", like, specs, mesh,
-            rename=lambda name: name.removeprefix("model."),
-        )
-        ```
-    """
-    caller = "load_safetensors"
+    """`load_safetensors` on this process (steps 1 to 4 of the module's
+    docstring)."""
     safetensors = import_optional("safetensors", "safetensors", caller)
     named = named_arrays(like, caller, sep)
     leaves, treedef = jtu.tree_flatten(like)
@@ -273,6 +207,110 @@ def load_safetensors(
     if losses:
         raise loss_error(caller, losses)
     return jtu.tree_unflatten(treedef, out)
+
+
+@typecheck
+def load_safetensors(
+    files: str | os.PathLike | Sequence[str | os.PathLike],
+    like: PyTree,
+    specs: PyTree = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    sep: str = ".",
+    rename: Callable[[str], str | None] | None = None,
+    dtype: Any = None,
+    timeout: float | int = 300.0,
+) -> PyTree:
+    """Loads safetensors files into a pytree, each device's shard read by slice.
+
+    The arrays of `like` are named by their paths joined by `sep`
+    (`layers.0.attn.q.weight`), and each tensor of the files goes to the array of
+    its name (after `rename`). Before any data is read, every tensor missing,
+    extra, or of another shape or dtype is reported together. Each array is then
+    built shard by shard: every device's block is read from the memory-mapped
+    file by slice and placed, so the host holds at most one array's shards at a
+    time, never a whole file. Everything that is not an array comes from `like`.
+
+    What is read: safetensors files only, each header checked against its file
+    before any data is read. An index may name only `.safetensors` files in its
+    own directory, links followed first (or in the directory the index's own link
+    resolves into, as in the Hugging Face cache): `../x.safetensors`, absolute
+    paths, links out of the directory and an index named in an index are
+    refused. Nothing is ever unpickled: `.bin` and `.pt` files are not read.
+
+    In a multi-process run, every process makes the same call (the files on a
+    file system all of them see), and reads only the shards its devices hold.
+    The processes meet when they are done: if one failed (its blocks' values
+    would be lost, say, where the others' are not), or does not make the call
+    within `timeout` seconds, all of them raise, so that none goes on with
+    arrays whose other shards were never read.
+
+    **Arguments:**
+
+    - `files`: a `.safetensors` file, a sequence of them, or a Hugging Face
+      `model.safetensors.index.json` (its files are found next to it).
+    - `like`: a tree of the structure to load into, concrete or abstract (an
+      `eqx.filter_eval_shape` skeleton is enough).
+    - `specs`, `mesh`: where to put the arrays, as for [`eqshard.restore`][]
+      (`None`: `like`'s own shardings).
+    - `sep`: the separator that joins a path into a tensor name.
+    - `rename`: a function from a tensor name in the files to the name of
+      `like`'s array (for prefixes such as `"model."` and other naming
+      differences), or to `None` to skip the tensor (such as a tied head).
+    - `dtype`: if given, floating arrays are cast to it as they are read: a
+      floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
+      As there, a cast may round, but values that would become inf or nan (or,
+      with `jax_enable_x64` off, 64-bit values that do not fit 32 bits) are
+      refused.
+    - `timeout`: in a multi-process run, how many seconds each process waits
+      for the others when it is done reading.
+
+    **Returns:**
+
+    A tree of the structure of `like`, with the tensors on their shardings.
+
+    **Raises:**
+
+    - `ValueError` naming every tensor missing, extra, or of another shape or
+      dtype (without a cast) than `like`'s array, with both names; two tensors
+      of one name; a file that is not there, or truncated or damaged (naming it,
+      and the tensor where that can be told); an index that is malformed, or
+      names a file outside its directory or not `.safetensors` (naming the
+      entry and the file); or, as [`eqshard.shard`][], specs that do not fit, or
+      arrays whose values would be lost; and in a multi-process run, if another
+      process failed, or did not make the call within `timeout` seconds.
+    - `TypeError` naming a tensor of a dtype eqshard cannot read (safetensors'
+      packed F4 and F6).
+    - `ImportError` if safetensors is not installed
+      (`pip install "eqshard[safetensors]"`).
+
+    !!! Example
+
+        ```python
+        like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+        model = eqshard.load_safetensors(
+            "model.safetensors.index.json", like, specs, mesh,
+            rename=lambda name: name.removeprefix("model."),
+        )
+        ```
+    """
+    caller = "load_safetensors"
+    check_timeout(caller, timeout)
+    failure: Exception | None = None
+    loaded = None
+    try:
+        loaded = _load_tree(files, like, specs, mesh, sep, rename, dtype, caller)
+    except Exception as error:  # raised on every process, by `fail_together`
+        failure = error
+    fail_together(
+        caller,
+        failure,
+        timeout,
+        cannot="the safetensors files are not loaded",
+        rule="Every process must make the same `load_safetensors` call at the same "
+        "point",
+    )
+    return loaded
 
 
 def _write(

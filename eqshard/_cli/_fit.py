@@ -374,6 +374,21 @@ def _print_plan(plan: eqshard.TrainingPlan) -> None:
         print(plan.table())
 
 
+def save_rules(path: str | None, text: str) -> None:
+    """Writes `--save-rules`' file, if asked for, and says so."""
+    if path is None:
+        return
+    try:
+        with open(path, "w") as file:
+            file.write(text)
+    except OSError as error:
+        raise UsageError(
+            f"--save-rules {path}: cannot write the file ({error.strerror or error})"
+        ) from None
+    print(f"saved to {path}")
+    print()
+
+
 def training_memory(
     shapes: PyTree, specs: PyTree, setup: Setup, options: PlanOptions
 ) -> int:
@@ -414,17 +429,7 @@ def training_memory(
             "a smaller --param-dtype / --state-dtype. The closest rules:"
         )
     print(text)
-    if options.save_rules is not None:
-        try:
-            with open(options.save_rules, "w") as file:
-                file.write(text)
-        except OSError as error:
-            raise UsageError(
-                f"--save-rules {options.save_rules}: cannot write the file "
-                f"({error.strerror or error})"
-            ) from None
-        print(f"saved to {options.save_rules}")
-        print()
+    save_rules(options.save_rules, text)
     _print_plan(plan)
     return 0 if plan.fits else 1
 

@@ -27,10 +27,18 @@ from jaxtyping import PyTree
 
 import eqshard
 
-from .._inspect import format_bytes
+from .._report import format_bytes
 from .._tree import is_array
 from ._demo import timed
-from ._fit import data_axes, import_target, PlanOptions, PROG, Setup, UsageError
+from ._fit import (
+    data_axes,
+    import_target,
+    PlanOptions,
+    PROG,
+    save_rules,
+    Setup,
+    UsageError,
+)
 
 
 def load_step(text: str) -> tuple[Any, Any, PyTree]:
@@ -150,17 +158,7 @@ def _show_search(
         "made by eqshard.search_layout", f"made by `{PROG} --fit`"
     )
     print(text)
-    if options.save_rules is not None:
-        try:
-            with open(options.save_rules, "w") as file:
-                file.write(text)
-        except OSError as error:
-            raise UsageError(
-                f"--save-rules {options.save_rules}: cannot write the file "
-                f"({error.strerror or error})"
-            ) from None
-        print(f"saved to {options.save_rules}")
-        print()
+    save_rules(options.save_rules, text)
     print(f"step report of {chosen.name}:")
     print(chosen.report.table())
     return 0 if best is not None else 1
