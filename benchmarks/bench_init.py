@@ -18,9 +18,10 @@ biases and norms are small. Four ways to get it onto the mesh:
 
 The raw rows get their `NamedSharding` tree and (2) its spec tree ready-made (as
 if written by hand); `init_sharded` matches the rules inside the timing. Each run
-times every row cold (`jax.clear_caches()` and `eqshard.clear_init_cache()` first: a model is made once, so
-compilation counts), then warm (the same call again), with the garbage collector
-run and then disabled while timing; rows are interleaved within a run. XLA
+times every row cold (`jax.clear_caches()` and `eqshard.clear_init_cache()`
+first: a model is made once, so compilation counts), then warm (the same call
+again), with the garbage collector run and then disabled while timing
+(`_timing.once`); rows are interleaved within a run. XLA
 compilations are counted with `jax.monitoring`. The first run checks that all
 four give the same values bit for bit, the same shardings and the same tree.
 
