@@ -464,6 +464,68 @@ _NOT_RUN = {
 }
 
 
+class _Keyer:
+    """The parts of `_program_key`: each value, parameter and jaxpr's key, and the
+    objects keyed by identity (`keep`). A class rather than closures, which would
+    refer to each other in a cycle holding `keep`'s arrays until the next garbage
+    collection."""
+
+    def __init__(self) -> None:
+        self.keep: list[Any] = []
+        self.seen: dict[int, Hashable] = {}
+
+    def value_key(self, value: Any) -> Hashable:
+        if isinstance(value, jax.Array):
+            self.keep.append(value)
+            return ("array", id(value))
+        if isinstance(value, np.ndarray | np.generic):
+            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+            return ("numpy", value.dtype.str, value.shape, digest)
+        return self.param_key(value)
+
+    def param_key(self, value: Any) -> Hashable:
+        if isinstance(value, ClosedJaxpr):
+            return (
+                self.jaxpr_key(value.jaxpr),
+                tuple(map(self.value_key, value.consts)),
+            )
+        if isinstance(value, Jaxpr):
+            return self.jaxpr_key(value)
+        if isinstance(value, tuple | list):
+            return (type(value).__name__, tuple(map(self.param_key, value)))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, self.param_key(v)) for k, v in value.items()))
+        try:
+            hash(value)
+        except TypeError:
+            self.keep.append(value)
+            return ("object", id(value))
+        return value
+
+    def jaxpr_key(self, jaxpr: Jaxpr) -> Hashable:
+        if id(jaxpr) not in self.seen:
+            self.seen[id(jaxpr)] = tuple(
+                (
+                    tuple(
+                        self.value_key(var.val)
+                        for var in eqn.invars
+                        if isinstance(var, Literal)
+                    ),
+                    tuple(
+                        (name, self.param_key(value))
+                        for name, value in eqn.params.items()
+                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
+                    ),
+                )
+                for eqn in jaxpr.eqns
+            ) + tuple(
+                self.value_key(var.val)
+                for var in jaxpr.outvars
+                if isinstance(var, Literal)
+            )
+        return self.seen[id(jaxpr)]
+
+
 def _program_key(
     closed: ClosedJaxpr, shardings: list[Any]
 ) -> tuple[Hashable, list[Any]]:
@@ -478,67 +540,19 @@ def _program_key(
     The top-level NumPy constants are inputs of the kept program, so only their
     types (in the text) are part of the key; its JAX array constants are keyed
     by identity."""
-    keep: list[Any] = []
-    seen: dict[int, Hashable] = {}
-
-    def value_key(value: Any) -> Hashable:
-        if isinstance(value, jax.Array):
-            keep.append(value)
-            return ("array", id(value))
-        if isinstance(value, np.ndarray | np.generic):
-            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-            return ("numpy", value.dtype.str, value.shape, digest)
-        return param_key(value)
-
-    def param_key(value: Any) -> Hashable:
-        if isinstance(value, ClosedJaxpr):
-            return (jaxpr_key(value.jaxpr), tuple(map(value_key, value.consts)))
-        if isinstance(value, Jaxpr):
-            return jaxpr_key(value)
-        if isinstance(value, tuple | list):
-            return (type(value).__name__, tuple(map(param_key, value)))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, param_key(v)) for k, v in value.items()))
-        try:
-            hash(value)
-        except TypeError:
-            keep.append(value)
-            return ("object", id(value))
-        return value
-
-    def jaxpr_key(jaxpr: Jaxpr) -> Hashable:
-        if id(jaxpr) not in seen:
-            seen[id(jaxpr)] = tuple(
-                (
-                    tuple(
-                        value_key(var.val)
-                        for var in eqn.invars
-                        if isinstance(var, Literal)
-                    ),
-                    tuple(
-                        (name, param_key(value))
-                        for name, value in eqn.params.items()
-                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
-                    ),
-                )
-                for eqn in jaxpr.eqns
-            ) + tuple(
-                value_key(var.val) for var in jaxpr.outvars if isinstance(var, Literal)
-            )
-        return seen[id(jaxpr)]
-
+    keeper = _Keyer()
     # JAX's configuration can change how the same jaxpr is lowered (e.g.
     # `jax_threefry_partitionable`), and lowering is cached per nested jaxpr.
     config = tuple(sorted((name, repr(v)) for name, v in jax.config.values.items()))
-    consts = tuple(None if _is_fed(c) else value_key(c) for c in closed.consts)
+    consts = tuple(None if _is_fed(c) else keeper.value_key(c) for c in closed.consts)
     key = (
         str(closed.jaxpr),
-        jaxpr_key(closed.jaxpr),
+        keeper.jaxpr_key(closed.jaxpr),
         consts,
         tuple(shardings),
         config,
     )
-    return key, keep
+    return key, keeper.keep
 
 
 @typecheck

@@ -257,6 +257,8 @@ def plan(
         key_outputs.update((v, None) for v in fed if v not in sources)
 
     pieces = list(distinct.values())
+    if not pieces:  # nothing to build
+        return None
     uses = [len(piece[3]) for piece in pieces]
     rounds = min(range(1, max(uses) + 1), key=lambda r: _cost(uses, r))
     if rounds == 1:
