@@ -18,9 +18,10 @@ biases and norms are small. Four ways to get it onto the mesh:
 
 The raw rows get their `NamedSharding` tree and (2) its spec tree ready-made (as
 if written by hand); `init_sharded` matches the rules inside the timing. Each run
-times every row cold (`jax.clear_caches()` first: a model is made once, so
-compilation counts), then warm (the same call again), with the garbage collector
-run and then disabled while timing; rows are interleaved within a run. XLA
+times every row cold (`jax.clear_caches()` and `eqshard.clear_init_cache()`
+first: a model is made once, so compilation counts), then warm (the same call
+again), with the garbage collector run and then disabled while timing
+(`_timing.once`); rows are interleaved within a run. XLA
 compilations are counted with `jax.monitoring`. The first run checks that all
 four give the same values bit for bit, the same shardings and the same tree.
 
@@ -34,11 +35,24 @@ temporaries (one array's random bits at a time) are not counted.
 
     python benchmarks/bench_init.py             # 512 MiB, 3 runs, ~4 minutes
     python benchmarks/bench_init.py --mib 64 --runs 5
+
+`--depths 1,6,12,24,48` instead times how the cold build grows with the number
+of blocks (width 512, 8 heads, a 4,096-token vocabulary: 12 blocks are 160 MiB),
+each route once per fresh process (the time from the call to the arrays being
+ready, the garbage collector run then disabled; importing and making the mesh
+are not counted), round-robin over the
+routes and depths for `--runs` rounds: (2) eager + `eqshard.shard`, (3)
+`init_sharded` and (4) one `jax.jit` with `out_shardings`, with the ratios of
+the medians to (2).
+
+    python benchmarks/bench_init.py --depths 1,6,12,24,48 --runs 5
 """
 
 import argparse
 import collections
+import os
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -51,11 +65,35 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
-from bench_device_resident import MiB, timed  # cold/warm timing, compile count
+from _timing import once
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from models import config_for_size, RULES, Transformer
+from models import Config, config_for_size, RULES, Transformer
 
 import eqshard
+
+
+MiB = 1 << 20
+_compiles = [0]
+
+
+def _count_compiles(event: str, duration: float, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def timed(fn: Callable[[], Any], *, cold: bool = True) -> tuple[float, int, Any]:
+    """Seconds and compilations of one call of `fn` (`_timing.once`), and its
+    result; cold (JAX's caches and `init_sharded`'s cleared first) unless
+    `cold=False`."""
+    if cold:
+        jax.clear_caches()
+        eqshard.clear_init_cache()
+    before = _compiles[0]
+    seconds, out = once(fn)
+    return seconds, _compiles[0] - before, out
 
 
 def per_device_bytes(*trees: Any) -> dict[Any, int]:
@@ -86,11 +124,105 @@ def check(out: Any, want: Any) -> None:
             assert a == b, (a, b)
 
 
+DEPTH_ROUTES = ("eager + shard", "init_sharded", "jit(out_shardings)")
+
+
+def one_cold_build(route: str, layers: int) -> float:
+    """Seconds of one build of a `layers`-block model by `route`, in this (fresh)
+    process."""
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    config = Config(vocab=4096, dim=512, heads=8, layers=layers)
+    key = jax.random.key(0)
+    if route == "eager + shard":
+        specs = eqshard.match_partition_rules(
+            RULES, eqx.filter_eval_shape(Transformer, config, key=key)
+        )
+
+        def build() -> Any:
+            return eqshard.shard(Transformer(config, key=key), specs, mesh)
+
+    elif route == "init_sharded":
+
+        def build() -> Any:
+            return eqshard.init_sharded(
+                Transformer, config, key=key, specs=RULES, mesh=mesh
+            )
+
+    else:
+        shapes = eqx.filter_eval_shape(Transformer, config, key=key)
+        arrays, static = eqx.partition(shapes, eqx.is_array)
+        shardings = jtu.tree_map(
+            lambda spec: NamedSharding(mesh, spec),
+            eqshard.match_partition_rules(RULES, arrays),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        jitted = jax.jit(
+            lambda key: eqx.filter(Transformer(config, key=key), eqx.is_array),
+            out_shardings=shardings,
+        )
+
+        def build() -> Any:
+            return eqx.combine(jitted(key), static)
+
+    return once(build)[0]
+
+
+def depths_table(depths: list[int], runs: int) -> None:
+    """Cold times by depth, each in a fresh process (see the module's docstring)."""
+    seconds: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for _ in range(runs):
+        for layers in depths:
+            for route in DEPTH_ROUTES:
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        route,
+                        "--layers",
+                        str(layers),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
+                seconds[route, layers].append(float(out.stdout.split()[-1]))
+    print(
+        f"cold build, fresh process per build, {runs} runs (min / median s); ratio "
+        "= median of (2) eager + shard / median of this\n"
+    )
+    header = f"{'blocks':>6} {'MiB':>5}" + "".join(
+        f" {route + ' min/med s':>30} {'ratio':>6}" for route in DEPTH_ROUTES
+    )
+    print(header)
+    print("-" * len(header))
+    for layers in depths:
+        config = Config(vocab=4096, dim=512, heads=8, layers=layers)
+        base = statistics.median(seconds[DEPTH_ROUTES[0], layers])
+        row = f"{layers:>6} {config.parameters * 4 / MiB:>5.0f}"
+        for route in DEPTH_ROUTES:
+            times = seconds[route, layers]
+            median = statistics.median(times)
+            row += f" {min(times):>14.2f} {median:>15.2f} {base / median:>5.2f}x"
+        print(row)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=512, help="model size, float32")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--depths", help="comma-separated block counts")
+    parser.add_argument("--child", choices=DEPTH_ROUTES, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        print(one_cold_build(args.child, args.layers))
+        return 0
+    if args.depths is not None:
+        depths_table([int(depth) for depth in args.depths.split(",")], args.runs)
+        return 0
 
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
     config = config_for_size(args.mib * MiB // 4, mesh)

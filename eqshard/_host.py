@@ -33,7 +33,8 @@ cast with `dtype=` are checked alike: on CPU block by block as they are copied
 `_resident.py`). `load_safetensors` converts each block it reads with
 `converted`, and adds up what the blocks lost (`Lost`, `more_lost`); `restore`
 checks the arrays orbax read shard by shard (see `_checkpoint/`), with the same
-records and messages.
+records and messages; `init_sharded` converts the NumPy data among its arguments
+and checks what its function reads (`_init._narrowed`).
 """
 
 import functools as ft
@@ -310,10 +311,14 @@ def host_ready(
 
 
 def loss_error(
-    caller: str, found: Sequence[tuple[KeyPath, np.dtype, np.dtype, str, bool]]
+    caller: str,
+    found: Sequence[tuple[KeyPath, np.dtype, np.dtype, str, bool]],
+    *,
+    fix: str | None = None,
 ) -> ValueError:
     """The message for arrays whose conversion would lose values: `found` holds
-    `(path, source, target, what was lost, asked)` for each."""
+    `(path, source, target, what was lost, asked)` for each; `fix` replaces the
+    fix for arrays that JAX narrows, where the caller has no `dtype=`."""
     lines = [
         f"'{path_str(path)}' ({source}; "
         f"{'`dtype=` casts it' if asked else 'JAX narrows it'} to {target}): {what}."
@@ -322,7 +327,8 @@ def loss_error(
     fixes = []
     if any(not asked for *_, asked in found):
         fixes.append(
-            "64-bit arrays are narrowed to 32 bits while `jax_enable_x64` is off: "
+            fix
+            or "64-bit arrays are narrowed to 32 bits while `jax_enable_x64` is off: "
             "enable it first (`jax.config.update('jax_enable_x64', True)`), or "
             "convert these arrays yourself to a dtype that holds their values "
             "(floating ones with `dtype=`)."

@@ -5,7 +5,11 @@ model: the shapes the specs are resolved and checked against, and everything tha
 is not an array (static fields, callables, Python scalars) as `fn` made it. The
 program then runs under `jax.jit` with `out_shardings`, so that each device
 computes only its own shards of every array; only arrays leave it, and they are
-put back into the abstract model.
+put back into the abstract model. Where pieces of the program repeat (the blocks
+of a list), it runs in pieces instead, each distinct piece compiled once
+(`_init_pieces.py`). NumPy data among the arguments, or read by `fn`, is checked
+first as `shard` checks host data (`_narrowed`): JAX would narrow it to 32 bits
+while tracing, out of sight.
 
 The compiled program is kept (`_PROGRAMS`) under what was traced: the jaxpr with
 every parameter and nested constant, the shardings and JAX's configuration. The
@@ -31,6 +35,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._derive import abstract_tree, restricted
+from ._host import converted, loss_error, lost_text
+from ._init_pieces import Plan, plan
 from ._mesh import concrete_mesh, find_mesh
 from ._programs import Programs
 from ._spec_args import resolve_specs
@@ -41,7 +47,7 @@ from ._specs import (
     leaf_specs,
 )
 from ._tree import is_array, path_str, paths_text
-from ._typing import typecheck
+from ._typing import KeyPath, typecheck
 
 
 _CALLER = "init_sharded"
@@ -138,15 +144,24 @@ def sharded_init(
     specs: Any,
     mesh: Mesh | AbstractMesh | None,
     caller: str = _CALLER,
-) -> tuple[Any, tuple[Any, ...], PyTree, Callable[[Sequence[jax.Array]], PyTree]]:
-    """The pieces of [`eqshard.init_sharded`][]: `(jitted, inputs, shapes,
+) -> tuple[
+    Callable[..., list[jax.Array]],
+    Any,
+    tuple[Any, ...],
+    PyTree,
+    Callable[[Sequence[jax.Array]], PyTree],
+]:
+    """The parts of [`eqshard.init_sharded`][]: `(run, jitted, inputs, shapes,
     assemble)`.
 
-    `jitted(*inputs)` returns the model's arrays in their shardings, as a flat
-    list (its `.lower(*inputs)` is the program, for memory analysis);
+    `run(*inputs)` returns the model's arrays in their shardings, as a flat list,
+    from the program in pieces where pieces repeat (see `_init_pieces.py`);
+    `jitted(*inputs)` returns them from the whole program (its `.lower(*inputs)`
+    is the program, for memory analysis);
     `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
     every array's `NamedSharding`."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
+    args, kwargs = _narrowed(fn, args, kwargs, caller=caller)
     closed, dynamic, shapes, outputs = _trace(fn, args, kwargs)
     spec_tree = resolve_specs(specs, shapes, caller=caller, mesh=mesh)
     # Built arrays need a layout: no `P.UNCONSTRAINED`, as for `shard`.
@@ -213,8 +228,141 @@ def sharded_init(
         model = [next(built) if out else leaf for leaf, out in zip(leaves, outputs)]
         return jtu.tree_unflatten(treedef, model)
 
-    program, consts = _program(closed, shardings)
-    return program, (consts, dynamic), shapes, assemble
+    program, plan, consts = _program(closed, shardings)
+    run = program if plan is None else plan.run
+    return run, program, (consts, dynamic), shapes, assemble
+
+
+def _narrowed(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    caller: str,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with their NumPy data as JAX takes it (`_host.converted`:
+    64-bit narrowed to 32 bits while `jax_enable_x64` is off), after checking
+    that this loses no value, there and in the NumPy data `fn` closes over (which
+    JAX narrows while tracing, out of sight). Data that would change (an int64
+    beyond int32, a float64 becoming inf) is refused, naming where it is, as
+    `shard` refuses it."""
+    lost: list[tuple[KeyPath, np.dtype, np.dtype, str, bool]] = []
+
+    def checked(root: str, tree: Any) -> Any:
+        leaves, treedef = jtu.tree_flatten_with_path(tree)
+        out = []
+        for path, leaf in leaves:
+            if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "biufc":
+                value, loss = converted(np.asarray(leaf), None)
+                if loss is not None:
+                    where = (jtu.GetAttrKey(root), *path)
+                    lost.append(
+                        (where, leaf.dtype, value.dtype, lost_text(loss), False)
+                    )
+                elif value.dtype != leaf.dtype:
+                    leaf = value[()] if isinstance(leaf, np.generic) else value
+            out.append(leaf)
+        return jtu.tree_unflatten(treedef, out)
+
+    args = tuple(checked(f"args[{n}]", arg) for n, arg in enumerate(args))
+    kwargs = {name: checked(name, value) for name, value in kwargs.items()}
+    for name, value in _closed_over(fn):
+        checked(name, value)
+    if lost:
+        raise loss_error(caller, lost, fix=_NARROWED_FIX)
+    return args, kwargs
+
+
+_NARROWED_FIX = (
+    "64-bit NumPy data is narrowed to 32 bits while `jax_enable_x64` is off: "
+    "enable it first (`jax.config.update('jax_enable_x64', True)`), or give `fn` "
+    "this data in a dtype that holds its values (float32 for floats up to 3.4e38)."
+)
+
+# Modules whose functions are not searched for the NumPy data they close over.
+_LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "eqshard", "optax", "builtins")
+
+
+def _closed_over(fn: Any) -> list[tuple[str, Any]]:
+    """What `fn` reads besides its arguments, by name: its closure's variables, the
+    globals its code names, default values, a `functools.partial`'s arguments,
+    a bound method's object; and so on through the functions and classes found
+    there (not those of JAX, NumPy, Equinox or eqshard). Values are given whole
+    (a list of arrays is one value)."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    todo: list[Any] = [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        module = getattr(obj, "__module__", None) or ""
+        if module.split(".")[0] in _LIBRARIES:
+            continue
+        values: list[tuple[str, Any]] = []
+        if isinstance(obj, ft.partial):
+            values += [
+                (f"argument {n} bound to {_name(obj.func)}", v)
+                for n, v in enumerate(obj.args)
+            ]
+            values += [
+                (f"{name} bound to {_name(obj.func)}", v)
+                for name, v in obj.keywords.items()
+            ]
+            todo.append(obj.func)
+        elif inspect.ismethod(obj):
+            values.append((f"self of {_name(obj)}", obj.__self__))
+            todo.append(obj.__func__)
+        elif inspect.isclass(obj):
+            todo.extend(v for v in vars(obj).values() if inspect.isfunction(v))
+        elif inspect.isfunction(obj):
+            code = obj.__code__
+            cells = obj.__closure__ or ()
+            read = f"read by {obj.__qualname__}"
+            values += [
+                (f"{name} ({read})", cell.cell_contents)
+                for name, cell in zip(code.co_freevars, cells, strict=True)
+                if _filled(cell)
+            ]
+            values += [
+                (f"{name} ({read})", obj.__globals__[name])
+                for name in _names(code)
+                if name in obj.__globals__
+            ]
+            defaults = [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+            values += [(f"a default of {obj.__qualname__}", v) for v in defaults]
+        for name, value in values:
+            if (
+                inspect.isfunction(value)
+                or inspect.isclass(value)
+                or isinstance(value, ft.partial)
+            ):
+                todo.append(value)
+            elif not inspect.ismodule(value):
+                found.append((name, value))
+    return found
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a variable not assigned yet
+        return False
+    return True
+
+
+def _names(code: Any) -> set[str]:
+    """The global names that `code` and the code nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
 
 
 def _trace(
@@ -253,11 +401,14 @@ def _is_fed(const: Any) -> bool:
     return isinstance(const, np.ndarray | np.generic)
 
 
-def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]:
+def _program(
+    closed: ClosedJaxpr, shardings: list[Any]
+) -> tuple[Any, Plan | None, list[Any]]:
     """The `jax.jit` that runs `closed` and puts its outputs, a flat list, in
-    `shardings`, and the constants to give it: `jitted(consts, arrays)` with the
-    arrays among the arguments. The model's structure is not part of it, as that
-    holds the static fields of this call.
+    `shardings`, the same in pieces if pieces of it repeat (`_init_pieces.plan`,
+    else `None`), and the constants to give them: `jitted(consts, arrays)` and
+    `plan.run(consts, arrays)` with the arrays among the arguments. The model's
+    structure is not part of them, as that holds the static fields of this call.
 
     The program is kept for the next trace that is the same program, so that
     building a model again compiles nothing. Programs are told apart by what was
@@ -267,7 +418,7 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
     consts = list(closed.consts)
     key, keep = _program_key(closed, shardings)
 
-    def make() -> tuple[Any, list[Any]]:
+    def make() -> tuple[Any, Plan | None, list[Any]]:
         jaxpr = closed.jaxpr
         fixed = [None if _is_fed(c) else c for c in consts]
 
@@ -276,14 +427,18 @@ def _program(closed: ClosedJaxpr, shardings: list[Any]) -> tuple[Any, list[Any]]
             all_consts = [next(given) if c is None else c for c in fixed]
             return jaxpr_as_fun(ClosedJaxpr(jaxpr, all_consts))(*flat)
 
-        return jax.jit(run, out_shardings=shardings), keep
+        pieces = plan(
+            closed, shardings, key_of=lambda c, s: _program_key(c, s)[0], is_fed=_is_fed
+        )
+        return jax.jit(run, out_shardings=shardings), pieces, keep
 
-    jitted, _ = _PROGRAMS.get(key, make)
-    return jitted, [c for c in consts if _is_fed(c)]
+    jitted, pieces, _ = _PROGRAMS.get(key, make)
+    return jitted, pieces, [c for c in consts if _is_fed(c)]
 
 
-# Each program with the objects its key holds by identity, kept alive with it.
-_PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
+# Each program (whole, and in pieces) with the objects its key holds by
+# identity, kept alive with it.
+_PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
 
 
 @typecheck
@@ -309,6 +464,68 @@ _NOT_RUN = {
 }
 
 
+class _Keyer:
+    """The parts of `_program_key`: each value, parameter and jaxpr's key, and the
+    objects keyed by identity (`keep`). A class rather than closures, which would
+    refer to each other in a cycle holding `keep`'s arrays until the next garbage
+    collection."""
+
+    def __init__(self) -> None:
+        self.keep: list[Any] = []
+        self.seen: dict[int, Hashable] = {}
+
+    def value_key(self, value: Any) -> Hashable:
+        if isinstance(value, jax.Array):
+            self.keep.append(value)
+            return ("array", id(value))
+        if isinstance(value, np.ndarray | np.generic):
+            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+            return ("numpy", value.dtype.str, value.shape, digest)
+        return self.param_key(value)
+
+    def param_key(self, value: Any) -> Hashable:
+        if isinstance(value, ClosedJaxpr):
+            return (
+                self.jaxpr_key(value.jaxpr),
+                tuple(map(self.value_key, value.consts)),
+            )
+        if isinstance(value, Jaxpr):
+            return self.jaxpr_key(value)
+        if isinstance(value, tuple | list):
+            return (type(value).__name__, tuple(map(self.param_key, value)))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, self.param_key(v)) for k, v in value.items()))
+        try:
+            hash(value)
+        except TypeError:
+            self.keep.append(value)
+            return ("object", id(value))
+        return value
+
+    def jaxpr_key(self, jaxpr: Jaxpr) -> Hashable:
+        if id(jaxpr) not in self.seen:
+            self.seen[id(jaxpr)] = tuple(
+                (
+                    tuple(
+                        self.value_key(var.val)
+                        for var in eqn.invars
+                        if isinstance(var, Literal)
+                    ),
+                    tuple(
+                        (name, self.param_key(value))
+                        for name, value in eqn.params.items()
+                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
+                    ),
+                )
+                for eqn in jaxpr.eqns
+            ) + tuple(
+                self.value_key(var.val)
+                for var in jaxpr.outvars
+                if isinstance(var, Literal)
+            )
+        return self.seen[id(jaxpr)]
+
+
 def _program_key(
     closed: ClosedJaxpr, shardings: list[Any]
 ) -> tuple[Hashable, list[Any]]:
@@ -323,67 +540,19 @@ def _program_key(
     The top-level NumPy constants are inputs of the kept program, so only their
     types (in the text) are part of the key; its JAX array constants are keyed
     by identity."""
-    keep: list[Any] = []
-    seen: dict[int, Hashable] = {}
-
-    def value_key(value: Any) -> Hashable:
-        if isinstance(value, jax.Array):
-            keep.append(value)
-            return ("array", id(value))
-        if isinstance(value, np.ndarray | np.generic):
-            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-            return ("numpy", value.dtype.str, value.shape, digest)
-        return param_key(value)
-
-    def param_key(value: Any) -> Hashable:
-        if isinstance(value, ClosedJaxpr):
-            return (jaxpr_key(value.jaxpr), tuple(map(value_key, value.consts)))
-        if isinstance(value, Jaxpr):
-            return jaxpr_key(value)
-        if isinstance(value, tuple | list):
-            return (type(value).__name__, tuple(map(param_key, value)))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, param_key(v)) for k, v in value.items()))
-        try:
-            hash(value)
-        except TypeError:
-            keep.append(value)
-            return ("object", id(value))
-        return value
-
-    def jaxpr_key(jaxpr: Jaxpr) -> Hashable:
-        if id(jaxpr) not in seen:
-            seen[id(jaxpr)] = tuple(
-                (
-                    tuple(
-                        value_key(var.val)
-                        for var in eqn.invars
-                        if isinstance(var, Literal)
-                    ),
-                    tuple(
-                        (name, param_key(value))
-                        for name, value in eqn.params.items()
-                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
-                    ),
-                )
-                for eqn in jaxpr.eqns
-            ) + tuple(
-                value_key(var.val) for var in jaxpr.outvars if isinstance(var, Literal)
-            )
-        return seen[id(jaxpr)]
-
+    keeper = _Keyer()
     # JAX's configuration can change how the same jaxpr is lowered (e.g.
     # `jax_threefry_partitionable`), and lowering is cached per nested jaxpr.
     config = tuple(sorted((name, repr(v)) for name, v in jax.config.values.items()))
-    consts = tuple(None if _is_fed(c) else value_key(c) for c in closed.consts)
+    consts = tuple(None if _is_fed(c) else keeper.value_key(c) for c in closed.consts)
     key = (
         str(closed.jaxpr),
-        jaxpr_key(closed.jaxpr),
+        keeper.jaxpr_key(closed.jaxpr),
         consts,
         tuple(shardings),
         config,
     )
-    return key, keep
+    return key, keeper.keep
 
 
 @typecheck
@@ -414,7 +583,10 @@ def init_sharded(
 
     The values are exactly those of the jitted constructor,
     `eqx.filter_jit(fn)(*args, **kwargs)`, bit for bit, whatever the shardings:
-    one program computes them, split across the devices. Eager construction
+    the same operations compute them, split across the devices. Where pieces of
+    the program repeat (a list of blocks: the same arrays drawn with other keys),
+    each distinct piece is compiled once and run for each block with its keys,
+    so that the compile time does not grow with the number of blocks. Eager construction
     (`fn(*args, **kwargs)` op by op, then [`eqshard.shard`][]) draws the same
     random bits, and gives the same arrays where they are draws or exact
     operations on them; but where the constructor computes with a draw (a
@@ -458,8 +630,12 @@ def init_sharded(
     - `ValueError` if the spec tree is not a prefix of the model (naming the first
       path that differs), if specs cannot apply (naming every such leaf, its shape
       and spec, and the nearest spec that fits), if rules match no path
-      (see [`eqshard.match_partition_rules`][]), or if no mesh is given or set
-      where one is needed.
+      (see [`eqshard.match_partition_rules`][]), if no mesh is given or set
+      where one is needed, or if NumPy data among the arguments or read by `fn`
+      (its closure's variables, the globals it names, a `functools.partial`'s
+      arguments) would change as JAX narrows it while `jax_enable_x64` is off
+      (int64 beyond int32, float64 beyond float32's range), naming where it is,
+      as [`eqshard.shard`][] refuses it; data that fits is narrowed as JAX does.
     - `TypeError` naming a leaf of the spec tree that is not a spec, or if `mesh`
       is abstract.
 
@@ -474,5 +650,5 @@ def init_sharded(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    jitted, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
-    return assemble(jitted(*inputs))
+    run, _, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
+    return assemble(run(*inputs))

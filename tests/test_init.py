@@ -1,4 +1,7 @@
+import importlib.util
 import math
+import pathlib
+import sys
 from collections.abc import Callable
 
 import equinox as eqx
@@ -8,10 +11,12 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from models import CASES
 from probes import Compiles
 
 import eqshard
 from eqshard._init import sharded_init
+from eqshard._init_pieces import Plan
 
 
 class Model(eqx.Module):
@@ -95,7 +100,7 @@ def _shard_bytes(leaf):
 def test_no_device_holds_a_whole_sharded_array(mesh, partitionable):
     dim = 256
     with jax.threefry_partitionable(partitionable):
-        jitted, inputs, shapes, _ = sharded_init(
+        _, jitted, inputs, shapes, _ = sharded_init(
             eqx.nn.Linear,
             (dim, dim),
             {"key": jax.random.key(0)},
@@ -381,3 +386,168 @@ def test_may_differ_from_eager_construction_by_a_few_ulp(mesh):
     eager = _Scaled(key)
     for got, want in zip(model.weights, eager.weights, strict=True):
         np.testing.assert_array_max_ulp(np.asarray(got), np.asarray(want), maxulp=4)
+
+
+# ---------------------------------------------------------------- in pieces
+
+
+def _bench_models():
+    """benchmarks/models.py (its GPT-style `Transformer`), beside tests/models.py."""
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("bench_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_models"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_axis_spec(x):
+    return P("tp") if x.ndim and x.shape[0] % 4 == 0 else P()
+
+
+def _split_first_axis(tree):
+    """Specs splitting each array's first axis over 'tp' where it divides."""
+    return jtu.tree_map(
+        lambda x: _first_axis_spec(x) if isinstance(x, jax.ShapeDtypeStruct) else None,
+        tree,
+    )
+
+
+def _assert_same_build(got, want):
+    """`got` is `want` (the jitted constructor) bit for bit, in the specs of
+    `_split_first_axis`."""
+    # Not the treedefs: some models hold static objects made anew on every call.
+    for (path, a), b in zip(
+        jtu.tree_leaves_with_path(got), jtu.tree_leaves(want), strict=True
+    ):
+        if eqx.is_array(b):
+            assert a.dtype == b.dtype and a.shape == b.shape, path
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=str(path))
+            assert a.sharding.spec == _first_axis_spec(b), path
+        else:
+            assert type(a) is type(b)
+
+
+@pytest.mark.parametrize(
+    "name, impl",
+    [("gpt", "threefry2x32"), ("esm2", "threefry2x32"), ("mixed_lm", "rbg")],
+)
+def test_in_pieces_equals_the_jitted_constructor(mesh, name, impl):
+    # Lists of blocks (the GPT of benchmarks/models.py, MixedLM) are built in
+    # pieces, each distinct piece compiled once and run per block with its own
+    # keys; stacked layers (ESM2's, one batched draw) are one piece. The values
+    # are the jitted constructor's, bit for bit, in their shardings.
+    if name == "gpt":
+        bench = _bench_models()
+        config = bench.Config(vocab=64, dim=16, heads=2, layers=3)
+
+        def make(key):
+            return bench.Transformer(config, key=key)
+
+    else:
+        make = CASES[name].make
+    key = jax.random.key(0, impl=impl)
+    run, *_ = sharded_init(make, (key,), {}, specs=_split_first_axis, mesh=mesh)
+    # (With their optimizer states, whose zeros repeat, all three are.)
+    assert isinstance(getattr(run, "__self__", None), Plan)
+    built = eqshard.init_sharded(make, key, specs=_split_first_axis, mesh=mesh)
+    _assert_same_build(built, eqx.filter_jit(make)(key))
+
+
+def _blocks(depth, width):
+    def make(key):
+        keys = jax.random.split(key, depth)
+        return [eqx.nn.Linear(width, width, key=k) for k in keys]
+
+    return make
+
+
+def test_in_pieces_compiles_as_much_for_any_depth(mesh):
+    # Each distinct piece compiles once, however many blocks use it: at any depth,
+    # a build compiles the plan's programs (its keys' operations are compiled by
+    # the first build, of another width), and building again compiles nothing.
+    counts = []
+    for depth in (3, 8):
+        eqshard.init_sharded(
+            _blocks(depth, 8), jax.random.key(0), specs=P("tp"), mesh=mesh
+        )
+        make = _blocks(depth, 16)
+        with Compiles() as compiles:
+            built = eqshard.init_sharded(
+                make, jax.random.key(0), specs=P("tp"), mesh=mesh
+            )
+        run, *_ = sharded_init(make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh)
+        assert compiles.count == len({id(call[0]) for call in run.__self__._calls})
+        counts.append(compiles.count)
+        _assert_same_build(built, eqx.filter_jit(make)(jax.random.key(0)))
+        with Compiles() as compiles:
+            again = eqshard.init_sharded(
+                make, jax.random.key(1), specs=P("tp"), mesh=mesh
+            )
+        assert compiles.count == 0
+        _assert_same_build(again, eqx.filter_jit(make)(jax.random.key(1)))
+    assert counts[0] == counts[1] <= 2
+
+
+def test_in_pieces_no_device_holds_a_whole_sharded_array(mesh):
+    dim, depth = 256, 4
+    run, _, (consts, flat), shapes, _ = sharded_init(
+        _blocks(depth, dim),
+        (jax.random.key(0),),
+        {},
+        specs=[("weight", P("tp", "dp")), ("bias", P("tp"))],
+        mesh=mesh,
+    )
+    assert isinstance(run.__self__, Plan)  # built in pieces
+    values = [*consts, *flat, *run.__self__._keys(*consts, *flat)]
+    programs = {
+        id(jitted): (jitted, inputs) for jitted, inputs, _ in run.__self__._calls
+    }
+    whole = 4 * dim * dim
+    for jitted, inputs in programs.values():
+        compiled = jitted.lower(*(values[i] for i in inputs)).compile()
+        stats = compiled.memory_analysis()
+        shards = sum(
+            math.prod(s.shard_shape(o.shape)) * o.dtype.itemsize
+            for s, o in zip(compiled.output_shardings, compiled.out_info, strict=True)
+        )
+        assert stats.output_size_in_bytes == shards + 8 * len(compiled.out_info)
+        assert stats.temp_size_in_bytes < whole / 2
+
+
+# ------------------------------------------------- 64-bit NumPy data, x64 off
+
+_BEYOND_INT32 = np.array([2**40 + 7, 1], np.int64)
+
+
+def test_64_bit_numpy_data_that_would_change_is_refused(mesh):
+    # JAX narrows it to 32 bits while tracing (2**40 + 7 became 7, 1e300 inf).
+    def from_argument(table, *, scale):
+        return {"t": jax.tree.map(lambda x: x * 1, table), "s": scale * 1}
+
+    fits = np.array([1.5], np.float64)
+    with pytest.raises(ValueError, match=r"(?s)init_sharded: .*'args\[0\]/big'.*int32"):
+        eqshard.init_sharded(
+            from_argument, {"big": _BEYOND_INT32}, scale=fits, specs=P(), mesh=mesh
+        )
+    with pytest.raises(ValueError, match=r"(?s)'scale' \(float64.*inf.*jax_enable_x64"):
+        eqshard.init_sharded(
+            from_argument, {"big": fits}, scale=np.array([1e300]), specs=P(), mesh=mesh
+        )
+
+    def closing_over(key):
+        return {"t": _BEYOND_INT32 + jax.random.randint(key, (2,), 0, 1)}
+
+    with pytest.raises(ValueError, match=r"'_BEYOND_INT32 \(read by .*closing_over\)'"):
+        eqshard.init_sharded(closing_over, jax.random.key(0), specs=P(), mesh=mesh)
+    # Data that fits is narrowed as JAX narrows it.
+    built = eqshard.init_sharded(
+        from_argument,
+        {"big": np.array([5, -6], np.int64)},
+        scale=fits,
+        specs=P(),
+        mesh=mesh,
+    )
+    assert built["t"]["big"].dtype == np.int32 and built["s"].dtype == np.float32
+    np.testing.assert_array_equal(built["t"]["big"], [5, -6])
+    np.testing.assert_array_equal(built["s"], [1.5])
