@@ -292,9 +292,10 @@ def restore(
       or saved with another shape or dtype (without a cast); naming the arrays
       that get no sharding, or whose values would be lost (see above); if the
       checkpoint is not there, or its files are truncated or damaged; as
-      [`eqshard.shard`][], if `specs` does not fit; and in a multi-process run,
-      if another process failed, or did not make the call within `timeout`
-      seconds.
+      [`eqshard.shard`][], if `specs` does not fit; with `on_invalid="raise"`,
+      listing every spec that would change for `mesh`; and in a multi-process
+      run, if another process failed, or did not make the call within
+      `timeout` seconds.
     - `TypeError` naming the arrays that would go on an `AbstractMesh`.
     - `ImportError` if orbax-checkpoint is not installed.
 
