@@ -168,7 +168,8 @@ def _suspect(path: str) -> str | None:
             nbytes = math.prod(info["shape"]) * DTYPES[info["dtype"]].itemsize
             if end > size or end - begin != nbytes:
                 return name
-    except Exception:  # a header too damaged to say: safetensors' words stand
+    # A header too damaged to say: safetensors' words stand.
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
     return None
 
