@@ -66,38 +66,46 @@ def abstract(tree: dict) -> dict:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+def shard_and_gather(host, specs, mesh, runs):
+    """`shard` against one `device_put` of the leaves, and `gather` against
+    `device_get` of fresh arrays each run (JAX caches host copies on arrays);
+    returns both `Times` and the last tree placed."""
+    leaves = jax.tree.leaves(host)
+    shardings = [
+        NamedSharding(mesh, s)
+        for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    ]
+    placed = [eqshard.shard(host, specs, mesh)]
+
+    def fresh():
+        placed[0] = eqshard.shard(host, specs, mesh)
+
+    put = interleaved(
+        {
+            "eqshard": lambda: eqshard.shard(host, specs, mesh),
+            "raw": lambda: jax.device_put(leaves, shardings),
+        },
+        runs,
+    )
+    get = interleaved(
+        {
+            "eqshard": lambda: eqshard.gather(placed[0]),
+            "raw": lambda: jax.device_get(jax.tree.leaves(placed[0])),
+        },
+        runs,
+        before=fresh,
+        warmup=False,
+    )
+    return put, get, placed[0]
+
+
 def leaf_rows(mesh, counts, runs):
     rows = []
     for count in counts:
         host = leaves_tree(count, 256)
         shapes = abstract(host)
         specs = eqshard.match_partition_rules(RULES, shapes)
-        leaves, treedef = jax.tree.flatten(host)
-        shardings = [
-            NamedSharding(mesh, s)
-            for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        ]
-        placed = [eqshard.shard(host, specs, mesh)]
-
-        def fresh():
-            placed[0] = eqshard.shard(host, specs, mesh)
-
-        put = interleaved(
-            {
-                "eqshard": lambda: eqshard.shard(host, specs, mesh),
-                "raw": lambda: jax.device_put(leaves, shardings),
-            },
-            runs,
-        )
-        get = interleaved(
-            {
-                "eqshard": lambda: eqshard.gather(placed[0]),
-                "raw": lambda: jax.device_get(jax.tree.leaves(placed[0])),
-            },
-            runs,
-            before=fresh,
-            warmup=False,
-        )
+        put, get, placed = shard_and_gather(host, specs, mesh, runs)
         match = interleaved(
             {"eqshard": lambda: eqshard.match_partition_rules(RULES, shapes)}, runs
         )
@@ -117,7 +125,7 @@ def leaf_rows(mesh, counts, runs):
             (f"plan_training, {per}", plan["eqshard"], None, _per_leaf(plan, count)),
         ]
         if count <= 10_000:
-            args = placed[0]
+            args = placed
 
             def step(params):
                 return jax.tree.map(lambda x: 2 * x, params)
@@ -156,28 +164,7 @@ def byte_rows(mesh, sizes_mib, runs):
         host = [rng.standard_normal((rows_per, 1024), dtype=np.float32)]
         host += [host[0] + i for i in range(1, 16)]
         specs = [P(("dp", "tp"))] * 16
-        shardings = [NamedSharding(mesh, s) for s in specs]
-        placed = [eqshard.shard(host, specs, mesh)]
-
-        def fresh():
-            placed[0] = eqshard.shard(host, specs, mesh)
-
-        put = interleaved(
-            {
-                "eqshard": lambda: eqshard.shard(host, specs, mesh),
-                "raw": lambda: jax.device_put(host, shardings),
-            },
-            runs,
-        )
-        get = interleaved(
-            {
-                "eqshard": lambda: eqshard.gather(placed[0]),
-                "raw": lambda: jax.device_get(placed[0]),
-            },
-            runs,
-            before=fresh,
-            warmup=False,
-        )
+        put, get, _ = shard_and_gather(host, specs, mesh, runs)
         gib = mib / 1024
         rows += [
             (f"shard, {mib} MiB", put["eqshard"], put["raw"], _per_gib(put, gib)),
