@@ -49,10 +49,10 @@ from ._host import (
     leaf_casts,
     loss_error,
     lost_text,
-    may_alias,
     overflow_text,
     private_copy,
     shares_memory,
+    takes_in_place,
     unplaceable,
 )
 from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
@@ -345,7 +345,7 @@ def _aliases(move: _Move) -> bool:
     return (
         given
         and isinstance(ready, np.ndarray)
-        and may_alias(sharding)
+        and takes_in_place(ready, sharding)
         and shares_memory(typing.cast(jax.Array, move.placed), ready)
     )
 
