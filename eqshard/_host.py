@@ -225,6 +225,13 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 PRIVATE_BELOW = 1 << 20
 
 
+def has_dense_block(leaf: np.ndarray, sharding: NamedSharding) -> bool:
+    """Whether a block of `sharding` is a dense run of `leaf`'s memory (in C or
+    Fortran order), which `jax.device_put` may take in place on CPU; it copies a
+    strided block, as a device buffer is dense."""
+    return _dense_block(sharding, leaf.shape, leaf.strides, leaf.dtype)
+
+
 @ft.lru_cache(maxsize=4096)
 def _dense_block(
     sharding: NamedSharding,
@@ -232,8 +239,8 @@ def _dense_block(
     strides: tuple[int, ...],
     dtype: np.dtype,
 ) -> bool:
-    """Whether a block of `sharding`, cut from an array of `shape`, `strides` and
-    `dtype`, is a dense run of its memory (in C or Fortran order)."""
+    """`has_dense_block`, once per sharding and layout: a model's arrays share a
+    few, and trees are placed again and again."""
     # A view of the layout alone, never read: only its flags are asked for.
     layout = np.lib.stride_tricks.as_strided(np.empty(1, dtype), shape, strides)
     return any(
@@ -245,11 +252,8 @@ def _dense_block(
 def takes_in_place(leaf: np.ndarray, sharding: NamedSharding) -> bool:
     """Whether `jax.device_put` of `leaf` onto `sharding` may use some of its memory
     as a device buffer, without copying: on CPU devices or in a host memory, for a
-    block that is a dense run of `leaf`'s memory. (A strided block is always
-    copied, as a device buffer is dense.)"""
-    return may_alias(sharding) and _dense_block(
-        sharding, leaf.shape, leaf.strides, leaf.dtype
-    )
+    dense block (`has_dense_block`)."""
+    return may_alias(sharding) and has_dense_block(leaf, sharding)
 
 
 @ft.lru_cache(maxsize=1024)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._host import aligned_empty, cast_lost, Lost, more_lost
+from ._host import aligned_empty, cast_lost, has_dense_block, Lost, more_lost
 from ._keys import is_key
 from ._tree import placed_dtype
 
@@ -286,10 +286,7 @@ def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | No
     if not x.sharding.is_fully_replicated:
         return None
     whole = np.asarray(x.addressable_data(0))  # the buffer itself, not a copy
-    indices = sharding.addressable_devices_indices_map(tuple(x.shape)).values()
-    if any(whole[index].flags.c_contiguous for index in indices):
-        return None
-    return whole
+    return None if has_dense_block(whole, sharding) else whole
 
 
 def move_blocks(
