@@ -229,7 +229,7 @@ def has_dense_block(leaf: np.ndarray, sharding: NamedSharding) -> bool:
     """Whether a block of `sharding` is a dense run of `leaf`'s memory (in C or
     Fortran order), which `jax.device_put` may take in place on CPU; it copies a
     strided block, as a device buffer is dense."""
-    return _dense_block(sharding, leaf.shape, leaf.strides, leaf.dtype)
+    return _dense_block(sharding, leaf.shape, leaf.strides, leaf.dtype.itemsize)
 
 
 @ft.lru_cache(maxsize=4096)
@@ -237,12 +237,15 @@ def _dense_block(
     sharding: NamedSharding,
     shape: tuple[int, ...],
     strides: tuple[int, ...],
-    dtype: np.dtype,
+    itemsize: int,
 ) -> bool:
     """`has_dense_block`, once per sharding and layout: a model's arrays share a
     few, and trees are placed again and again."""
-    # A view of the layout alone, never read: only its flags are asked for.
-    layout = np.lib.stride_tricks.as_strided(np.empty(1, dtype), shape, strides)
+    # A view of the layout alone, never read: only its flags are asked for. Its
+    # elements are raw bytes of the array's item size (NumPy cannot make such a
+    # view of every dtype JAX has, such as float8).
+    item = np.empty(1, np.dtype((np.void, itemsize)))
+    layout = np.lib.stride_tricks.as_strided(item, shape, strides)
     return any(
         layout[index].flags.c_contiguous or layout[index].flags.f_contiguous
         for index in sharding.addressable_devices_indices_map(shape).values()

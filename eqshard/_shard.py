@@ -202,13 +202,17 @@ def _leaves(
         raise ValueError(spec_error_message(caller, problems))
     casts = leaf_casts(dtype, tree, caller=caller, root=root, leaves=values)
     leaves = []
+    made: dict[int, NamedSharding] = {}  # by the spec's `id`: its spelling kept
     for (path, spec), value, cast in zip(pairs, values, casts, strict=True):
         sharding = None
         if isinstance(spec, NamedSharding) and is_array(value):
             sharding = spec  # its memory kind included
         elif isinstance(spec, PartitionSpec) and is_array(value):
-            # `mesh` is the concrete mesh found above.
-            sharding = NamedSharding(typing.cast(Mesh, mesh), spec)
+            sharding = made.get(id(spec))
+            if sharding is None:
+                # `mesh` is the concrete mesh found above.
+                sharding = NamedSharding(typing.cast(Mesh, mesh), spec)
+                made[id(spec)] = sharding
         leaves.append(_Leaf(path, value, sharding, cast))
     return leaves, treedef
 
