@@ -463,8 +463,9 @@ def shard(
     otherwise. Big-endian arrays are converted to native byte order. Placed
     arrays never share memory with the caller's NumPy buffers (on CPU, each
     block of a NumPy array is copied once, into a buffer of its own), so a data
-    loader may reuse its buffers. An array that stands at several leaves with one spec (tied weights)
-    is placed once and comes back as one array at all of them. An
+    loader may reuse its buffers. An array that stands at several leaves with one
+    spec (tied weights) is placed once and comes back as one array at all of them.
+    An
     [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it) becomes a
     key array again, placed with its spec.
 
