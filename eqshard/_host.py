@@ -15,15 +15,18 @@ needed, converted on host, in one pass over its data:
    Big-endian arrays are converted to native byte order, which loses nothing.
 3. **No aliasing.** On CPU, `jax.device_put` may place a suitably aligned NumPy
    array without copying it, so the caller's later writes to that buffer (a data
-   loader reusing it) would change arrays already on the mesh. A NumPy array
-   placed on CPU devices (or in host memory) that is under 1 MiB, or replicated
-   on several devices (which copy an unaligned array once each), is copied up
-   front into a private, 64-byte aligned buffer, which the devices then share
-   without further copies. A larger, split one is placed as it is, and the
-   device buffers' addresses are compared with its memory: only if they lie in
-   it is it placed again, from a private copy (one host copy, ~10 ms per 64 MiB;
-   see `benchmarks/bench_host.py`). Arrays placed on other devices are copied
-   there anyway.
+   loader reusing it) would change arrays already on the mesh. It can only do so
+   with a block that is one dense run of the array's memory: a block cut out of
+   the middle of a row (a 2-D weight split over both dimensions) is strided, and
+   is copied whatever its alignment, so such arrays are placed as they are. A
+   NumPy array placed on CPU devices (or in host memory) some of whose blocks are
+   dense is copied up front into a private, 64-byte aligned buffer if it is under
+   1 MiB, or replicated on several devices (which copy an unaligned array once
+   each); the devices then share that buffer without further copies. A larger
+   one is placed as it is, and the device buffers' addresses are compared with
+   its memory: only if they lie in it is it placed again, from a private copy
+   (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
+   placed on other devices are copied there anyway.
 
 This is the one policy for every path that brings data in: a cast asked for may
 round, but values that would become inf or nan, wrap around, or be narrowed are
@@ -222,6 +225,40 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 PRIVATE_BELOW = 1 << 20
 
 
+def has_dense_block(leaf: np.ndarray, sharding: NamedSharding) -> bool:
+    """Whether a block of `sharding` is a dense run of `leaf`'s memory (in C or
+    Fortran order), which `jax.device_put` may take in place on CPU; it copies a
+    strided block, as a device buffer is dense."""
+    return _dense_block(sharding, leaf.shape, leaf.strides, leaf.dtype.itemsize)
+
+
+@ft.lru_cache(maxsize=4096)
+def _dense_block(
+    sharding: NamedSharding,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    itemsize: int,
+) -> bool:
+    """`has_dense_block`, once per sharding and layout: a model's arrays share a
+    few, and trees are placed again and again."""
+    # A view of the layout alone, never read: only its flags are asked for. Its
+    # elements are raw bytes of the array's item size (NumPy cannot make such a
+    # view of every dtype JAX has, such as float8).
+    item = np.empty(1, np.dtype((np.void, itemsize)))
+    layout = np.lib.stride_tricks.as_strided(item, shape, strides)
+    return any(
+        layout[index].flags.c_contiguous or layout[index].flags.f_contiguous
+        for index in sharding.addressable_devices_indices_map(shape).values()
+    )
+
+
+def takes_in_place(leaf: np.ndarray, sharding: NamedSharding) -> bool:
+    """Whether `jax.device_put` of `leaf` onto `sharding` may use some of its memory
+    as a device buffer, without copying: on CPU devices or in a host memory, for a
+    dense block (`has_dense_block`)."""
+    return may_alias(sharding) and has_dense_block(leaf, sharding)
+
+
 @ft.lru_cache(maxsize=1024)
 def _copied_per_device(sharding: NamedSharding) -> bool:
     """Whether `device_put` copies an unaligned host array once per device: it is
@@ -296,7 +333,10 @@ def host_ready(
     private = (
         sharding is not None
         and may_alias(sharding)
-        and (leaf.nbytes < PRIVATE_BELOW or _copied_per_device(sharding))
+        and (
+            _copied_per_device(sharding)
+            or (leaf.nbytes < PRIVATE_BELOW and takes_in_place(leaf, sharding))
+        )
     )
     if target == leaf.dtype and not private:
         return leaf, None, False

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._host import aligned_empty, cast_lost, Lost, more_lost
+from ._host import aligned_empty, cast_lost, has_dense_block, Lost, more_lost
 from ._keys import is_key
 from ._tree import placed_dtype
 
@@ -82,21 +82,31 @@ def route(leaf: Any, sharding: NamedSharding, cast: np.dtype | None) -> Route | 
     """How `leaf` reaches `sharding` (cast to `cast`): `None` if `jax.device_put`
     moves it without compiling (NumPy data, an array already laid out as asked,
     arrays of several processes, PRNG keys), else the route of the docstring."""
-    if (
-        not isinstance(leaf, jax.Array)
-        or not leaf.is_fully_addressable
-        or is_key(leaf)
-        or jax.process_count() > 1
-    ):
+    if not isinstance(leaf, jax.Array) or is_key(leaf):
         return None
-    if cast is None and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+    return _route(leaf.sharding, sharding, leaf.ndim, cast, jax.process_count())
+
+
+@ft.lru_cache(maxsize=4096)
+def _route(
+    source: Any,
+    sharding: NamedSharding,
+    ndim: int,
+    cast: np.dtype | None,
+    processes: int,
+) -> Route | None:
+    """`route` for a JAX array on `source` of rank `ndim`, once per pair of
+    shardings: a model's arrays share a few."""
+    if not source.is_fully_addressable or processes > 1:
         return None
-    if _in_cpu_memory(leaf.sharding) and _in_cpu_memory(sharding):
+    if cast is None and source.is_equivalent_to(sharding, ndim):
+        return None
+    if _in_cpu_memory(source) and _in_cpu_memory(sharding):
         return "blocks"
-    if _on_cpu_or_host_memory(leaf.sharding) or _on_cpu_or_host_memory(sharding):
+    if _on_cpu_or_host_memory(source) or _on_cpu_or_host_memory(sharding):
         return "host"
-    one_device = len(leaf.sharding.device_set) == 1
-    same_order = _device_order(leaf.sharding) == _device_order(sharding)
+    one_device = len(source.device_set) == 1
+    same_order = _device_order(source) == _device_order(sharding)
     return "program" if one_device or same_order else "host"
 
 
@@ -276,10 +286,7 @@ def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | No
     if not x.sharding.is_fully_replicated:
         return None
     whole = np.asarray(x.addressable_data(0))  # the buffer itself, not a copy
-    indices = sharding.addressable_devices_indices_map(tuple(x.shape)).values()
-    if any(whole[index].flags.c_contiguous for index in indices):
-        return None
-    return whole
+    return None if has_dense_block(whole, sharding) else whole
 
 
 def move_blocks(

@@ -49,10 +49,10 @@ from ._host import (
     leaf_casts,
     loss_error,
     lost_text,
-    may_alias,
     overflow_text,
     private_copy,
     shares_memory,
+    takes_in_place,
     unplaceable,
 )
 from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
@@ -202,13 +202,17 @@ def _leaves(
         raise ValueError(spec_error_message(caller, problems))
     casts = leaf_casts(dtype, tree, caller=caller, root=root, leaves=values)
     leaves = []
+    made: dict[int, NamedSharding] = {}  # by the spec's `id`: its spelling kept
     for (path, spec), value, cast in zip(pairs, values, casts, strict=True):
         sharding = None
         if isinstance(spec, NamedSharding) and is_array(value):
             sharding = spec  # its memory kind included
         elif isinstance(spec, PartitionSpec) and is_array(value):
-            # `mesh` is the concrete mesh found above.
-            sharding = NamedSharding(typing.cast(Mesh, mesh), spec)
+            sharding = made.get(id(spec))
+            if sharding is None:
+                # `mesh` is the concrete mesh found above.
+                sharding = NamedSharding(typing.cast(Mesh, mesh), spec)
+                made[id(spec)] = sharding
         leaves.append(_Leaf(path, value, sharding, cast))
     return leaves, treedef
 
@@ -345,7 +349,7 @@ def _aliases(move: _Move) -> bool:
     return (
         given
         and isinstance(ready, np.ndarray)
-        and may_alias(sharding)
+        and takes_in_place(ready, sharding)
         and shares_memory(typing.cast(jax.Array, move.placed), ready)
     )
 
@@ -457,9 +461,9 @@ def shard(
     as 32-bit ones (as JAX does) only if every value survives (integers in range,
     floats still finite; checked with one vectorised pass), and refused
     otherwise. Big-endian arrays are converted to native byte order. Placed
-    arrays never share memory with the caller's NumPy buffers (on CPU, a NumPy
-    array is copied once into a private buffer), so a data loader may reuse its
-    buffers. An array that stands at several leaves with one spec (tied weights)
+    arrays never share memory with the caller's NumPy buffers (on CPU, each
+    block of a NumPy array is copied once, into a buffer of its own), so a data
+    loader may reuse its buffers. An array that stands at several leaves with one spec (tied weights)
     is placed once and comes back as one array at all of them. An
     [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it) becomes a
     key array again, placed with its spec.

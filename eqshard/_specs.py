@@ -8,6 +8,7 @@ one place, `spec_error_message`, so every caller reports the same way.
 """
 
 import dataclasses
+import functools as ft
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -247,7 +248,19 @@ def check_spec_on_mesh(
     shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh, leaf: Any
 ) -> tuple[PartitionSpec, list[str]]:
     """`check_spec` against `mesh`: the `SpecCheck` of most callers."""
+    if _fits(shape, spec, mesh):
+        return spec, []
     return check_spec(shape, spec, dict(mesh.shape))
+
+
+@ft.lru_cache(maxsize=4096)
+def _fits(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh
+) -> bool:
+    """Whether `spec` fits an array of `shape` on `mesh`, found once per shape,
+    spec and mesh: a model's layers repeat them, and trees are placed again and
+    again."""
+    return not check_spec(shape, spec, dict(mesh.shape))[1]
 
 
 def check_leaf(

@@ -539,6 +539,9 @@ def broadcast_prefix(
     )
     out = []
     for path, leaf, subtree in zip(paths, leaves, subtrees, strict=True):
+        if isinstance(subtree, jax.Array | np.ndarray):  # a leaf: no need to walk
+            out.append((path, leaf))
+            continue
         for sub_path, _ in jtu.tree_flatten_with_path(subtree)[0]:
             out.append((path + sub_path, leaf))
     return out

@@ -381,7 +381,9 @@ def test_plans_report_the_dtype_placed(mesh):
     assert row.dtype == "float32" and row.nbytes == 8 * 4 * 4
 
 
-@pytest.mark.parametrize("spec", [P(), P("dp", "tp")])
+# Replicated, split into dense runs of rows, and into strided blocks (which
+# `device_put` always copies).
+@pytest.mark.parametrize("spec", [P(), P("dp"), P("dp", "tp")])
 @pytest.mark.parametrize("shape", [(8, 64), (1024, 512)])  # copied before, after
 def test_placed_arrays_do_not_share_the_callers_buffer(mesh, spec, shape):
     buffer = aligned(shape, np.float32)
