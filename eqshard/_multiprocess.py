@@ -309,8 +309,9 @@ def exchange(
     key-value store and reads everyone's: `{process: status}`, like `meet` with a
     status but without its barrier (one call to the client that posts, then one
     that waits for each other process's status), and raising the same `ValueError`
-    if they do not all post within `timeout` seconds. Nothing happens without a
-    distributed client, or with one process (`{}`)."""
+    if they do not all post within `timeout` seconds (a process that comes after
+    one gave up raises too). Nothing happens without a distributed client, or
+    with one process (`{}`)."""
     client = _distributed_client()
     if client is None or len(processes) < 2:
         return {}
@@ -326,6 +327,9 @@ def exchange(
                     f"{prefix}/{p}", max(1, math.ceil(timeout * 1000))
                 )
     except jax.errors.JaxRuntimeError as e:
+        # Withdrawn, so that a process that comes later waits in vain and raises
+        # too, instead of going on alone.
+        client.key_value_delete(f"{prefix}/{me}")
         raise _not_all_came(
             caller, processes, timeout, e, cannot=cannot, rule=rule
         ) from e
