@@ -41,6 +41,7 @@ import itertools
 import json
 import math
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -312,30 +313,51 @@ def exchange(
     if they do not all post within `timeout` seconds (a process that comes after
     one gave up raises too). Nothing happens without a distributed client, or
     with one process (`{}`)."""
+    return post_status(
+        caller, processes, timeout, cannot=cannot, rule=rule, status=status
+    )()
+
+
+def post_status(
+    caller: str,
+    processes: tuple[int, ...],
+    timeout: float | int,
+    *,
+    cannot: str,
+    rule: str,
+    status: str,
+) -> Callable[[], dict[int, str]]:
+    """`exchange` in two steps: posts `status` now, and returns the function that
+    reads everyone's (waiting for them). In between, this process can do work of
+    its own while the others arrive."""
     client = _distributed_client()
     if client is None or len(processes) < 2:
-        return {}
+        return dict
     count = next(_barriers.setdefault(processes, itertools.count()))
     prefix = f"eqshard.{caller}:{','.join(map(str, processes))}:{count}"
     me = jax.process_index()
     client.key_value_set(f"{prefix}/{me}", status)
-    found = {me: status}
-    try:
-        for p in processes:
-            if p != me:
-                found[p] = client.blocking_key_value_get(
-                    f"{prefix}/{p}", max(1, math.ceil(timeout * 1000))
-                )
-    except jax.errors.JaxRuntimeError as e:
-        # Withdrawn, so that a process that comes later waits in vain and raises
-        # too, instead of going on alone.
-        client.key_value_delete(f"{prefix}/{me}")
-        raise _not_all_came(
-            caller, processes, timeout, e, cannot=cannot, rule=rule
-        ) from e
-    # Every other process posted its status after reading the previous ones.
-    _replace_posted(client, processes, f"{prefix}/{me}")
-    return found
+
+    def read() -> dict[int, str]:
+        found = {me: status}
+        try:
+            for p in processes:
+                if p != me:
+                    found[p] = client.blocking_key_value_get(
+                        f"{prefix}/{p}", max(1, math.ceil(timeout * 1000))
+                    )
+        except jax.errors.JaxRuntimeError as e:
+            # Withdrawn, so that a process that comes later waits in vain and
+            # raises too, instead of going on alone.
+            client.key_value_delete(f"{prefix}/{me}")
+            raise _not_all_came(
+                caller, processes, timeout, e, cannot=cannot, rule=rule
+            ) from e
+        # Every other process posted its status after reading the previous ones.
+        _replace_posted(client, processes, f"{prefix}/{me}")
+        return found
+
+    return read
 
 
 def _replace_posted(client: Any, processes: tuple[int, ...], key: str) -> None:
@@ -481,12 +503,41 @@ def check_processes_agree(
 
     Nothing here depends on whether the specs fit, which each process checks
     afterwards: processes that agree then fail, or not, together. A meeting of
-    the processes of the meshes (`exchange`), if there are several."""
+    the processes of the meshes (`exchange`), if there are several.
+    `start_agreement` and its finish at once."""
+    start_agreement(
+        caller,
+        tree,
+        specs,
+        mesh,
+        root=root,
+        host_local=host_local,
+        check_values=check_values,
+    )()
+
+
+def start_agreement(
+    caller: str,
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    root: KeyPath,
+    host_local: bool,
+    check_values: CheckValues = "sample",
+) -> Callable[[], None]:
+    """`check_processes_agree` in two steps: posts this process's digest now, and
+    returns the function that finishes the check (reads the others' digests and
+    raises if they differ). In between, a process may do work that involves no
+    other process, such as placing full copies or host-local blocks (not laying
+    out a global array again: a collective), and so not wait for the others
+    idle; it must then finish the check before it raises what that work raised,
+    so that every process raises the same error when the trees differ."""
     mesh = find_mesh(mesh)
     meshes = _meshes(specs, mesh)
     devices = _leaders(tuple(meshes))
     if not devices:
-        return
+        return _nothing
     path_leaves = jtu.tree_flatten_with_path(tree)[0]
     try:
         spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
@@ -500,7 +551,7 @@ def check_processes_agree(
     header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
     payload = json.dumps([header, records]).encode()
     digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
-    digests = exchange(
+    read = post_status(
         caller,
         tuple(device.process_index for device in devices),
         _AGREE_TIMEOUT,
@@ -508,19 +559,29 @@ def check_processes_agree(
         rule="Every process of the mesh must make the same call at the same point",
         status=digest,
     )
-    if not digests:  # no distributed client: one XLA all-gather instead
-        rows = _allgather_rows(np.frombuffer(bytes.fromhex(digest), np.uint8), devices)
-        digests = dict(enumerate(row.tobytes().hex() for row in rows))
-    if len(set(digests.values())) == 1:
-        return
-    views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
-    processes = [device.process_index for device in devices]
-    spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
-    raise ValueError(
-        _disagreement_message(
-            caller, views, processes, host_local, spanning, check_values
+
+    def finish() -> None:
+        digests = read()
+        if not digests:  # no distributed client: one XLA all-gather instead
+            row = np.frombuffer(bytes.fromhex(digest), np.uint8)
+            rows = _allgather_rows(row, devices)
+            digests = dict(enumerate(row.tobytes().hex() for row in rows))
+        if len(set(digests.values())) == 1:
+            return
+        views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
+        processes = [device.process_index for device in devices]
+        spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
+        raise ValueError(
+            _disagreement_message(
+                caller, views, processes, host_local, spanning, check_values
+            )
         )
-    )
+
+    return finish
+
+
+def _nothing() -> None:
+    pass
 
 
 def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
