@@ -43,15 +43,21 @@ def once(
     fn: Callable[..., Any],
     *,
     setup: Callable[[], Any] | None = None,
+    start: Callable[[], Any] | None = None,
     calls: int = 1,
     block: bool = True,
 ) -> tuple[float, Any]:
     """Seconds per call of `calls` calls of `fn` (of `fn(setup())` if `setup` is
     given; `setup` is not timed), and the last result. The collector runs before
-    and is off while timing. Every result is blocked on: before the clock stops,
-    or with `block=False` after it stops (to time dispatch alone)."""
+    and is off while timing; `start()` runs untimed after it, right before the
+    clock starts (e.g. a barrier that lines processes up: a collection takes tens
+    of ms, a different time on each process). Every result is blocked on: before
+    the clock stops, or with `block=False` after it stops (to time dispatch
+    alone)."""
     arg = setup() if setup is not None else None
     gc.collect()
+    if start is not None:
+        start()
     gc.disable()
     try:
         seconds = 0.0
@@ -73,6 +79,7 @@ def interleaved(
     *,
     setup: Callable[[], Any] | None = None,
     before: Callable[[], Any] | None = None,
+    start: Callable[[], Any] | None = None,
     check: Callable[[str, Any], Any] | None = None,
     warmup: bool = True,
     calls: int = 1,
@@ -83,19 +90,22 @@ def interleaved(
 
     `before()` runs untimed before each call (for example `jax.clear_caches` for
     cold runs); `check(name, result)` checks each result, untimed; `warmup` calls
-    each variant once first, untimed; `calls` and `block` are `once`'s."""
+    each variant once first, untimed; `start`, `calls` and `block` are
+    `once`'s."""
     names = list(variants)
     if warmup:
         for name in names:
             if before is not None:
                 before()
-            once(variants[name], setup=setup)
+            once(variants[name], setup=setup, start=start)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(runs):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             if before is not None:
                 before()
-            seconds, out = once(variants[name], setup=setup, calls=calls, block=block)
+            seconds, out = once(
+                variants[name], setup=setup, start=start, calls=calls, block=block
+            )
             if check is not None:
                 check(name, out)
             del out

@@ -15,19 +15,26 @@ MiB in all) and places it with the spec P('dp', 'tp'):
 
 Each row runs `--runs` times, interleaved, with the garbage collector fixed
 (`benchmarks/_timing.py`), every call starting with both processes together (a
-barrier of the distributed client, untimed). Printed: the min and median, in ms,
-and the ratios to raw JAX, of process 0's times and of the slower process's time
-in each run (a multi-process call is done when every process is: the check makes
-the processes wait for each other, so process 0 alone is timed waiting for a
-process that the shared machine slowed down, and raw JAX never is). The processes
+barrier of the distributed client, untimed, after the collector ran). Printed:
+the min and median, in ms, and the ratios to raw JAX, of process 0's times and of
+the slower process's time in each run (a multi-process call is done when every
+process is: the check makes the processes wait for each other, so process 0
+alone is timed waiting for a process that the shared machine slowed down, and raw
+JAX never is). The processes
 are started by the tests' harness (`tests/multihost.py`) without its jaxtyping
 import hook (`typecheck=False`: eqshard runs as users run it), which gives them a
-free port, a timeout and a clean exit. Run with
-`python benchmarks/bench_multihost.py` (about a minute).
+free port, a timeout and a clean exit.
+
+With `--pin`, each process is pinned to a core of its own (process `i` to core
+`i % cores`, every thread of it, those JAX has already started included). On this
+2-core machine that made `shard` slower and no steadier (see the README), so the
+processes run free by default. Run with `python benchmarks/bench_multihost.py`
+(about 20 s).
 """
 
 import argparse
 import itertools
+import os
 import pathlib
 import sys
 
@@ -45,7 +52,20 @@ import eqshard  # noqa: E402
 from eqshard._multiprocess import _distributed_client  # noqa: E402
 
 
-def _child(leaves: int, mib: int, runs: int) -> dict[str, list[float]]:
+def _pin_to_one_core() -> None:
+    """Pins every thread of this process to core `process_index % cores`."""
+    core = {jax.process_index() % (os.cpu_count() or 1)}
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), core)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    os.sched_setaffinity(0, core)  # threads started from now on inherit it
+
+
+def _child(leaves: int, mib: int, runs: int, pin: bool) -> dict[str, list[float]]:
+    if pin:
+        _pin_to_one_core()
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = jax.sharding.Mesh(
         np.array(devices).reshape(2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2
@@ -68,15 +88,17 @@ def _child(leaves: int, mib: int, runs: int) -> dict[str, list[float]]:
     }
     # Every timed call starts with both processes together (a barrier of the
     # distributed client: no XLA program, whose CPU threads would spin into the
-    # timing): the check makes them meet, so a process that came early would
-    # otherwise be timed waiting for the other to finish its previous call.
+    # timing), after the garbage collector ran (`start`: a collection takes about
+    # 60 ms here, a few ms more or less on each process): the check makes them
+    # meet, so a process that came early would otherwise be timed waiting for the
+    # other to finish its previous call or its collection.
     client = _distributed_client()
     barriers = itertools.count()
 
     def together() -> None:
         client.wait_at_barrier(f"bench_multihost:{next(barriers)}", 600_000)
 
-    times = interleaved(cases, runs, before=together, warmup=False)
+    times = interleaved(cases, runs, start=together, warmup=False)
     return {name: list(t.seconds) for name, t in times.items()}
 
 
@@ -84,7 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--leaves", type=int, default=16)
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=11)
+    parser.add_argument("--pin", action="store_true")
     args = parser.parse_args()
     # The children load `_child` from this file by path: name it as a module's
     # function, not `__main__`'s.
@@ -92,13 +115,14 @@ def main() -> None:
 
     per_process = run_processes(
         bench_multihost._child,
-        args=(args.leaves, args.mib, args.runs),
+        args=(args.leaves, args.mib, args.runs, args.pin),
         timeout=600.0,
         typecheck=False,
     )
     print(
         f"{args.mib} MiB in {args.leaves} float32 arrays, full copies on 2 "
-        f"processes, P('dp', 'tp'); ms, min / median over {args.runs} runs"
+        f"processes, P('dp', 'tp'); ms, min / median over {args.runs} runs; "
+        f"{'each process on a core of its own' if args.pin else 'processes free'}"
     )
     for what, pick in (
         ("process 0", lambda ts: ts[0]),

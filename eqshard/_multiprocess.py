@@ -19,12 +19,14 @@ arrays, for [`eqshard.shard`][], [`eqshard.gather`][] and
   `multihost_utils.process_allgather` replicates the whole array onto every
   device first. Arrays that every process already holds whole need no
   communication at all.
-- **Agreement.** All processes must pass the same tree. One all-gather of a
-  16-byte digest per call compares the paths, shapes, dtypes and shardings, and a
-  sample of the values that must be equal (or, on request, a hash of every
-  byte). Only when digests differ, a second all-gather of the full descriptions
-  lets every process raise the same error, naming the leaves that differ, instead
-  of some raising and the others waiting forever in a collective.
+- **Agreement.** All processes must pass the same tree. A 16-byte digest per
+  call, which each process posts to the distributed client's key-value store and
+  reads the others' from (no XLA program, which took 30-40 ms to build on the
+  first call), compares the paths, shapes, dtypes and shardings, and a sample of
+  the values that must be equal (or, on request, a hash of every byte). Only
+  when digests differ, an all-gather of the full descriptions lets every process
+  raise the same error, naming the leaves that differ, instead of some raising
+  and the others waiting forever in a collective.
 - **Waiting for the others.** Before a collective that gathers arrays, every
   process meets the others at a barrier of the distributed client, with a
   timeout: a process that gathers alone raises, naming the arrays, instead of
@@ -39,6 +41,7 @@ import itertools
 import json
 import math
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -235,8 +238,9 @@ def _distributed_client() -> Any:
 # Per-process count of barriers met with each set of processes: every process of
 # the set makes the same calls in the same order, so the ids agree across them.
 _barriers: dict[tuple[int, ...], itertools.count] = {}
-# The key this process last posted its status under, per set of processes: removed
-# once the next meeting of the set shows that every process has read it.
+# The key this process last posted its status under, per set of processes (by
+# `meet` or `exchange`): removed once the next meeting or exchange of the set shows
+# that every process has read it.
 _posted: dict[tuple[int, ...], str] = {}
 
 
@@ -279,12 +283,8 @@ def meet(
             barrier, timeout_in_ms=max(1, math.ceil(timeout * 1000)), process_ids=others
         )
     except jax.errors.JaxRuntimeError as e:
-        said = str(e).strip().splitlines()[0]
-        raise ValueError(
-            f"eqshard.{caller}: on process {jax.process_index()}, processes "
-            f"{list(processes)} did not all make this call within {timeout:g} s, so "
-            f"{cannot} (all of them take part). {rule}; if the others are only "
-            f"slow, raise `timeout=`. The distributed client said: {said}"
+        raise _not_all_came(
+            caller, processes, timeout, e, cannot=cannot, rule=rule
         ) from e
     if status is None:
         return {}
@@ -293,11 +293,100 @@ def meet(
         for key, value in client.key_value_dir_get(f"{barrier}/")
     }
     # Every process has passed this barrier, so has read the previous statuses.
+    _replace_posted(client, processes, f"{barrier}/{jax.process_index()}")
+    return found
+
+
+def exchange(
+    caller: str,
+    processes: tuple[int, ...],
+    timeout: float | int,
+    *,
+    cannot: str,
+    rule: str,
+    status: str,
+) -> dict[int, str]:
+    """Every process of `processes` posts its `status` to the distributed client's
+    key-value store and reads everyone's: `{process: status}`, like `meet` with a
+    status but without its barrier (one call to the client that posts, then one
+    that waits for each other process's status), and raising the same `ValueError`
+    if they do not all post within `timeout` seconds (a process that comes after
+    one gave up raises too). Nothing happens without a distributed client, or
+    with one process (`{}`)."""
+    return post_status(
+        caller, processes, timeout, cannot=cannot, rule=rule, status=status
+    )()
+
+
+def post_status(
+    caller: str,
+    processes: tuple[int, ...],
+    timeout: float | int,
+    *,
+    cannot: str,
+    rule: str,
+    status: str,
+) -> Callable[[], dict[int, str]]:
+    """`exchange` in two steps: posts `status` now, and returns the function that
+    reads everyone's (waiting for them). In between, this process can do work of
+    its own while the others arrive."""
+    client = _distributed_client()
+    if client is None or len(processes) < 2:
+        return dict
+    count = next(_barriers.setdefault(processes, itertools.count()))
+    prefix = f"eqshard.{caller}:{','.join(map(str, processes))}:{count}"
+    me = jax.process_index()
+    client.key_value_set(f"{prefix}/{me}", status)
+
+    def read() -> dict[int, str]:
+        found = {me: status}
+        try:
+            for p in processes:
+                if p != me:
+                    found[p] = client.blocking_key_value_get(
+                        f"{prefix}/{p}", max(1, math.ceil(timeout * 1000))
+                    )
+        except jax.errors.JaxRuntimeError as e:
+            # Withdrawn, so that a process that comes later waits in vain and
+            # raises too, instead of going on alone.
+            client.key_value_delete(f"{prefix}/{me}")
+            raise _not_all_came(
+                caller, processes, timeout, e, cannot=cannot, rule=rule
+            ) from e
+        # Every other process posted its status after reading the previous ones.
+        _replace_posted(client, processes, f"{prefix}/{me}")
+        return found
+
+    return read
+
+
+def _replace_posted(client: Any, processes: tuple[int, ...], key: str) -> None:
+    """Removes the key this process posted last with `processes` (every one of
+    them has read it), and remembers `key` instead."""
     previous = _posted.get(processes)
     if previous is not None:
         client.key_value_delete(previous)
-    _posted[processes] = f"{barrier}/{jax.process_index()}"
-    return found
+    _posted[processes] = key
+
+
+def _not_all_came(
+    caller: str,
+    processes: tuple[int, ...],
+    timeout: float | int,
+    error: Exception,
+    *,
+    cannot: str,
+    rule: str,
+) -> ValueError:
+    """The error when `processes` did not all reach a meeting within `timeout`
+    seconds (`error`: what the distributed client raised)."""
+    said = str(error).strip().splitlines()[0]
+    return ValueError(
+        f"eqshard.{caller}: on process {jax.process_index()}, processes "
+        f"{list(processes)} did not all make this call within {timeout:g} s, so "
+        f"{cannot} (all of them take part). {rule}; if the others are only "
+        f"slow, raise `timeout=`. The distributed client said: {said}"
+    )
 
 
 def wait_for_processes(
@@ -391,6 +480,11 @@ def fail_together(
 # ---------------------------------------------------------------------------------
 
 
+# How long `shard` waits for the other processes' digests: it has no `timeout=`,
+# and waited without end in an XLA all-gather before.
+_AGREE_TIMEOUT = 86_400.0
+
+
 def check_processes_agree(
     caller: str,
     tree: PyTree,
@@ -408,13 +502,42 @@ def check_processes_agree(
     `check_values="full"` a hash of every byte.
 
     Nothing here depends on whether the specs fit, which each process checks
-    afterwards: processes that agree then fail, or not, together. A collective
-    among the processes of the meshes, if there are several."""
+    afterwards: processes that agree then fail, or not, together. A meeting of
+    the processes of the meshes (`exchange`), if there are several.
+    `start_agreement` and its finish at once."""
+    start_agreement(
+        caller,
+        tree,
+        specs,
+        mesh,
+        root=root,
+        host_local=host_local,
+        check_values=check_values,
+    )()
+
+
+def start_agreement(
+    caller: str,
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    root: KeyPath,
+    host_local: bool,
+    check_values: CheckValues = "sample",
+) -> Callable[[], None]:
+    """`check_processes_agree` in two steps: posts this process's digest now, and
+    returns the function that finishes the check (reads the others' digests and
+    raises if they differ). In between, a process may do work that involves no
+    other process, such as placing full copies or host-local blocks (not laying
+    out a global array again: a collective), and so not wait for the others
+    idle; it must then finish the check before it raises what that work raised,
+    so that every process raises the same error when the trees differ."""
     mesh = find_mesh(mesh)
     meshes = _meshes(specs, mesh)
     devices = _leaders(tuple(meshes))
     if not devices:
-        return
+        return _nothing
     path_leaves = jtu.tree_flatten_with_path(tree)[0]
     try:
         spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
@@ -427,18 +550,38 @@ def check_processes_agree(
     ]
     header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
     payload = json.dumps([header, records]).encode()
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
-    digests = _allgather_rows(np.frombuffer(digest, np.uint8), devices)
-    if (digests == digests[0]).all():
-        return
-    views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
-    processes = [device.process_index for device in devices]
-    spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
-    raise ValueError(
-        _disagreement_message(
-            caller, views, processes, host_local, spanning, check_values
-        )
+    digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
+    read = post_status(
+        caller,
+        tuple(device.process_index for device in devices),
+        _AGREE_TIMEOUT,
+        cannot="they cannot compare their trees",
+        rule="Every process of the mesh must make the same call at the same point",
+        status=digest,
     )
+
+    def finish() -> None:
+        digests = read()
+        if not digests:  # no distributed client: one XLA all-gather instead
+            row = np.frombuffer(bytes.fromhex(digest), np.uint8)
+            rows = _allgather_rows(row, devices)
+            digests = dict(enumerate(row.tobytes().hex() for row in rows))
+        if len(set(digests.values())) == 1:
+            return
+        views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
+        processes = [device.process_index for device in devices]
+        spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
+        raise ValueError(
+            _disagreement_message(
+                caller, views, processes, host_local, spanning, check_values
+            )
+        )
+
+    return finish
+
+
+def _nothing() -> None:
+    pass
 
 
 def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:

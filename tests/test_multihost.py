@@ -4,6 +4,8 @@
 # values worked out by hand or with NumPy here. A launch costs ~2 s, so each one
 # checks many things.
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from multihost import run_processes
 from probes import aligned
 
 import eqshard
+from eqshard import _multiprocess
 
 
 def _mesh(shape, names):
@@ -211,9 +214,9 @@ def test_shard_and_gather_across_two_processes():
         assert r["name"] == "block" and r["kept"]
         # Only this process's shards were copied from the host copies: one callback
         # per local device and array, for that device's shard (JAX reads a fully
-        # replicated array, 'flags', once). One more made the (2, 16) digest of the
-        # tree that the processes compare.
-        expected_callbacks = [((2, 16), ((p, p + 1), (0, 16)))] + [
+        # replicated array, 'flags', once). The digests of the tree that the
+        # processes compare go through the distributed client, not through arrays.
+        expected_callbacks = [
             (full[k].shape, index(j))
             for k, index in expected_index.items()
             for j in range(1 if k == "flags" else 4)
@@ -557,6 +560,18 @@ def _child_gather_alone():
     # Both made the same calls, so the next gather meets again.
     out["again"] = eqshard.gather(placed, timeout=60)["w"]
     out["bad_timeout"] = _error(eqshard.gather, placed, timeout=0)
+    # shard's agreement check posts its digest and waits for the others' (for a
+    # day): a process alone raises, and so does one that comes after it gave up.
+    exchange = ft.partial(
+        _multiprocess.exchange, "shard", (0, 1), 1, cannot="no", rule="Rule"
+    )
+    if p == 0:
+        out["exchange alone"] = _error(exchange, status="digest 0")
+    multihost_utils.sync_global_devices("eqshard test: after the lone exchange")
+    if p == 1:
+        out["exchange late"] = _error(exchange, status="digest 1")
+    multihost_utils.sync_global_devices("eqshard test: after the late exchange")
+    out["exchange again"] = exchange(status=f"digest {p}")
     return out
 
 
@@ -574,6 +589,14 @@ def test_gather_alone_raises_instead_of_hanging():
             "this call within 1 s, so the arrays at 'stage/w' cannot be gathered"
         )
         assert "must make the same call" in message
+        message = results[p][f"exchange {key}"]
+        assert message is not None, f"process {p} did not raise"
+        assert message.startswith(
+            f"eqshard.shard: on process {p}, processes [0, 1] did not all make "
+            "this call within 1 s, so no (all of them take part). Rule;"
+        )
+    for r in results:
+        assert r["exchange again"] == {0: "digest 0", 1: "digest 1"}
 
 
 # ---------------------------------------------------------------------------------
