@@ -20,11 +20,12 @@ How data moves, in the order of this file:
      and move in one program for the tree on GPU and TPU (`_resident.py`); data
      that would lose values is refused, naming every array;
    - *placing*: in one process the rest move in one batched `jax.device_put`;
-     in a multi-process run, each process first checks with the others that
-     they all passed the same tree (one 16-byte all-gather), then supplies only
-     the shards its own devices hold, from a full copy of each array or (for
-     `Partitioner.move_to_devices(host_local=True)`) from its own block of it
-     (`_multiprocess.py`).
+     in a multi-process run, each process supplies only the shards its own
+     devices hold, from a full copy of each array or (for
+     `Partitioner.move_to_devices(host_local=True)`) from its own block of it,
+     and checks with the others that they all passed the same tree (a 16-byte
+     digest each, through the distributed client), posting its digest before
+     placing and reading the others' after (`_multiprocess.py`).
 
 After these come `named_shardings` and `make_shard_and_gather_fns`, for code that
 moves a tree piece by piece. Copying back to host is `_gather.py`;
@@ -58,11 +59,11 @@ from ._host import (
 from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import concrete_mesh
 from ._multiprocess import (
-    check_processes_agree,
     from_host_copies,
     from_host_local,
     host_local_shape,
     is_global,
+    start_agreement,
 )
 from ._resident import move_blocks, move_in_programs, Route, route
 from ._spec_args import resolve_like, resolve_specs
@@ -425,13 +426,14 @@ def shard(
 
     In a multi-process run, every process of the mesh makes the same call with a
     full copy of every array, and copies to its devices only the shards they hold.
-    The processes first compare their paths, shapes, dtypes, specs and values
-    (one 16-byte all-gather of a hash of them all), so that a mismatch raises the
-    same error on every process, naming the leaves that differ, instead of a hang
-    or wrong values. By default the values compared are a sample: 64 elements of
-    each array, evenly spread (all of a smaller one), which costs next to nothing
-    but misses copies that differ only elsewhere; `check_values="full"` hashes
-    every byte instead (one BLAKE2b pass, about 1.5 s per GiB on one CPU core).
+    The processes also compare their paths, shapes, dtypes, specs and values (a
+    16-byte hash of them all from each, exchanged through the distributed client
+    while the copies are made), so that a mismatch raises the same error on every
+    process, naming the leaves that differ, instead of a hang or wrong values.
+    By default the values compared are a sample: 64 elements of each array,
+    evenly spread (all of a smaller one), which costs next to nothing but misses
+    copies that differ only elsewhere; `check_values="full"` hashes every byte
+    instead (one BLAKE2b pass, about 1.5 s per GiB on one CPU core).
     To pass each process's own part of an array instead (such as its part of the
     batch), use `Partitioner.move_to_devices(..., host_local=True)`.
 
@@ -526,11 +528,15 @@ def shard_tree(
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
     blocks (`host_local`) and, in one process, donated buffers (`donate`)."""
+    agreed = _agreed
     if jax.process_count() > 1:
-        # All processes compare their trees first: a process whose tree differs
-        # could otherwise fail validation alone and leave the others waiting in a
-        # collective.
-        check_processes_agree(
+        # All processes compare their trees: a process whose tree differs could
+        # otherwise fail validation alone and leave the others waiting in a
+        # collective. Each posts its digest now, and places full copies and
+        # host-local blocks (its own work, no collective) while the others
+        # arrive; JAX arrays wait for the others first, as laying one out again
+        # may be a collective.
+        agreed = start_agreement(
             caller,
             tree,
             specs,
@@ -539,12 +545,30 @@ def shard_tree(
             host_local=host_local,
             check_values=check_values,
         )
-    leaves, treedef = _leaves(
-        tree, specs, mesh, dtype=dtype, caller=caller, root=root, host_local=host_local
-    )
-    placed = _place(leaves, caller=caller, host_local=host_local, donate=donate)
+        if any(isinstance(x, jax.Array) for x in jtu.tree_leaves(tree)):
+            agreed()
+            agreed = _agreed
+    try:
+        leaves, treedef = _leaves(
+            tree,
+            specs,
+            mesh,
+            dtype=dtype,
+            caller=caller,
+            root=root,
+            host_local=host_local,
+        )
+        placed = _place(leaves, caller=caller, host_local=host_local, donate=donate)
+    except Exception:
+        agreed()  # if the trees differ, that is the error, on every process
+        raise
+    agreed()
     # A `HostKey` whose data was placed is a key array again.
     return wrap_host_keys(jtu.tree_unflatten(treedef, placed))
+
+
+def _agreed() -> None:
+    """The agreement of a single process with itself: nothing to wait for."""
 
 
 # ---------------------------------------------------------------------------------
