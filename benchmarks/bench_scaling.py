@@ -10,8 +10,10 @@ through `_timing.interleaved` against the hand-written route where there is one:
   (10 rules, abstract leaves), `plan_training` with AdamW (abstract), and
   `analyze_step` of a step that scales every leaf (1k and 10k only: it compiles
   the step, and XLA's compile of 100k parameters takes minutes).
-- **Bytes** (64 MiB to 2 GiB in 16 leaves): `shard` and `gather` against
-  `device_put` and `device_get`, in seconds per GiB.
+- **Bytes** (64 MiB to 2 GiB in 16 leaves, split by rows, each 16 bytes past a
+  64-byte boundary as NumPy allocates large arrays, so that raw `device_put`
+  copies them too): `shard` and `gather` against `device_put` and
+  `device_get`, in seconds per GiB.
 
 Run: `python benchmarks/bench_scaling.py [--runs 3] [--max-gib 2]`.
 """
@@ -161,8 +163,8 @@ def byte_rows(mesh, sizes_mib, runs):
         # 16 leaves of (rows, 1024) float32, sharded over both axes.
         rows_per = mib * 2**20 // (16 * 1024 * 4)
         rng = np.random.default_rng(0)
-        host = [rng.standard_normal((rows_per, 1024), dtype=np.float32)]
-        host += [host[0] + i for i in range(1, 16)]
+        first = rng.standard_normal((rows_per, 1024), dtype=np.float32)
+        host = [_off_64_bytes(first + i) for i in range(16)]
         specs = [P(("dp", "tp"))] * 16
         put, get, _ = shard_and_gather(host, specs, mesh, runs)
         gib = mib / 1024
@@ -171,6 +173,18 @@ def byte_rows(mesh, sizes_mib, runs):
             (f"gather, {mib} MiB", get["eqshard"], get["raw"], _per_gib(get, gib)),
         ]
     return rows
+
+
+def _off_64_bytes(x: np.ndarray) -> np.ndarray:
+    """A copy of `x` starting 16 bytes past a 64-byte boundary, as NumPy places
+    large arrays (after its allocation header): the same every run. On CPU,
+    `device_put` takes a 64-byte aligned array's dense blocks in place, sharing
+    the caller's memory, where `shard` copies them; this keeps both copying."""
+    raw = np.empty(x.nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + 16
+    out = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 def _per_gib(times, gib: float) -> str:
