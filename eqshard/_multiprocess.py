@@ -485,37 +485,6 @@ def fail_together(
 _AGREE_TIMEOUT = 86_400.0
 
 
-def check_processes_agree(
-    caller: str,
-    tree: PyTree,
-    specs: PyTree,
-    mesh: Mesh | AbstractMesh | None,
-    *,
-    root: KeyPath,
-    host_local: bool,
-    check_values: CheckValues = "sample",
-) -> None:
-    """Raises the same `ValueError` on every process of the call's meshes unless
-    they all passed the same paths, shapes, dtypes and specs, and equal values
-    where the values must be equal (every full copy; with `host_local`, every
-    block that is the whole array): a sample of 64 of them, or with
-    `check_values="full"` a hash of every byte.
-
-    Nothing here depends on whether the specs fit, which each process checks
-    afterwards: processes that agree then fail, or not, together. A meeting of
-    the processes of the meshes (`exchange`), if there are several.
-    `start_agreement` and its finish at once."""
-    start_agreement(
-        caller,
-        tree,
-        specs,
-        mesh,
-        root=root,
-        host_local=host_local,
-        check_values=check_values,
-    )()
-
-
 def start_agreement(
     caller: str,
     tree: PyTree,
@@ -526,9 +495,18 @@ def start_agreement(
     host_local: bool,
     check_values: CheckValues = "sample",
 ) -> Callable[[], None]:
-    """`check_processes_agree` in two steps: posts this process's digest now, and
-    returns the function that finishes the check (reads the others' digests and
-    raises if they differ). In between, a process may do work that involves no
+    """Checks that every process of the call's meshes passed the same paths,
+    shapes, dtypes and specs, and equal values where the values must be equal
+    (every full copy; with `host_local`, every block that is the whole array): a
+    sample of 64 of them, or with `check_values="full"` a hash of every byte.
+    Nothing here depends on whether the specs fit, which each process checks
+    afterwards: processes that agree then fail, or not, together.
+
+    In two steps: posts this process's digest now (a meeting of the processes of
+    the meshes, `exchange`, if there are several), and returns the function that
+    finishes the check (reads the others' digests and raises the same
+    `ValueError` on every process if they differ; `agreed_alone` if there is no
+    other process). In between, a process may do work that involves no
     other process, such as placing full copies or host-local blocks (not laying
     out a global array again: a collective), and so not wait for the others
     idle; it must then finish the check before it raises what that work raised,
@@ -537,7 +515,7 @@ def start_agreement(
     meshes = _meshes(specs, mesh)
     devices = _leaders(tuple(meshes))
     if not devices:
-        return _nothing
+        return agreed_alone
     path_leaves = jtu.tree_flatten_with_path(tree)[0]
     try:
         spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
@@ -580,8 +558,8 @@ def start_agreement(
     return finish
 
 
-def _nothing() -> None:
-    pass
+def agreed_alone() -> None:
+    """The end of the check of a process with no other to agree with."""
 
 
 def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:

@@ -59,6 +59,7 @@ from ._host import (
 from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import concrete_mesh
 from ._multiprocess import (
+    agreed_alone,
     from_host_copies,
     from_host_local,
     host_local_shape,
@@ -528,7 +529,7 @@ def shard_tree(
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
     blocks (`host_local`) and, in one process, donated buffers (`donate`)."""
-    agreed = _agreed
+    agreed = agreed_alone
     if jax.process_count() > 1:
         # All processes compare their trees: a process whose tree differs could
         # otherwise fail validation alone and leave the others waiting in a
@@ -547,7 +548,7 @@ def shard_tree(
         )
         if any(isinstance(x, jax.Array) for x in jtu.tree_leaves(tree)):
             agreed()
-            agreed = _agreed
+            agreed = agreed_alone
     try:
         leaves, treedef = _leaves(
             tree,
@@ -565,10 +566,6 @@ def shard_tree(
     agreed()
     # A `HostKey` whose data was placed is a key array again.
     return wrap_host_keys(jtu.tree_unflatten(treedef, placed))
-
-
-def _agreed() -> None:
-    """The agreement of a single process with itself: nothing to wait for."""
 
 
 # ---------------------------------------------------------------------------------
