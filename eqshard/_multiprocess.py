@@ -239,8 +239,8 @@ def _distributed_client() -> Any:
 # the set makes the same calls in the same order, so the ids agree across them.
 _barriers: dict[tuple[int, ...], itertools.count] = {}
 # The key this process last posted its status under, per set of processes (by
-# `meet` or `exchange`): removed once the next meeting or exchange of the set shows
-# that every process has read it.
+# `meet` or `post_status`): removed once the next meeting or exchange of the set
+# shows that every process has read it.
 _posted: dict[tuple[int, ...], str] = {}
 
 
@@ -297,27 +297,6 @@ def meet(
     return found
 
 
-def exchange(
-    caller: str,
-    processes: tuple[int, ...],
-    timeout: float | int,
-    *,
-    cannot: str,
-    rule: str,
-    status: str,
-) -> dict[int, str]:
-    """Every process of `processes` posts its `status` to the distributed client's
-    key-value store and reads everyone's: `{process: status}`, like `meet` with a
-    status but without its barrier (one call to the client that posts, then one
-    that waits for each other process's status), and raising the same `ValueError`
-    if they do not all post within `timeout` seconds (a process that comes after
-    one gave up raises too). Nothing happens without a distributed client, or
-    with one process (`{}`)."""
-    return post_status(
-        caller, processes, timeout, cannot=cannot, rule=rule, status=status
-    )()
-
-
 def post_status(
     caller: str,
     processes: tuple[int, ...],
@@ -327,9 +306,14 @@ def post_status(
     rule: str,
     status: str,
 ) -> Callable[[], dict[int, str]]:
-    """`exchange` in two steps: posts `status` now, and returns the function that
-    reads everyone's (waiting for them). In between, this process can do work of
-    its own while the others arrive."""
+    """Every process of `processes` posts its `status` to the distributed client's
+    key-value store and reads everyone's, like `meet` with a status but without
+    its barrier, in two steps: posts `status` now, and returns the function that
+    reads everyone's, `{process: status}`, waiting for each other process's (in
+    between, this process can do work of its own while the others arrive). It
+    raises the same `ValueError` as `meet` if they do not all post within
+    `timeout` seconds (a process that comes after one gave up raises too).
+    Nothing happens without a distributed client, or with one process (`{}`)."""
     client = _distributed_client()
     if client is None or len(processes) < 2:
         return dict
@@ -503,7 +487,7 @@ def start_agreement(
     afterwards: processes that agree then fail, or not, together.
 
     In two steps: posts this process's digest now (a meeting of the processes of
-    the meshes, `exchange`, if there are several), and returns the function that
+    the meshes, `post_status`, if there are several), and returns the function that
     finishes the check (reads the others' digests and raises the same
     `ValueError` on every process if they differ; `agreed_alone` if there is no
     other process). In between, a process may do work that involves no

@@ -4,7 +4,6 @@
 # values worked out by hand or with NumPy here. A launch costs ~2 s, so each one
 # checks many things.
 
-import functools as ft
 
 import jax
 import jax.numpy as jnp
@@ -560,11 +559,13 @@ def _child_gather_alone():
     # Both made the same calls, so the next gather meets again.
     out["again"] = eqshard.gather(placed, timeout=60)["w"]
     out["bad_timeout"] = _error(eqshard.gather, placed, timeout=0)
+
     # shard's agreement check posts its digest and waits for the others' (for a
     # day): a process alone raises, and so does one that comes after it gave up.
-    exchange = ft.partial(
-        _multiprocess.exchange, "shard", (0, 1), 1, cannot="no", rule="Rule"
-    )
+    def exchange(status):
+        post = _multiprocess.post_status
+        return post("shard", (0, 1), 1, cannot="no", rule="Rule", status=status)()
+
     if p == 0:
         out["exchange alone"] = _error(exchange, status="digest 0")
     multihost_utils.sync_global_devices("eqshard test: after the lone exchange")
