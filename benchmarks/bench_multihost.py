@@ -20,10 +20,10 @@ the min and median, in ms, and the ratios to raw JAX, of process 0's times and o
 the slower process's time in each run (a multi-process call is done when every
 process is: the check makes the processes wait for each other, so process 0
 alone is timed waiting for a process that the shared machine slowed down, and raw
-JAX never is). The processes
-are started by the tests' harness (`tests/multihost.py`) without its jaxtyping
-import hook (`typecheck=False`: eqshard runs as users run it), which gives them a
-free port, a timeout and a clean exit.
+JAX never is). The processes are started by the tests' harness
+(`tests/multihost.py`) without its jaxtyping import hook (`typecheck=False`:
+eqshard runs as users run it), which gives them a free port, a timeout and a
+clean exit.
 
 With `--pin`, each process is pinned to a core of its own (process `i` to core
 `i % cores`, every thread of it, those JAX has already started included). On this

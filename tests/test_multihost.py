@@ -4,7 +4,6 @@
 # values worked out by hand or with NumPy here. A launch costs ~2 s, so each one
 # checks many things.
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
