@@ -468,9 +468,8 @@ def shard(
     block of a NumPy array is copied once, into a buffer of its own), so a data
     loader may reuse its buffers. An array that stands at several leaves with one
     spec (tied weights) is placed once and comes back as one array at all of them.
-    An
-    [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it) becomes a
-    key array again, placed with its spec.
+    An [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it)
+    becomes a key array again, placed with its spec.
 
     **Returns:**
 
