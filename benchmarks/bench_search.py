@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 from _timing import once
 from jax.sharding import AxisType, PartitionSpec as P
+from models import Block, MLP
 
 import eqshard
 
@@ -61,72 +62,12 @@ import eqshard
 # ---------------------------------------------------------------------------------
 
 
-class Attention(eqx.Module):
-    q: eqx.nn.Linear
-    k: eqx.nn.Linear
-    v: eqx.nn.Linear
-    o: eqx.nn.Linear
-    heads: int = eqx.field(static=True)
-    causal: bool = eqx.field(static=True)
-
-    def __init__(self, dim: int, heads: int, causal: bool, *, key: jax.Array):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q = eqx.nn.Linear(dim, dim, key=kq)
-        self.k = eqx.nn.Linear(dim, dim, key=kk)
-        self.v = eqx.nn.Linear(dim, dim, key=kv)
-        self.o = eqx.nn.Linear(dim, dim, key=ko)
-        self.heads, self.causal = heads, causal
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        seq, dim = x.shape
-        q, k, v = (
-            jax.vmap(f)(x).reshape(seq, self.heads, -1)
-            for f in (self.q, self.k, self.v)
-        )
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // self.heads)
-        if self.causal:
-            scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
-        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
-        return jax.vmap(self.o)(out.reshape(seq, dim))
-
-
-class MLP(eqx.Module):
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, dim: int, *, key: jax.Array):
-        ku, kd = jax.random.split(key)
-        self.up = eqx.nn.Linear(dim, 4 * dim, key=ku)
-        self.down = eqx.nn.Linear(4 * dim, dim, key=kd)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
-
-
-class Block(eqx.Module):
-    norm1: eqx.nn.LayerNorm
-    attn: Attention
-    norm2: eqx.nn.LayerNorm
-    mlp: MLP
-
-    def __init__(self, dim: int, heads: int, causal: bool, *, key: jax.Array):
-        ka, km = jax.random.split(key)
-        self.norm1 = eqx.nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, causal, key=ka)
-        self.norm2 = eqx.nn.LayerNorm(dim)
-        self.mlp = MLP(dim, key=km)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(jax.vmap(self.norm1)(x))
-        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-
-
 def stacked_blocks(
     layers: int, dim: int, heads: int, causal: bool, key: jax.Array
 ) -> Block:
     """`layers` blocks as one, each array with a leading layer axis."""
     keys = jax.random.split(key, layers)
-    return eqx.filter_vmap(lambda k: Block(dim, heads, causal, key=k))(keys)
+    return eqx.filter_vmap(lambda k: Block(dim, heads, causal=causal, key=k))(keys)
 
 
 def scan_blocks(blocks: Block, x: jax.Array) -> jax.Array:

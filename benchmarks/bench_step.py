@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import optax
 from _timing import once, table, Times
 from jax.sharding import AxisType, PartitionSpec as P
+from models import Block, RULES
 
 import eqshard
 
@@ -70,65 +71,6 @@ jax.monitoring.register_event_duration_secs_listener(_listen)
 # ---------------------------------------------------------------------------------
 
 
-class Attention(eqx.Module):
-    q: eqx.nn.Linear
-    k: eqx.nn.Linear
-    v: eqx.nn.Linear
-    o: eqx.nn.Linear
-    heads: int = eqx.field(static=True)
-
-    def __init__(self, dim: int, heads: int, *, key: jax.Array):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q = eqx.nn.Linear(dim, dim, key=kq)
-        self.k = eqx.nn.Linear(dim, dim, key=kk)
-        self.v = eqx.nn.Linear(dim, dim, key=kv)
-        self.o = eqx.nn.Linear(dim, dim, key=ko)
-        self.heads = heads
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        seq, dim = x.shape
-        q, k, v = (
-            jax.vmap(f)(x).reshape(seq, self.heads, -1)
-            for f in (self.q, self.k, self.v)
-        )
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // self.heads)
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, dim)
-        return jax.vmap(self.o)(out)
-
-
-class MLP(eqx.Module):
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, dim: int, *, key: jax.Array):
-        ku, kd = jax.random.split(key)
-        self.up = eqx.nn.Linear(dim, 4 * dim, key=ku)
-        self.down = eqx.nn.Linear(4 * dim, dim, key=kd)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
-
-
-class Block(eqx.Module):
-    norm1: eqx.nn.LayerNorm
-    attn: Attention
-    norm2: eqx.nn.LayerNorm
-    mlp: MLP
-
-    def __init__(self, dim: int, heads: int, *, key: jax.Array):
-        ka, km = jax.random.split(key)
-        self.norm1 = eqx.nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, key=ka)
-        self.norm2 = eqx.nn.LayerNorm(dim)
-        self.mlp = MLP(dim, key=km)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(jax.vmap(self.norm1)(x))
-        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-
-
 class GPT(eqx.Module):
     embed: eqx.nn.Embedding
     blocks: list[Block]
@@ -147,19 +89,6 @@ class GPT(eqx.Module):
         for block in self.blocks:
             x = block(x)
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
-
-
-RULES = [
-    ("embed/weight", P("tp", "fsdp")),
-    ("attn/(q|k|v)/weight", P("tp", "fsdp")),
-    ("attn/(q|k|v)/bias", P("tp")),
-    ("attn/o/weight", P("fsdp", "tp")),
-    ("mlp/up/weight", P("tp", "fsdp")),
-    ("mlp/up/bias", P("tp")),
-    ("mlp/down/weight", P("fsdp", "tp")),
-    ("head/weight", P("tp", "fsdp")),
-    (".*", P()),
-]
 
 
 def gpt_step(layers: int, dim: int, mesh: Any) -> tuple[Callable[[], Any], tuple]:

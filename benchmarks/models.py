@@ -2,7 +2,9 @@
 
 `Transformer` is a GPT-style model (embedding, pre-norm blocks of q/k/v/o and MLP
 `eqx.nn.Linear`s, layer norms, a head), the same parameters as the demo of
-`python -m eqshard`; only its construction is timed, so it has no forward pass.
+`python -m eqshard`; only its construction is timed (`bench_init.py`), so it has
+no forward pass. Its `Block`s (and their `Attention` and `MLP`) do: the step
+benchmarks (`bench_step.py`, `bench_search.py`) build their models from them.
 `config_for_size` sizes it, and `RULES` shard every matrix over both axes of an
 ('fsdp', 'tp') mesh.
 """
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
@@ -49,14 +52,27 @@ class Attention(eqx.Module):
     v: eqx.nn.Linear
     o: eqx.nn.Linear
     heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
 
-    def __init__(self, dim: int, heads: int, *, key: PRNGKeyArray):
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, key: PRNGKeyArray):
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.q = eqx.nn.Linear(dim, dim, key=kq)
         self.k = eqx.nn.Linear(dim, dim, key=kk)
         self.v = eqx.nn.Linear(dim, dim, key=kv)
         self.o = eqx.nn.Linear(dim, dim, key=ko)
-        self.heads = heads
+        self.heads, self.causal = heads, causal
+
+    def __call__(self, x: Array) -> Array:
+        seq, dim = x.shape
+        q, k, v = (
+            jax.vmap(f)(x).reshape(seq, self.heads, -1)
+            for f in (self.q, self.k, self.v)
+        )
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // self.heads)
+        if self.causal:
+            scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        return jax.vmap(self.o)(out.reshape(seq, dim))
 
 
 class MLP(eqx.Module):
@@ -70,6 +86,9 @@ class MLP(eqx.Module):
         self.down = eqx.nn.Linear(4 * dim, dim, key=kd)
         self.activation = jax.nn.gelu
 
+    def __call__(self, x: Array) -> Array:
+        return self.down(self.activation(self.up(x)))
+
 
 class Block(eqx.Module):
     norm1: eqx.nn.LayerNorm
@@ -77,12 +96,16 @@ class Block(eqx.Module):
     norm2: eqx.nn.LayerNorm
     mlp: MLP
 
-    def __init__(self, dim: int, heads: int, *, key: PRNGKeyArray):
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
         self.norm1 = eqx.nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, key=ka)
+        self.attn = Attention(dim, heads, causal=causal, key=ka)
         self.norm2 = eqx.nn.LayerNorm(dim)
         self.mlp = MLP(dim, key=km)
+
+    def __call__(self, x: Array) -> Array:
+        x = x + self.attn(jax.vmap(self.norm1)(x))
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
 
 
 class Transformer(eqx.Module):
