@@ -329,11 +329,11 @@ def move_in_programs(
     arrays: Sequence[jax.Array],
     shardings: Sequence[NamedSharding],
     casts: Sequence[np.dtype | None],
-) -> tuple[list[jax.Array], list[tuple[int, int, float]]]:
+) -> tuple[list[jax.Array], list[tuple[int, Lost]]]:
     """The arrays of the `"program"` route, placed on their shardings and cast:
     one program per group of arrays on the same devices (in practice, one). Also
-    returns `(position, count, largest)` for each cast that turned `count` finite
-    values (the largest `largest` in magnitude) into inf or nan."""
+    returns `(position, lost)` for each cast that turned finite values into inf or
+    nan, as `move_blocks` does."""
     groups: dict[Any, list[int]] = {}
     for k, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
         if len(x.sharding.device_set) == 1:
@@ -357,7 +357,7 @@ def move_in_programs(
                 found.append((k, loss))
     counts = jax.device_get([loss for _, loss in found])
     lost = [
-        (k, int(count), float(largest))
+        (k, Lost(np.dtype(casts[k]), int(count), float(largest)))
         for (k, _), (count, largest) in zip(found, counts, strict=True)
         if count
     ]

@@ -50,7 +50,6 @@ from ._host import (
     leaf_casts,
     loss_error,
     lost_text,
-    overflow_text,
     private_copy,
     shares_memory,
     takes_in_place,
@@ -283,39 +282,26 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
 
 
 def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
-    """The JAX arrays of the `"program"` route, placed (and cast) by one program
-    for the tree, and those of the `"blocks"` route, block by block; returns the
-    casts that overflowed."""
+    """The JAX arrays of the `"blocks"` route, placed (and cast) block by block,
+    and those of the `"program"` route, by one program for the tree; returns the
+    casts that lost values."""
     lost = []
-    by_blocks = [m for m in moves if m.route == "blocks"]
-    if by_blocks:
-        placed, casts_lost = move_blocks(
-            [m.leaf.value for m in by_blocks],
-            [typing.cast(NamedSharding, m.leaf.sharding) for m in by_blocks],
-            [m.leaf.cast for m in by_blocks],
+    for name, move in (("blocks", move_blocks), ("program", move_in_programs)):
+        group = [m for m in moves if m.route == name]
+        if not group:
+            continue
+        placed, casts_lost = move(
+            [m.leaf.value for m in group],
+            [typing.cast(NamedSharding, m.leaf.sharding) for m in group],
+            [m.leaf.cast for m in group],
         )
-        for move, array in zip(by_blocks, placed, strict=True):
-            move.placed = array
+        for m, array in zip(group, placed, strict=True):
+            m.placed = array
         for j, what in casts_lost:
-            leaf = by_blocks[j].leaf
+            leaf = group[j].leaf
             lost.append(
                 (leaf.path, leaf.value.dtype, what.dtype, lost_text(what), True)
             )
-    by_program = [m for m in moves if m.route == "program"]
-    if not by_program:
-        return lost
-    placed, overflowed = move_in_programs(
-        [m.leaf.value for m in by_program],
-        [typing.cast(NamedSharding, m.leaf.sharding) for m in by_program],
-        [m.leaf.cast for m in by_program],
-    )
-    for move, array in zip(by_program, placed, strict=True):
-        move.placed = array
-    for j, count, largest in overflowed:
-        leaf = by_program[j].leaf
-        target = np.dtype(typing.cast(np.dtype, leaf.cast))
-        what = overflow_text(count, largest, target)
-        lost.append((leaf.path, leaf.value.dtype, target, what, True))
     return lost
 
 

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from probes import Compiles
 
+from eqshard._host import Lost
 from eqshard._resident import move_blocks, move_in_programs, route
 
 
@@ -53,7 +54,7 @@ def test_casts_that_overflow_are_counted(mesh):
     arrays = [jax.device_put(v, jax.devices()[0]) for v in values]
     shardings = [NamedSharding(mesh, P("dp"))] * 2
     _, lost = move_in_programs(arrays, shardings, [np.dtype(np.float16)] * 2)
-    assert lost == [(0, 4, 1e6)]
+    assert lost == [(0, Lost(np.dtype(np.float16), 4, 1e6))]
 
 
 def test_route(mesh):
