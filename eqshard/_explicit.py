@@ -257,7 +257,7 @@ def _where(
         for name, value in frame.f_locals.items():
             try:
                 path_leaves = jtu.tree_flatten_with_path(value)[0]
-            except Exception:  # a value JAX cannot flatten (a dict of mixed keys)
+            except (TypeError, ValueError):  # JAX cannot flatten it (mixed keys)
                 continue
             found = [(path, leaf) for path, leaf in path_leaves if id(leaf) in by_id]
             if found:

@@ -545,7 +545,7 @@ def shard_tree(
             host_local=host_local,
         )
         placed = _place(leaves, caller=caller, host_local=host_local, donate=donate)
-    except Exception:
+    except (TypeError, ValueError):  # what a tree that does not fit raises
         agreed()  # if the trees differ, that is the error, on every process
         raise
     agreed()
