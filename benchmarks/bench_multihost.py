@@ -40,6 +40,7 @@ import sys
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -49,7 +50,6 @@ from _timing import interleaved, table, Times  # noqa: E402
 from multihost import run_processes  # noqa: E402
 
 import eqshard  # noqa: E402
-from eqshard._multiprocess import _distributed_client  # noqa: E402
 
 
 def _pin_to_one_core() -> None:
@@ -87,12 +87,14 @@ def _child(leaves: int, mib: int, runs: int, pin: bool) -> dict[str, list[float]
         "full": lambda: eqshard.shard(tree, sharding, check_values="full"),
     }
     # Every timed call starts with both processes together (a barrier of the
-    # distributed client: no XLA program, whose CPU threads would spin into the
-    # timing), after the garbage collector ran (`start`: a collection takes about
-    # 60 ms here, a few ms more or less on each process): the check makes them
-    # meet, so a process that came early would otherwise be timed waiting for the
-    # other to finish its previous call or its collection.
-    client = _distributed_client()
+    # distributed client: no XLA program, which here slowed and spread both
+    # routes: medians 72-154 ms with `sync_global_devices` against 60-75 ms),
+    # after the garbage collector ran (`start`: a collection takes about 60 ms
+    # here, a few ms more or less on each process): the check makes them meet,
+    # so a process that came early would otherwise be timed waiting for the
+    # other to finish its previous call or its collection. JAX 0.10 has no public
+    # accessor for the client: this is the attribute `multihost_utils` uses.
+    client = multihost_utils.distributed.global_state.client
     barriers = itertools.count()
 
     def together() -> None:
