@@ -27,6 +27,7 @@ from ._multiprocess import (
     needs_collective,
     wait_for_processes,
 )
+from ._threads import spread
 from ._tree import (
     abstract_leaf_error,
     collision_message,
@@ -75,27 +76,41 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     `jax.device_get` caches an array's host copy on it, where it lives as long as
     the array does: a gathered model would keep a hidden second host copy, and
     `iter_gather` would hold every leaf at once. On CPU each distinct block is
-    read from its device buffer (no copy, so nothing is cached) into the result;
-    elsewhere each array is read through a short-lived `_uncached` wrapper."""
+    read from its device buffer (no copy, so nothing is cached) into the result,
+    the arrays spread over the cores (`_threads.py`); elsewhere each array is
+    read through a short-lived `_uncached` wrapper."""
     out: list[Any] = [None] * len(arrays)
-    elsewhere = []
+    on_cpu: list[tuple[int, Any]] = []
+    elsewhere: list[tuple[int, Any]] = []
     for i, array in enumerate(arrays):
-        shape = tuple(array.shape)
-        blocks = _cpu_blocks(array.sharding, shape)
-        if blocks is None:
-            elsewhere.append(i)
-        elif len(blocks) == 1:  # one block: the whole array
-            out[i] = np.asarray(array.addressable_data(blocks[0][0]))
-        else:
-            value = np.empty(shape, array.dtype)
-            for k, index in blocks:
-                value[index] = np.asarray(array.addressable_data(k))
-            out[i] = value
+        blocks = _cpu_blocks(array.sharding, tuple(array.shape))
+        (elsewhere if blocks is None else on_cpu).append((i, blocks))
+    copied = spread(
+        lambda indices: [
+            _from_cpu_blocks(arrays[on_cpu[k][0]], on_cpu[k][1]) for k in indices
+        ],
+        [0 if len(blocks) == 1 else arrays[i].nbytes for i, blocks in on_cpu],
+        pinned=[False] * len(on_cpu),
+    )
+    for (i, _), value in zip(on_cpu, copied, strict=True):
+        out[i] = value
     if elsewhere:
-        values = jax.device_get([_uncached(arrays[i]) for i in elsewhere])
-        for i, value in zip(elsewhere, values, strict=True):
+        values = jax.device_get([_uncached(arrays[i]) for i, _ in elsewhere])
+        for (i, _), value in zip(elsewhere, values, strict=True):
             out[i] = value
     return out
+
+
+def _from_cpu_blocks(array: jax.Array, blocks: Any) -> np.ndarray:
+    """The value of `array`, on CPU devices, from its distinct `blocks`
+    (`_cpu_blocks`): its one device buffer itself, or the blocks copied into one
+    NumPy array."""
+    if len(blocks) == 1:  # one block: the whole array
+        return np.asarray(array.addressable_data(blocks[0][0]))
+    value = np.empty(array.shape, array.dtype)
+    for k, index in blocks:
+        value[index] = np.asarray(array.addressable_data(k))
+    return value
 
 
 def _to_host(array: jax.Array) -> np.ndarray:

@@ -19,7 +19,8 @@ How data moves, in the order of this file:
      per shape, are copied block by block on CPU (through the host for casts),
      and move in one program for the tree on GPU and TPU (`_resident.py`); data
      that would lose values is refused, naming every array;
-   - *placing*: in one process the rest move in one batched `jax.device_put`;
+   - *placing*: in one process the rest move in one batched `jax.device_put`
+     (NumPy data bound for CPU devices in one batch per core: `_threads.py`);
      in a multi-process run, each process supplies only the shards its own
      devices hold, from a full copy of each array or (for
      `Partitioner.move_to_devices(host_local=True)`) from its own block of it,
@@ -79,6 +80,7 @@ from ._specs import (
     named_sharding,
     spec_error_message,
 )
+from ._threads import device_put as spread_device_put
 from ._tree import (
     abstract_leaf_error,
     deleted_error,
@@ -307,8 +309,9 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
 
 def _put(moves: list[_Move], *, donate: bool) -> None:
     """Placing, in one process: the moves not placed yet, in one batched
-    `jax.device_put`. With `donate`, JAX arrays give up their old buffers, but
-    an array that stands in several moves cannot give its buffer twice."""
+    `jax.device_put` (NumPy data for CPU devices spread over the cores). With
+    `donate`, JAX arrays give up their old buffers, but an array that stands in
+    several moves cannot give its buffer twice."""
     rest = [m for m in moves if m.placed is None]
     ready = [m.ready for m in rest]
     shardings = [m.leaf.sharding for m in rest]
@@ -323,7 +326,7 @@ def _put(moves: list[_Move], *, donate: bool) -> None:
     if any(donated):
         placed = jax.device_put(ready, shardings, donate=donated)
     else:
-        placed = jax.device_put(ready, shardings)
+        placed = spread_device_put(ready, shardings)
     for move, array in zip(rest, placed, strict=True):
         move.placed = array
     _unalias(rest)

@@ -1,0 +1,150 @@
+"""Host copies spread over the machine's cores.
+
+On CPU devices a device's memory is host memory, so placing NumPy data
+(`jax.device_put`), cutting device-resident arrays into the blocks of another
+sharding (`_resident.py`) and gathering blocks into one NumPy array (`_gather.py`)
+are memory copies, which JAX and NumPy make on the calling thread with the GIL
+released. Into freshly allocated memory, a copy costs about as much in page
+faults as in copying, and both run on every core at once: on this project's
+2-core machine, 60 arrays (65 MiB) were placed in 8.6 ms from two threads
+against 13.7 ms from one (`benchmarks/bench_device_resident.py`).
+
+So those paths give their arrays to `spread`: one bin of arrays per core, of
+about equal bytes, each bin copied by one thread, the first by the calling
+thread, the others by a pool of `cores - 1` threads that this process keeps
+once it has spread a copy (JAX's first `device_put` on a new thread takes
+~13 ms more, to fill caches of its own). Below 4 MiB in all, handing work to a
+thread costs more than it saves, and everything stays on the calling thread.
+
+JAX's configuration contexts belong to the thread that entered them
+(`jax.enable_x64`, `jax.transfer_guard`), and a thread started here sees the
+global values. So arrays of the dtypes that `jax_enable_x64` narrows are copied
+on the calling thread, and under a transfer guard nothing is spread.
+"""
+
+import functools as ft
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+
+T = TypeVar("T")
+
+# Below this many bytes in all, one thread copies everything: handing work to
+# another costs more than it saves.
+SPREAD_FROM = 4 << 20
+
+# Dtypes that `jax_enable_x64`, per thread, decides JAX narrows.
+_X64 = frozenset(
+    np.dtype(name) for name in ("int64", "uint64", "float64", "complex128")
+)
+
+
+@ft.lru_cache(maxsize=1024)
+def in_cpu_memory(sharding: Any) -> bool:
+    """Whether `sharding` is on CPU devices only, in their default memory."""
+    return sharding.memory_kind in (None, "device") and all(
+        device.platform == "cpu" for device in sharding.device_set
+    )
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@ft.cache
+def _pool() -> ThreadPoolExecutor:
+    """This process's copying threads, started when first needed."""
+    return ThreadPoolExecutor(_cores() - 1, thread_name_prefix="eqshard-copy")
+
+
+def _guarded() -> bool:
+    """Whether a transfer guard other than "allow" holds on this thread."""
+    return any(
+        getattr(jax.config, f"jax_transfer_guard{kind}") not in (None, "allow")
+        for kind in ("", "_host_to_device", "_device_to_host", "_device_to_device")
+    )
+
+
+def movable(dtype: Any) -> bool:
+    """Whether arrays of `dtype` may be copied on another thread: JAX places them
+    the same whatever that thread's `jax_enable_x64`."""
+    return np.dtype(dtype) not in _X64
+
+
+def native(*dtypes: Any) -> bool:
+    """Whether NumPy defines all `dtypes` itself: its loops for the others
+    (ml_dtypes' bfloat16, float8, int4) hold the GIL, so casts between them gain
+    nothing from threads (60 arrays cast to bfloat16: 39 ms from one thread or
+    two)."""
+    return all(np.dtype(dtype).isbuiltin == 1 for dtype in dtypes)
+
+
+def _bins(weights: Sequence[int], pinned: Sequence[bool]) -> list[list[int]]:
+    """The indices of `weights` in bins of about equal weight, one per core (the
+    heaviest first into the lightest bin), the pinned ones in the first; a single
+    bin where spreading would not pay."""
+    free = [i for i, p in enumerate(pinned) if not p]
+    count = min(_cores(), len(free) + any(pinned))
+    if count < 2 or sum(weights) < SPREAD_FROM or _guarded():
+        return [list(range(len(weights)))]
+    bins: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i, p in enumerate(pinned):
+        if p:
+            bins[0].append(i)
+            load[0] += weights[i]
+    for i in sorted(free, key=lambda i: -weights[i]):
+        k = min(range(count), key=load.__getitem__)
+        bins[k].append(i)
+        load[k] += weights[i]
+    return [sorted(b) for b in bins if b]
+
+
+def spread(
+    work: Callable[[list[int]], list[T]],
+    weights: Sequence[int],
+    *,
+    pinned: Sequence[bool],
+) -> list[T]:
+    """`work(indices)` over bins of `range(len(weights))`, one thread per bin (the
+    first on the calling thread), as the module docstring says; `pinned` indices
+    run on the calling thread. Returns the results in index order once every bin
+    is done, or raises the first error a bin raised."""
+    bins = _bins(weights, pinned)
+    futures = [_pool().submit(work, b) for b in bins[1:]]
+    try:
+        results = [work(bins[0])]
+    finally:
+        wait(futures)
+    results += [future.result() for future in futures]  # raises what one raised
+    out: list[Any] = [None] * len(weights)
+    for indices, values in zip(bins, results, strict=True):
+        for i, value in zip(indices, values, strict=True):
+            out[i] = value
+    return out
+
+
+def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Array]:
+    """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
+    spread over the cores."""
+    host = [
+        isinstance(v, np.ndarray) and in_cpu_memory(s)
+        for v, s in zip(values, shardings, strict=True)
+    ]
+    return spread(
+        lambda indices: jax.device_put(
+            [values[i] for i in indices], [shardings[i] for i in indices]
+        ),
+        [v.nbytes if h else 0 for v, h in zip(values, host, strict=True)],
+        pinned=[
+            not (h and movable(v.dtype)) for v, h in zip(values, host, strict=True)
+        ],
+    )
