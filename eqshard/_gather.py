@@ -77,7 +77,7 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     the array does: a gathered model would keep a hidden second host copy, and
     `iter_gather` would hold every leaf at once. On CPU each distinct block is
     read from its device buffer (no copy, so nothing is cached) into the result,
-    the arrays spread over the cores (`_threads.py`); elsewhere each array is
+    the blocks spread over the cores (`_threads.py`); elsewhere each array is
     read through a short-lived `_uncached` wrapper."""
     out: list[Any] = [None] * len(arrays)
     on_cpu: list[tuple[int, Any]] = []
@@ -85,32 +85,31 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     for i, array in enumerate(arrays):
         blocks = _cpu_blocks(array.sharding, tuple(array.shape))
         (elsewhere if blocks is None else on_cpu).append((i, blocks))
-    copied = spread(
-        lambda indices: [
-            _from_cpu_blocks(arrays[on_cpu[k][0]], on_cpu[k][1]) for k in indices
-        ],
-        [0 if len(blocks) == 1 else arrays[i].nbytes for i, blocks in on_cpu],
-        pinned=[False] * len(on_cpu),
+    # Each distinct block is copied on its own into the array it belongs to, the
+    # blocks spread over the cores; an array of one block is its device buffer.
+    copies = []
+    for i, blocks in on_cpu:
+        if len(blocks) == 1:
+            out[i] = np.asarray(arrays[i].addressable_data(blocks[0][0]))
+        else:
+            out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
+            copies += [(i, k, index) for k, index in blocks]
+
+    def copy(units: list[int]) -> list[None]:
+        for i, k, index in (copies[u] for u in units):
+            out[i][index] = np.asarray(arrays[i].addressable_data(k))
+        return [None] * len(units)
+
+    spread(
+        copy,
+        [out[i][index].nbytes for i, _, index in copies],
+        pinned=[False] * len(copies),
     )
-    for (i, _), value in zip(on_cpu, copied, strict=True):
-        out[i] = value
     if elsewhere:
         values = jax.device_get([_uncached(arrays[i]) for i, _ in elsewhere])
         for (i, _), value in zip(elsewhere, values, strict=True):
             out[i] = value
     return out
-
-
-def _from_cpu_blocks(array: jax.Array, blocks: Any) -> np.ndarray:
-    """The value of `array`, on CPU devices, from its distinct `blocks`
-    (`_cpu_blocks`): its one device buffer itself, or the blocks copied into one
-    NumPy array."""
-    if len(blocks) == 1:  # one block: the whole array
-        return np.asarray(array.addressable_data(blocks[0][0]))
-    value = np.empty(array.shape, array.dtype)
-    for k, index in blocks:
-        value[index] = np.asarray(array.addressable_data(k))
-    return value
 
 
 def _to_host(array: jax.Array) -> np.ndarray:

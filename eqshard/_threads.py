@@ -38,6 +38,10 @@ T = TypeVar("T")
 # another costs more than it saves.
 SPREAD_FROM = 4 << 20
 
+# An array of this many bytes or more is placed block by block, its blocks spread
+# over the cores like arrays.
+SPLIT_FROM = 8 << 20
+
 # Dtypes that `jax_enable_x64`, per thread, decides JAX narrows.
 _X64 = frozenset(
     np.dtype(name) for name in ("int64", "uint64", "float64", "complex128")
@@ -134,17 +138,47 @@ def spread(
 
 def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Array]:
     """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
-    spread over the cores."""
-    host = [
-        isinstance(v, np.ndarray) and in_cpu_memory(s)
-        for v, s in zip(values, shardings, strict=True)
-    ]
-    return spread(
+    spread over the cores; one of `SPLIT_FROM` bytes or more is placed block by
+    block, its blocks spread like arrays (a tree of one large leaf, or one leaf
+    at a time, is copied on every core too), and assembled with
+    `jax.make_array_from_single_device_arrays`."""
+    # What `jax.device_put` places: whole values on their shardings, and the blocks
+    # of split arrays on their devices.
+    units: list[tuple[Any, Any]] = []
+    weights: list[int] = []
+    pinned: list[bool] = []
+    of_value: list[tuple[bool, list[int]]] = []  # per value: split?, its units
+    for value, sharding in zip(values, shardings, strict=True):
+        host = isinstance(value, np.ndarray) and in_cpu_memory(sharding)
+        stays = not (host and movable(value.dtype))
+        start = len(units)
+        split = not stays and value.nbytes >= SPLIT_FROM
+        if split:
+            blocks = sharding.addressable_devices_indices_map(value.shape)
+            for device, index in blocks.items():
+                block = value[index]
+                units.append((block, device))
+                weights.append(block.nbytes)
+        else:
+            units.append((value, sharding))
+            weights.append(value.nbytes if host else 0)
+        pinned += [stays] * (len(units) - start)
+        of_value.append((split, list(range(start, len(units)))))
+    placed = spread(
         lambda indices: jax.device_put(
-            [values[i] for i in indices], [shardings[i] for i in indices]
+            [units[k][0] for k in indices], [units[k][1] for k in indices]
         ),
-        [v.nbytes if h else 0 for v, h in zip(values, host, strict=True)],
-        pinned=[
-            not (h and movable(v.dtype)) for v, h in zip(values, host, strict=True)
-        ],
+        weights,
+        pinned=pinned,
     )
+    out = []
+    for value, sharding, (split, mine) in zip(values, shardings, of_value, strict=True):
+        if not split:
+            out.append(placed[mine[0]])
+        else:
+            out.append(
+                jax.make_array_from_single_device_arrays(
+                    value.shape, sharding, [placed[k] for k in mine]
+                )
+            )
+    return out

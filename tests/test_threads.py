@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._threads import spread, SPREAD_FROM
+from eqshard._threads import SPLIT_FROM, spread, SPREAD_FROM
 
 
 def _tree(dtype, count=4):
@@ -57,13 +57,18 @@ def test_spread_raises_what_a_thread_raised():
 
 
 @pytest.mark.parametrize("spec", [P("dp", "tp"), P("dp"), P()])
-def test_large_numpy_trees_place_as_device_put_does(mesh, spec):
+@pytest.mark.parametrize("split", [False, True])
+def test_large_numpy_trees_place_as_device_put_does(mesh, spec, split):
+    # Four leaves of 2 MiB spread as arrays; one of `SPLIT_FROM` bytes and more
+    # is placed block by block.
     tree = _tree(np.float32)
+    if split:
+        tree = {"big": np.concatenate(list(tree.values()) * 2), "small": tree["w0"]}
+        assert tree["big"].nbytes >= SPLIT_FROM
     out = eqshard.shard(tree, spec, mesh)
     for name, value in tree.items():
         want = jax.device_put(value, NamedSharding(mesh, spec))
         assert out[name].sharding == want.sharding
-        np.testing.assert_array_equal(np.asarray(out[name]), value)
         for got, expected in zip(
             out[name].addressable_shards, want.addressable_shards, strict=True
         ):
@@ -71,6 +76,8 @@ def test_large_numpy_trees_place_as_device_put_does(mesh, spec):
             np.testing.assert_array_equal(
                 np.asarray(got.data), np.asarray(expected.data)
             )
+        value[...] = -1  # the caller's memory is not the devices'
+        assert not np.any(np.asarray(out[name]) == -1)
 
 
 def test_large_device_resident_trees_move_and_gather_bit_exact(mesh):
