@@ -27,7 +27,7 @@ from ._multiprocess import (
     needs_collective,
     wait_for_processes,
 )
-from ._threads import spread
+from ._threads import SPLIT_FROM, spread
 from ._tree import (
     abstract_leaf_error,
     collision_message,
@@ -85,24 +85,29 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     for i, array in enumerate(arrays):
         blocks = _cpu_blocks(array.sharding, tuple(array.shape))
         (elsewhere if blocks is None else on_cpu).append((i, blocks))
-    # Each distinct block is copied on its own into the array it belongs to, the
-    # blocks spread over the cores; an array of one block is its device buffer.
-    copies = []
+    # The blocks are copied into the arrays they belong to, spread over the cores:
+    # an array's together, those of an array of `SPLIT_FROM` bytes or more each
+    # on its own. An array of one block is its device buffer.
+    copies: list[tuple[int, Any]] = []  # (i, blocks of arrays[i])
     for i, blocks in on_cpu:
         if len(blocks) == 1:
             out[i] = np.asarray(arrays[i].addressable_data(blocks[0][0]))
+            continue
+        out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
+        if out[i].nbytes >= SPLIT_FROM:
+            copies += [(i, (block,)) for block in blocks]
         else:
-            out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
-            copies += [(i, k, index) for k, index in blocks]
+            copies.append((i, blocks))
 
     def copy(units: list[int]) -> list[None]:
-        for i, k, index in (copies[u] for u in units):
-            out[i][index] = np.asarray(arrays[i].addressable_data(k))
+        for i, blocks in (copies[u] for u in units):
+            for k, index in blocks:
+                out[i][index] = np.asarray(arrays[i].addressable_data(k))
         return [None] * len(units)
 
     spread(
         copy,
-        [out[i][index].nbytes for i, _, index in copies],
+        [sum(out[i][index].nbytes for _, index in blocks) for i, blocks in copies],
         pinned=[False] * len(copies),
     )
     if elsewhere:

@@ -31,12 +31,17 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from ._host import has_dense_block
+
 
 T = TypeVar("T")
 
 # Below this many bytes in all, one thread copies everything: handing work to
-# another costs more than it saves.
+# another costs more than it saves. So does an array (or block) smaller than
+# `SPREAD_UNIT`, whose copy takes less time than JAX's Python work to place it
+# (~50 us, holding the GIL): it stays on the calling thread.
 SPREAD_FROM = 4 << 20
+SPREAD_UNIT = 256 << 10
 
 # An array of this many bytes or more is placed block by block, its blocks spread
 # over the cores like arrays.
@@ -93,18 +98,16 @@ def native(*dtypes: Any) -> bool:
 
 def _bins(weights: Sequence[int], pinned: Sequence[bool]) -> list[list[int]]:
     """The indices of `weights` in bins of about equal weight, one per core (the
-    heaviest first into the lightest bin), the pinned ones in the first; a single
-    bin where spreading would not pay."""
-    free = [i for i, p in enumerate(pinned) if not p]
-    count = min(_cores(), len(free) + any(pinned))
-    if count < 2 or sum(weights) < SPREAD_FROM or _guarded():
+    heaviest first into the lightest bin); the pinned ones, and those lighter
+    than `SPREAD_UNIT`, in the first. A single bin where spreading would not
+    pay."""
+    free = [i for i, w in enumerate(weights) if not pinned[i] and w >= SPREAD_UNIT]
+    stay = sorted(set(range(len(weights))).difference(free))
+    count = min(_cores(), len(free) + bool(stay))
+    if count < 2 or sum(weights[i] for i in free) < SPREAD_FROM or _guarded():
         return [list(range(len(weights)))]
-    bins: list[list[int]] = [[] for _ in range(count)]
-    load = [0] * count
-    for i, p in enumerate(pinned):
-        if p:
-            bins[0].append(i)
-            load[0] += weights[i]
+    bins: list[list[int]] = [stay] + [[] for _ in range(count - 1)]
+    load = [sum(weights[i] for i in stay)] + [0] * (count - 1)
     for i in sorted(free, key=lambda i: -weights[i]):
         k = min(range(count), key=load.__getitem__)
         bins[k].append(i)
@@ -149,8 +152,14 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
     pinned: list[bool] = []
     of_value: list[tuple[bool, list[int]]] = []  # per value: split?, its units
     for value, sharding in zip(values, shardings, strict=True):
-        host = isinstance(value, np.ndarray) and in_cpu_memory(sharding)
-        stays = not (host and movable(value.dtype))
+        # XLA's CPU client copies dense blocks on threads of its own; a strided
+        # block is copied on the thread that places it.
+        strided = (
+            isinstance(value, np.ndarray)
+            and in_cpu_memory(sharding)
+            and not has_dense_block(value, sharding)
+        )
+        stays = not (strided and movable(value.dtype))
         start = len(units)
         split = not stays and value.nbytes >= SPLIT_FROM
         if split:
@@ -161,7 +170,7 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
                 weights.append(block.nbytes)
         else:
             units.append((value, sharding))
-            weights.append(value.nbytes if host else 0)
+            weights.append(0 if stays else value.nbytes)
         pinned += [stays] * (len(units) - start)
         of_value.append((split, list(range(start, len(units)))))
     placed = spread(

@@ -27,6 +27,13 @@ def _tree(dtype, count=4):
     return tree
 
 
+def _with_one_large_leaf(tree):
+    """A leaf of `SPLIT_FROM` bytes or more, made of `tree`'s, and a small one."""
+    big = np.concatenate(list(tree.values()) * 2)
+    assert big.nbytes >= SPLIT_FROM
+    return {"big": big, "small": tree["w0"]}
+
+
 def test_spread_runs_bins_on_threads_and_keeps_order():
     seen: dict[int, str] = {}
 
@@ -63,8 +70,7 @@ def test_large_numpy_trees_place_as_device_put_does(mesh, spec, split):
     # is placed block by block.
     tree = _tree(np.float32)
     if split:
-        tree = {"big": np.concatenate(list(tree.values()) * 2), "small": tree["w0"]}
-        assert tree["big"].nbytes >= SPLIT_FROM
+        tree = _with_one_large_leaf(tree)
     out = eqshard.shard(tree, spec, mesh)
     for name, value in tree.items():
         want = jax.device_put(value, NamedSharding(mesh, spec))
@@ -80,8 +86,11 @@ def test_large_numpy_trees_place_as_device_put_does(mesh, spec, split):
         assert not np.any(np.asarray(out[name]) == -1)
 
 
-def test_large_device_resident_trees_move_and_gather_bit_exact(mesh):
+@pytest.mark.parametrize("split", [False, True])
+def test_large_device_resident_trees_move_and_gather_bit_exact(mesh, split):
     tree = _tree(np.float32)
+    if split:  # gathered block by block
+        tree = _with_one_large_leaf(tree)
     on_one = jax.device_put(tree, jax.devices()[0])
     out = eqshard.shard(on_one, P("dp", "tp"), mesh)
     back = eqshard.gather(out)
