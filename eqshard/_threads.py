@@ -145,6 +145,8 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
     block, its blocks spread like arrays (a tree of one large leaf, or one leaf
     at a time, is copied on every core too), and assembled with
     `jax.make_array_from_single_device_arrays`."""
+    if sum(v.nbytes for v in values if isinstance(v, np.ndarray)) < SPREAD_FROM:
+        return jax.device_put(values, shardings)
     # What `jax.device_put` places: whole values on their shardings, and the blocks
     # of split arrays on their devices.
     units: list[tuple[Any, Any]] = []
