@@ -20,7 +20,8 @@ How data moves, in the order of this file:
      and move in one program for the tree on GPU and TPU (`_resident.py`); data
      that would lose values is refused, naming every array;
    - *placing*: in one process the rest move in one batched `jax.device_put`
-     (NumPy data bound for CPU devices in one batch per core: `_threads.py`);
+     (on CPU devices, NumPy arrays whose blocks are strided are spread over
+     the cores: `_threads.py`);
      in a multi-process run, each process supplies only the shards its own
      devices hold, from a full copy of each array or (for
      `Partitioner.move_to_devices(host_local=True)`) from its own block of it,
@@ -309,7 +310,7 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
 
 def _put(moves: list[_Move], *, donate: bool) -> None:
     """Placing, in one process: the moves not placed yet, in one batched
-    `jax.device_put` (NumPy data for CPU devices spread over the cores). With
+    `jax.device_put` (strided NumPy data spread over the cores on CPU). With
     `donate`, JAX arrays give up their old buffers, but an array that stands in
     several moves cannot give its buffer twice."""
     rest = [m for m in moves if m.placed is None]

@@ -3,18 +3,22 @@
 On CPU devices a device's memory is host memory, so placing NumPy data
 (`jax.device_put`), cutting device-resident arrays into the blocks of another
 sharding (`_resident.py`) and gathering blocks into one NumPy array (`_gather.py`)
-are memory copies, which JAX and NumPy make on the calling thread with the GIL
-released. Into freshly allocated memory, a copy costs about as much in page
-faults as in copying, and both run on every core at once: on this project's
-2-core machine, 60 arrays (65 MiB) were placed in 8.6 ms from two threads
-against 13.7 ms from one (`benchmarks/bench_device_resident.py`).
+are memory copies. XLA's CPU client copies a dense block on threads of its own
+(256 MiB in row blocks took 14 ms, faster than one thread copies here); a
+strided block (a weight split over both dimensions), and NumPy's copies, are
+made on the calling thread with the GIL released. Into freshly allocated
+memory such a copy costs about as much in page faults as in copying, and both
+run on every core at once: on this project's 2-core machine, 60 arrays
+(65 MiB) were placed in 8.6 ms from two threads against 13.7 ms from one
+(`benchmarks/bench_device_resident.py`).
 
-So those paths give their arrays to `spread`: one bin of arrays per core, of
-about equal bytes, each bin copied by one thread, the first by the calling
-thread, the others by a pool of `cores - 1` threads that this process keeps
-once it has spread a copy (JAX's first `device_put` on a new thread takes
-~13 ms more, to fill caches of its own). Below 4 MiB in all, handing work to a
-thread costs more than it saves, and everything stays on the calling thread.
+So those paths give those copies to `spread`: one bin of arrays per core, of
+about equal bytes (an array of 8 MiB or more split into its blocks), each bin
+copied by one thread, the first by the calling thread, the others by a pool of
+`cores - 1` threads that this process keeps once it has spread a copy (JAX's
+first `device_put` on a new thread takes ~13 ms more, to fill caches of its
+own). Below 4 MiB in all, handing work to a thread costs more than it saves,
+and everything stays on the calling thread.
 
 JAX's configuration contexts belong to the thread that entered them
 (`jax.enable_x64`, `jax.transfer_guard`), and a thread started here sees the
