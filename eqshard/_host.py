@@ -178,6 +178,8 @@ def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
         extreme = low if info.min - low > high - info.max else high
         return Lost(out.dtype, count, extreme)
     if jnp.issubdtype(out.dtype, jnp.inexact):
+        if _within_range(source, out.dtype):
+            return None
         bad = ~np.isfinite(out)
         if bad.any():
             bad &= np.isfinite(source)
@@ -185,6 +187,22 @@ def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
                 largest = float(np.abs(source[bad]).max())
                 return Lost(out.dtype, int(bad.sum()), largest)
     return None
+
+
+def _within_range(source: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether every value of a real `source` lies within the finite range of a
+    floating `dtype`, so that no cast to it makes inf or nan (rounding is
+    monotonic and the range's ends are representable; a nan fails the test).
+    Two passes of NumPy's own reductions over `source`, where testing the
+    result for inf or nan would take ml_dtypes' loops (4 ms against 15 ms for
+    64 MiB cast to bfloat16)."""
+    real = jnp.issubdtype(source.dtype, jnp.integer) or jnp.issubdtype(
+        source.dtype, jnp.floating
+    )
+    if not (real and jnp.issubdtype(dtype, jnp.floating)):
+        return False
+    largest = float(jnp.finfo(dtype).max)
+    return bool(source.min() >= -largest and source.max() <= largest)
 
 
 def overflow_text(count: int, largest: float, dtype: np.dtype) -> str:

@@ -451,6 +451,25 @@ def test_dtype_casts_that_overflow_are_refused_naming_the_path(mesh):
     assert out["big"].dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("resident", [False, True])
+def test_dtype_casts_at_the_edge_of_the_range(mesh, dtype, resident):
+    # Values up to the largest finite value (and just past it, rounding down to
+    # it) cast; twice it (or float32's largest) does not.
+    largest = float(jnp.finfo(dtype).max)
+    edge = np.array([largest, -largest, largest * (1 + 2**-13), 0.0], np.float32)
+    beyond = min(largest * 2, float(np.finfo(np.float32).max))
+    over = np.array([beyond, 1.0, 1.0, 1.0], np.float32)
+    tree = {"edge": np.tile(edge, (8, 1)), "over": np.tile(over, (8, 1))}
+    source = jax.device_put(tree, jax.devices()[0]) if resident else tree
+    with pytest.raises(ValueError, match=r"'over'.*become inf or nan"):
+        eqshard.shard(source, P("dp"), mesh, dtype=dtype)
+    out = eqshard.shard({"edge": source["edge"]}, P("dp"), mesh, dtype=dtype)
+    want = tree["edge"].astype(dtype)
+    assert np.all(np.isfinite(want.astype(np.float32)))
+    assert np.asarray(out["edge"]).tobytes() == want.tobytes()
+
+
 def test_dtype_tree_casts_only_where_it_says(mesh):
     tree = {
         "attn": {"w": np.ones((8, 4), np.float32)},
