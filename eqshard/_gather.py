@@ -27,7 +27,7 @@ from ._multiprocess import (
     needs_collective,
     wait_for_processes,
 )
-from ._threads import SPLIT_FROM, spread
+from ._threads import split_above, spread
 from ._tree import (
     abstract_leaf_error,
     collision_message,
@@ -86,15 +86,17 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
         blocks = _cpu_blocks(array.sharding, tuple(array.shape))
         (elsewhere if blocks is None else on_cpu).append((i, blocks))
     # The blocks are copied into the arrays they belong to, spread over the cores:
-    # an array's together, those of an array of `SPLIT_FROM` bytes or more each
-    # on its own. An array of one block is its device buffer.
+    # an array's together, those of an array larger than a core's share each on
+    # its own. An array of one block is its device buffer.
+    several = [(i, blocks) for i, blocks in on_cpu if len(blocks) > 1]
+    large = split_above(sum(arrays[i].nbytes for i, _ in several))
     copies: list[tuple[int, Any]] = []  # (i, blocks of arrays[i])
     for i, blocks in on_cpu:
         if len(blocks) == 1:
             out[i] = np.asarray(arrays[i].addressable_data(blocks[0][0]))
             continue
         out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
-        if out[i].nbytes >= SPLIT_FROM:
+        if out[i].nbytes > large:
             copies += [(i, (block,)) for block in blocks]
         else:
             copies.append((i, blocks))

@@ -47,10 +47,6 @@ T = TypeVar("T")
 SPREAD_FROM = 4 << 20
 SPREAD_UNIT = 256 << 10
 
-# An array of this many bytes or more is placed block by block, its blocks spread
-# over the cores like arrays.
-SPLIT_FROM = 8 << 20
-
 # Dtypes that `jax_enable_x64`, per thread, decides JAX narrows.
 _X64 = frozenset(
     np.dtype(name) for name in ("int64", "uint64", "float64", "complex128")
@@ -84,6 +80,14 @@ def _guarded() -> bool:
         getattr(jax.config, f"jax_transfer_guard{kind}") not in (None, "allow")
         for kind in ("", "_host_to_device", "_device_to_host", "_device_to_device")
     )
+
+
+def split_above(total: int) -> int:
+    """The bytes above which an array, of `total` bytes to copy in all, is split
+    into its blocks: more than one core's share, which no bin of whole arrays
+    could balance (one large leaf, an embedding beside small layers, or a tree
+    copied one leaf at a time)."""
+    return total // _cores()
 
 
 def movable(dtype: Any) -> bool:
@@ -145,29 +149,34 @@ def spread(
 
 def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Array]:
     """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
-    spread over the cores; one of `SPLIT_FROM` bytes or more is placed block by
-    block, its blocks spread like arrays (a tree of one large leaf, or one leaf
-    at a time, is copied on every core too), and assembled with
+    spread over the cores; one larger than a core's share (`split_above`) is
+    placed block by block, its blocks spread like arrays, and assembled with
     `jax.make_array_from_single_device_arrays`."""
     if sum(v.nbytes for v in values if isinstance(v, np.ndarray)) < SPREAD_FROM:
         return jax.device_put(values, shardings)
+    # XLA's CPU client copies dense blocks on threads of its own; a strided
+    # block is copied on the thread that places it.
+    stays = [
+        not (
+            isinstance(value, np.ndarray)
+            and in_cpu_memory(sharding)
+            and not has_dense_block(value, sharding)
+            and movable(value.dtype)
+        )
+        for value, sharding in zip(values, shardings, strict=True)
+    ]
+    large = split_above(
+        sum(v.nbytes for v, s in zip(values, stays, strict=True) if not s)
+    )
     # What `jax.device_put` places: whole values on their shardings, and the blocks
     # of split arrays on their devices.
     units: list[tuple[Any, Any]] = []
     weights: list[int] = []
     pinned: list[bool] = []
     of_value: list[tuple[bool, list[int]]] = []  # per value: split?, its units
-    for value, sharding in zip(values, shardings, strict=True):
-        # XLA's CPU client copies dense blocks on threads of its own; a strided
-        # block is copied on the thread that places it.
-        strided = (
-            isinstance(value, np.ndarray)
-            and in_cpu_memory(sharding)
-            and not has_dense_block(value, sharding)
-        )
-        stays = not (strided and movable(value.dtype))
+    for value, sharding, stay in zip(values, shardings, stays, strict=True):
         start = len(units)
-        split = not stays and value.nbytes >= SPLIT_FROM
+        split = not stay and value.nbytes > large
         if split:
             blocks = sharding.addressable_devices_indices_map(value.shape)
             for device, index in blocks.items():
@@ -176,8 +185,8 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
                 weights.append(block.nbytes)
         else:
             units.append((value, sharding))
-            weights.append(0 if stays else value.nbytes)
-        pinned += [stays] * (len(units) - start)
+            weights.append(0 if stay else value.nbytes)
+        pinned += [stay] * (len(units) - start)
         of_value.append((split, list(range(start, len(units)))))
     placed = spread(
         lambda indices: jax.device_put(
