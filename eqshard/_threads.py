@@ -3,22 +3,26 @@
 On CPU devices a device's memory is host memory, so placing NumPy data
 (`jax.device_put`), cutting device-resident arrays into the blocks of another
 sharding (`_resident.py`) and gathering blocks into one NumPy array (`_gather.py`)
-are memory copies. XLA's CPU client copies a dense block on threads of its own
-(256 MiB in row blocks took 14 ms, faster than one thread copies here); a
-strided block (a weight split over both dimensions), and NumPy's copies, are
-made on the calling thread with the GIL released. Into freshly allocated
-memory such a copy costs about as much in page faults as in copying, and both
-run on every core at once: on this project's 2-core machine, 60 arrays
-(65 MiB) were placed in 8.6 ms from two threads against 13.7 ms from one
-(`benchmarks/bench_device_resident.py`).
+are memory copies, made with the GIL released. Into freshly allocated memory a
+copy costs about as much in page faults as in copying, and both run on every
+core at once. Measured on this project's 2-core machine:
 
-So those paths give those copies to `spread`: one bin of arrays per core, of
-about equal bytes (an array of 8 MiB or more split into its blocks), each bin
-copied by one thread, the first by the calling thread, the others by a pool of
-`cores - 1` threads that this process keeps once it has spread a copy (JAX's
-first `device_put` on a new thread takes ~13 ms more, to fill caches of its
-own). Below 4 MiB in all, handing work to a thread costs more than it saves,
-and everything stays on the calling thread.
+- a tree's arrays spread over two threads: 60 arrays (65 MiB) moved from
+  device 0 in 8.6 ms, against 13.7 ms from one thread
+  (`benchmarks/bench_device_resident.py`); gathering 1 GiB took 0.55x the time
+  of `jax.device_get`;
+- NumPy arrays whose blocks are dense gain nothing: XLA's CPU client copies
+  them on threads of its own (256 MiB in row blocks took 14 ms, faster than one
+  thread copies here);
+- nor does placing one array's blocks from several threads (64 MiB in 8 ms,
+  against 6.7 ms for one `device_put`); gathering them does.
+
+So those paths give their copies to `spread`: one bin of arrays per core, of
+about equal bytes, each bin copied by one thread, the first by the calling
+thread, the others by a pool of `cores - 1` threads that this process keeps
+once it has spread a copy (JAX's first `device_put` on a new thread takes
+~13 ms more, to fill caches of its own). Below 4 MiB in all, handing work to a
+thread costs more than it saves, and everything stays on the calling thread.
 
 JAX's configuration contexts belong to the thread that entered them
 (`jax.enable_x64`, `jax.transfer_guard`), and a thread started here sees the
@@ -149,60 +153,23 @@ def spread(
 
 def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Array]:
     """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
-    spread over the cores; one larger than a core's share (`split_above`) is
-    placed block by block, its blocks spread like arrays, and assembled with
-    `jax.make_array_from_single_device_arrays`."""
+    whose blocks are strided spread over the cores. (XLA's CPU client copies
+    dense blocks on threads of its own; splitting one array's strided blocks
+    over threads was slower than one `device_put` of it, 64 MiB in 8 ms against
+    6.7 ms.)"""
     if sum(v.nbytes for v in values if isinstance(v, np.ndarray)) < SPREAD_FROM:
         return jax.device_put(values, shardings)
-    # XLA's CPU client copies dense blocks on threads of its own; a strided
-    # block is copied on the thread that places it.
-    stays = [
-        not (
-            isinstance(value, np.ndarray)
-            and in_cpu_memory(sharding)
-            and not has_dense_block(value, sharding)
-            and movable(value.dtype)
-        )
+    strided = [
+        isinstance(value, np.ndarray)
+        and in_cpu_memory(sharding)
+        and not has_dense_block(value, sharding)
+        and movable(value.dtype)
         for value, sharding in zip(values, shardings, strict=True)
     ]
-    large = split_above(
-        sum(v.nbytes for v, s in zip(values, stays, strict=True) if not s)
-    )
-    # What `jax.device_put` places: whole values on their shardings, and the blocks
-    # of split arrays on their devices.
-    units: list[tuple[Any, Any]] = []
-    weights: list[int] = []
-    pinned: list[bool] = []
-    of_value: list[tuple[bool, list[int]]] = []  # per value: split?, its units
-    for value, sharding, stay in zip(values, shardings, stays, strict=True):
-        start = len(units)
-        split = not stay and value.nbytes > large
-        if split:
-            blocks = sharding.addressable_devices_indices_map(value.shape)
-            for device, index in blocks.items():
-                block = value[index]
-                units.append((block, device))
-                weights.append(block.nbytes)
-        else:
-            units.append((value, sharding))
-            weights.append(0 if stay else value.nbytes)
-        pinned += [stay] * (len(units) - start)
-        of_value.append((split, list(range(start, len(units)))))
-    placed = spread(
+    return spread(
         lambda indices: jax.device_put(
-            [units[k][0] for k in indices], [units[k][1] for k in indices]
+            [values[i] for i in indices], [shardings[i] for i in indices]
         ),
-        weights,
-        pinned=pinned,
+        [v.nbytes if free else 0 for v, free in zip(values, strided, strict=True)],
+        pinned=[not free for free in strided],
     )
-    out = []
-    for value, sharding, (split, mine) in zip(values, shardings, of_value, strict=True):
-        if not split:
-            out.append(placed[mine[0]])
-        else:
-            out.append(
-                jax.make_array_from_single_device_arrays(
-                    value.shape, sharding, [placed[k] for k in mine]
-                )
-            )
-    return out
