@@ -9,8 +9,8 @@ core at once. Measured on this project's 2-core machine:
 
 - a tree's arrays spread over two threads: 60 arrays (65 MiB) moved from
   device 0 in 8.6 ms, against 13.7 ms from one thread
-  (`benchmarks/bench_device_resident.py`); gathering 1 GiB took 0.55x the time
-  of `jax.device_get`;
+  (`benchmarks/bench_device_resident.py`); gathering 1 GiB took about half the
+  time of `jax.device_get`;
 - NumPy arrays whose blocks are dense gain nothing: XLA's CPU client copies
   them on threads of its own (256 MiB in row blocks took 14 ms, faster than one
   thread copies here);
@@ -87,10 +87,10 @@ def _guarded() -> bool:
 
 
 def split_above(total: int) -> int:
-    """The bytes above which an array, of `total` bytes to copy in all, is split
-    into its blocks: more than one core's share, which no bin of whole arrays
-    could balance (one large leaf, an embedding beside small layers, or a tree
-    copied one leaf at a time)."""
+    """The bytes above which `gather` copies an array's blocks as units of their
+    own, of `total` bytes to copy in all: more than one core's share, which no
+    bin of whole arrays could balance (one large leaf, an embedding beside small
+    layers, or a tree gathered one leaf at a time)."""
     return total // _cores()
 
 

@@ -46,7 +46,7 @@ def test_spread_runs_bins_on_threads_and_keeps_order():
     out = spread(work, weights, pinned=[False, True, False, False])
     assert out == [0, 10, 20, 30]
     assert seen[1] == threading.current_thread().name  # pinned: the caller's
-    assert len(set(seen.values())) == 2  # this machine has 2 cores
+    assert len(set(seen.values())) >= 2  # this machine has 2 cores
 
     seen.clear()
     assert spread(work, [1, 2, 3], pinned=[False] * 3) == [0, 10, 20]
@@ -55,11 +55,11 @@ def test_spread_runs_bins_on_threads_and_keeps_order():
 
 def test_spread_raises_what_a_thread_raised():
     def work(indices):
-        if 0 in indices:
-            raise ValueError("bin of index 0")
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(f"a copying thread failed at {indices}")
         return list(indices)
 
-    with pytest.raises(ValueError, match="bin of index 0"):
+    with pytest.raises(ValueError, match="a copying thread failed"):
         spread(work, [4 << 20, 4 << 20], pinned=[False, False])
 
 
