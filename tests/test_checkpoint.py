@@ -624,7 +624,9 @@ def test_arrays_orbax_cannot_hold(tmp_path):
         eqshard.restore(tmp_path / "none", {"w": tree["w"]}, P(), mesh)
 
 
-def test_restore_a_nested_orbax_checkpoint(tmp_path):
+@pytest.mark.parametrize("ocdbt", [True, False])
+@pytest.mark.parametrize("zarr3", [False, True])
+def test_restore_a_nested_orbax_checkpoint(tmp_path, ocdbt, zarr3):
     ocp = pytest.importorskip("orbax.checkpoint")
     host = {
         "params": {
@@ -632,9 +634,11 @@ def test_restore_a_nested_orbax_checkpoint(tmp_path):
         },
         "layers": [np.arange(8, dtype=np.int32), np.ones(8, np.float16)],
     }
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "c", host)
-    checkpointer.wait_until_finished()
+    # Every layout of files orbax writes: one OCDBT database or a directory per
+    # array, zarr v2 or v3.
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)
+    checkpointer = ocp.Checkpointer(handler)
+    checkpointer.save(tmp_path / "c", args=ocp.args.PyTreeSave(host))
     checkpointer.close()
     mesh = _mesh((2, 4), ("dp", "tp"))
     out = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)
@@ -645,6 +649,46 @@ def test_restore_a_nested_orbax_checkpoint(tmp_path):
         eqshard.restore(
             tmp_path / "c", {**host, "layers": host["layers"][:1]}, P(), mesh
         )
+
+
+def test_restore_onto_device_and_host_memory(tmp_path):
+    # Arrays for a CPU device's own memory are read into it, those for its host
+    # memories by orbax: both bit-exact, on the shardings asked for.
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    host = _host_tree()
+    eqshard.save(
+        tmp_path / "c", eqshard.shard(host, _SPECS, _mesh((4, 2), ("dp", "tp")))
+    )
+    pinned = NamedSharding(mesh, P("dp"), memory_kind="pinned_host")
+    shardings = {
+        **jax.tree.map(lambda spec: NamedSharding(mesh, spec), _SPECS),
+        "mask": pinned,
+    }
+    like = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        host,
+        shardings,
+    )
+    out = eqshard.restore(tmp_path / "c", like)
+    _assert_same(out, host)
+    assert jax.tree.map(lambda x: x.sharding, out) == shardings
+
+
+def test_restored_replicas_are_separate_buffers(tmp_path):
+    # A block several devices hold is read once; each device still owns its
+    # buffer, so that donating one replica leaves the others as they were.
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    host = {"w": np.arange(64.0, dtype=np.float32).reshape(8, 8)}
+    eqshard.save(tmp_path / "c", host)
+    w = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)["w"]
+    pointers = [shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards]
+    assert len(set(pointers)) == len(pointers)
+    blocks = [np.asarray(shard.data) for shard in w.addressable_shards]
+    doubled = jax.jit(lambda x: 2 * x, donate_argnums=0)(w)
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * host["w"])
+    again = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)["w"]
+    for shard, block in zip(again.addressable_shards, blocks):
+        np.testing.assert_array_equal(np.asarray(shard.data), block)
 
 
 def test_restore_needs_a_concrete_mesh_and_layout_and_takes_big_endian_like(tmp_path):

@@ -6,7 +6,8 @@ dependencies are imported inside the functions that use them, so `import
 eqshard` never imports them. The modules: `_targets.py` (what both formats
 share: names, targets, the message for differences), `_disk.py` (a checkpoint's
 directory, eqshard's own file, what it holds, the swap), `_save.py`,
-`_restore.py`, `_safetensors.py` (reading and writing) and `_safetensors_files.py`
+`_restore.py`, `_blocks.py` (orbax's files read block by block into CPU devices'
+memory), `_safetensors.py` (reading and writing) and `_safetensors_files.py`
 (which files, and their headers).
 
 How a checkpoint is written, in the order of `save`:
@@ -36,11 +37,14 @@ How a checkpoint is read, in the order of `restore`:
    shapes, dtypes, of a nested orbax tree too) is compared with the targets, and
    every name missing, extra or different is reported together before any data
    is read.
-4. **Read.** orbax reads each device's shard straight from the files onto that
+4. **Read.** Each device's shard is read straight from the files onto that
    device (no full copy of an array on any device or on the host), converted to
    the target's dtype; in a multi-process run each process reads only the shards
-   its devices hold. Zero-size arrays are made on their shardings, and bits are
-   viewed as their dtype again.
+   its devices hold. Into a CPU device's own memory tensorstore reads it, with
+   the files' description orbax gives, into the buffer that becomes the device's
+   (`_blocks.py`); onto accelerators, and host memories, orbax reads it.
+   Zero-size arrays are made on their shardings, and bits are viewed as their
+   dtype again.
 5. **Nothing lost.** Where the dtype placed differs from the one saved (a cast
    asked for with `dtype=`, or 64-bit data while `jax_enable_x64` is off), the
    values are checked with `shard`'s policy (`_host.py`), shard by shard on host

@@ -141,10 +141,23 @@ def _orbax_leaf(meta: Any) -> bool:
     return not isinstance(meta, dict | list | tuple)
 
 
-def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], Any]:
-    """`{name: Saved}` of the arrays in the checkpoint at `path`, and the
-    structure of orbax's tree (`None` if orbax holds no array), from the
-    checkpoint's own descriptions of itself (no array data)."""
+class Held(NamedTuple):
+    """How orbax holds a checkpoint's arrays: the structure of its tree, each
+    leaf's name for its data among the checkpoint's files (`None` for a leaf
+    that is not an array), and the format of those files."""
+
+    layout: Any
+    names: list[str | None]
+    ocdbt: bool
+    zarr3: bool
+
+
+def saved_arrays(
+    ocp: Any, path: str, caller: str
+) -> tuple[dict[str, Saved], Held | None]:
+    """`{name: Saved}` of the arrays in the checkpoint at `path`, and how orbax
+    holds them (`None` if orbax holds no array), from the checkpoint's own
+    descriptions of itself (no array data)."""
     if not os.path.isdir(path):
         raise _no_checkpoint(path, caller)
     own = _read_own(path, caller)
@@ -153,7 +166,9 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], An
     epath = import_optional("etils.epath", "orbax", caller)
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        tree = handler.metadata(epath.Path(path)).tree
+        metadata = handler.metadata(epath.Path(path))
+        tree = metadata.tree
+        ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path))
     except FileNotFoundError:
         raise ValueError(
             f"eqshard.{caller}: {path!r} holds no checkpoint: neither eqshard's "
@@ -167,9 +182,12 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], An
     path_leaves, layout = jtu.tree_flatten_with_path(tree, is_leaf=_orbax_leaf)
     found: dict[str, Saved] = {}
     where: dict[str, KeyPath] = {}
+    names: list[str | None] = [None] * len(path_leaves)
     for index, (key, meta) in enumerate(path_leaves):
         if not (hasattr(meta, "shape") and hasattr(meta, "dtype")):
             continue
+        file_name = getattr(meta, "name", None)
+        names[index] = file_name if isinstance(file_name, str) else None
         name = path_name(key, "/") or "<root>"
         if name in found:
             message = collision_message(name, where[name], key)
@@ -186,7 +204,8 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], An
             raise damaged_error(
                 caller, repr(path), f"{OWN_FILE} names {name!r}, which orbax lacks"
             )
-    return found, layout
+    zarr3 = bool(getattr(metadata, "use_zarr3", False))
+    return found, Held(layout, names, bool(ocdbt), zarr3)
 
 
 def is_read_error(error: Exception) -> bool:

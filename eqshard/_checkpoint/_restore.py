@@ -25,8 +25,10 @@ from .._specs import (
     check_placeable,
     check_spec_on_mesh,
 )
+from .._threads import in_cpu_memory
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
-from ._disk import is_read_error, Saved, saved_arrays, unreadable_error
+from ._blocks import read_blocks
+from ._disk import Held, is_read_error, Saved, saved_arrays, unreadable_error
 from ._targets import (
     abstract_target_error,
     check_against,
@@ -39,8 +41,8 @@ from ._targets import (
 def _from_orbax(
     ocp: Any, path: str, layout: Any, wanted: dict[int, Any], caller: str
 ) -> dict[int, Any]:
-    """The leaves of orbax's tree at the positions of `wanted`, each read as
-    asked: a `jax.ShapeDtypeStruct` onto its sharding, a NumPy dtype whole on
+    """The leaves of orbax's tree at the positions of `wanted`, each read by orbax
+    as asked: a `jax.ShapeDtypeStruct` onto its sharding, a NumPy dtype whole on
     host. One read for all of them, and none of the others."""
     epath = import_optional("etils.epath", "orbax", caller)
     items: list[Any] = [ocp.PLACEHOLDER] * layout.num_leaves
@@ -65,6 +67,31 @@ def _from_orbax(
         handler.close()
     flat = layout.flatten_up_to(got)
     return {k: flat[k] for k in wanted}
+
+
+def _fetch(
+    ocp: Any,
+    path: str,
+    held: Held,
+    wanted: dict[int, Any],
+    names: dict[int, str],
+    caller: str,
+) -> dict[int, Any]:
+    """`_from_orbax`, the arrays bound for CPU devices' own memory read by
+    `read_blocks` instead (see `_blocks.py`). `names` name them in errors."""
+    blocks = {
+        k: want
+        for k, want in wanted.items()
+        if isinstance(want, jax.ShapeDtypeStruct)
+        and held.names[k] is not None
+        and not is_key(want)
+        and in_cpu_memory(want.sharding)
+    }
+    rest = {k: want for k, want in wanted.items() if k not in blocks}
+    got = read_blocks(path, held, blocks, names, caller) if blocks else {}
+    if rest:
+        got.update(_from_orbax(ocp, path, held.layout, rest, caller))
+    return got
 
 
 def _made_empty(target: jax.ShapeDtypeStruct) -> jax.Array:
@@ -96,7 +123,7 @@ def _from_bits(x: jax.Array, dtype: np.dtype, target: Any) -> jax.Array:
 def _read(
     ocp: Any,
     path: str,
-    layout: Any,
+    held: Held | None,
     saved: dict[str, Saved],
     targets: dict[str, jax.ShapeDtypeStruct],
     caller: str,
@@ -119,8 +146,13 @@ def _read(
             twins[s.position] = jax.ShapeDtypeStruct(
                 target.shape, jnp.float32, sharding=target.sharding
             )
-    got = _from_orbax(ocp, path, layout, wanted, caller) if wanted else {}
-    read_twins = _from_orbax(ocp, path, layout, twins, caller) if twins else {}
+    got: dict[int, Any] = {}
+    read_twins: dict[int, Any] = {}
+    if wanted:
+        assert held is not None  # the positions are in orbax's tree
+        names = {s.position: n for n, s in saved.items() if s.position is not None}
+        got = _fetch(ocp, path, held, wanted, names, caller)
+        read_twins = _fetch(ocp, path, held, twins, names, caller) if twins else {}
     checks = {}
     for name, target in targets.items():
         s = saved[name]
@@ -171,7 +203,7 @@ def _found_in_shards(
 def _losses(
     ocp: Any,
     path: str,
-    layout: Any,
+    held: Held | None,
     saved: dict[str, Saved],
     restored: dict[str, jax.Array],
     checks: dict[str, jax.Array],
@@ -209,7 +241,8 @@ def _losses(
     if overflowed:  # inf or nan: overflowed, or saved so? The saved values tell.
         positions = {n: typing.cast(int, saved[n].position) for n in overflowed}
         wanted = {positions[n]: saved[n].stored for n in overflowed}
-        host = _from_orbax(ocp, path, layout, wanted, "restore")
+        assert held is not None  # cast arrays were read from orbax's files
+        host = _from_orbax(ocp, path, held.layout, wanted, "restore")
         for name in overflowed:
             source = host[positions[name]].view(saved[name].dtype)
             _, found_lost = converted(source, np.dtype(restored[name].dtype))
@@ -336,7 +369,7 @@ def restore(
     targets: dict[str, jax.ShapeDtypeStruct] = {}
     saved: dict[str, Saved] = {}
     casts: list[np.dtype | None] = []
-    layout = None
+    held = None
     try:
         named = named_arrays(like, caller)
         if isinstance(mesh, AbstractMesh):
@@ -350,7 +383,7 @@ def restore(
             placed = jtu.tree_leaves(target)
         casts = leaf_casts(dtype, like, caller=caller)
         targets = restore_targets(named, placed, casts, caller)
-        saved, layout = saved_arrays(ocp, path, caller)
+        saved, held = saved_arrays(ocp, path, caller)
         check_against(
             targets,
             named,
@@ -367,7 +400,7 @@ def restore(
     restored: dict[str, jax.Array] = {}
     checks: dict[str, jax.Array] = {}
     try:
-        restored, checks = _read(ocp, path, layout, saved, targets, caller)
+        restored, checks = _read(ocp, path, held, saved, targets, caller)
     except Exception as error:  # orbax wraps a failed read in a bare `Exception`
         failure = (
             unreadable_error(caller, path, error, list(targets))
@@ -379,7 +412,7 @@ def restore(
     lost = _losses(
         ocp,
         path,
-        layout,
+        held,
         saved,
         restored,
         checks,
