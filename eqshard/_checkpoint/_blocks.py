@@ -48,10 +48,11 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def _blocks(target: jax.ShapeDtypeStruct) -> dict[Any, tuple[tuple[int, int], ...]]:
     """The block each of this process's devices holds of `target`: the
     `(start, stop)` of each dimension."""
-    indices = target.sharding.addressable_devices_indices_map(target.shape)
+    mine = target.sharding.addressable_devices
     return {
-        device: tuple(s.indices(n)[:2] for s, n in zip(index or (), target.shape))
-        for device, index in indices.items()
+        device: tuple(s.indices(n)[:2] for s, n in zip(index, target.shape))
+        for device, index in target.sharding.devices_indices_map(target.shape).items()
+        if device in mine
     }
 
 
