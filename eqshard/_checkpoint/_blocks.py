@@ -74,7 +74,7 @@ def read_blocks(
     ocp = import_optional("orbax.checkpoint", "orbax", caller)
     epath = import_optional("etils.epath", "orbax", caller)
     tensorstore = import_optional("tensorstore", "orbax", caller)
-    context = ocp.type_handlers.get_ts_context()
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=held.ocdbt)
     opening = {}
     for k in wanted:
         info = ocp.type_handlers.ParamInfo(
