@@ -675,20 +675,17 @@ def test_restore_onto_device_and_host_memory(tmp_path):
 
 
 def test_restored_replicas_are_separate_buffers(tmp_path):
-    # A block several devices hold is read once; each device still owns its
-    # buffer, so that donating one replica leaves the others as they were.
+    # A block several devices hold is read once, and each device still gets a
+    # buffer of its own (XLA's CPU client would share one NumPy block between
+    # all the devices it is put on).
     mesh = _mesh((2, 4), ("dp", "tp"))
     host = {"w": np.arange(64.0, dtype=np.float32).reshape(8, 8)}
     eqshard.save(tmp_path / "c", host)
-    w = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)["w"]
-    pointers = [shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards]
-    assert len(set(pointers)) == len(pointers)
-    blocks = [np.asarray(shard.data) for shard in w.addressable_shards]
-    doubled = jax.jit(lambda x: 2 * x, donate_argnums=0)(w)
-    np.testing.assert_array_equal(np.asarray(doubled), 2 * host["w"])
-    again = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)["w"]
-    for shard, block in zip(again.addressable_shards, blocks):
-        np.testing.assert_array_equal(np.asarray(shard.data), block)
+    out = eqshard.restore(tmp_path / "c", host, P("tp"), mesh)
+    _assert_same(out, host)
+    shards = out["w"].addressable_shards
+    pointers = {shard.data.unsafe_buffer_pointer() for shard in shards}
+    assert len(pointers) == len(shards) == 8
 
 
 def test_restore_needs_a_concrete_mesh_and_layout_and_takes_big_endian_like(tmp_path):
