@@ -152,17 +152,19 @@ class Held(NamedTuple):
     zarr3: bool
 
 
-def saved_arrays(
-    ocp: Any, path: str, caller: str
-) -> tuple[dict[str, Saved], Held | None]:
+# A checkpoint whose arrays are all in eqshard's file (zero-size): orbax holds none.
+NOTHING_HELD = Held(None, [], False, False)
+
+
+def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], Held]:
     """`{name: Saved}` of the arrays in the checkpoint at `path`, and how orbax
-    holds them (`None` if orbax holds no array), from the checkpoint's own
-    descriptions of itself (no array data)."""
+    holds them, from the checkpoint's own descriptions of itself (no array
+    data)."""
     if not os.path.isdir(path):
         raise _no_checkpoint(path, caller)
     own = _read_own(path, caller)
     if own is not None and not own[0]:
-        return own[1], None
+        return own[1], NOTHING_HELD
     epath = import_optional("etils.epath", "orbax", caller)
     handler = ocp.PyTreeCheckpointHandler()
     try:

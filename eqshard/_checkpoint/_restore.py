@@ -28,7 +28,14 @@ from .._specs import (
 from .._threads import in_cpu_memory
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._blocks import read_blocks
-from ._disk import Held, is_read_error, Saved, saved_arrays, unreadable_error
+from ._disk import (
+    Held,
+    is_read_error,
+    NOTHING_HELD,
+    Saved,
+    saved_arrays,
+    unreadable_error,
+)
 from ._targets import (
     abstract_target_error,
     check_against,
@@ -123,7 +130,7 @@ def _from_bits(x: jax.Array, dtype: np.dtype, target: Any) -> jax.Array:
 def _read(
     ocp: Any,
     path: str,
-    held: Held | None,
+    held: Held,
     saved: dict[str, Saved],
     targets: dict[str, jax.ShapeDtypeStruct],
     caller: str,
@@ -146,13 +153,9 @@ def _read(
             twins[s.position] = jax.ShapeDtypeStruct(
                 target.shape, jnp.float32, sharding=target.sharding
             )
-    got: dict[int, Any] = {}
-    read_twins: dict[int, Any] = {}
-    if wanted:
-        assert held is not None  # the positions are in orbax's tree
-        names = {s.position: n for n, s in saved.items() if s.position is not None}
-        got = _fetch(ocp, path, held, wanted, names, caller)
-        read_twins = _fetch(ocp, path, held, twins, names, caller) if twins else {}
+    names = {s.position: n for n, s in saved.items() if s.position is not None}
+    got = _fetch(ocp, path, held, wanted, names, caller) if wanted else {}
+    read_twins = _fetch(ocp, path, held, twins, names, caller) if twins else {}
     checks = {}
     for name, target in targets.items():
         s = saved[name]
@@ -203,7 +206,7 @@ def _found_in_shards(
 def _losses(
     ocp: Any,
     path: str,
-    held: Held | None,
+    held: Held,
     saved: dict[str, Saved],
     restored: dict[str, jax.Array],
     checks: dict[str, jax.Array],
@@ -241,7 +244,6 @@ def _losses(
     if overflowed:  # inf or nan: overflowed, or saved so? The saved values tell.
         positions = {n: typing.cast(int, saved[n].position) for n in overflowed}
         wanted = {positions[n]: saved[n].stored for n in overflowed}
-        assert held is not None  # cast arrays were read from orbax's files
         host = _from_orbax(ocp, path, held.layout, wanted, "restore")
         for name in overflowed:
             source = host[positions[name]].view(saved[name].dtype)
@@ -369,7 +371,7 @@ def restore(
     targets: dict[str, jax.ShapeDtypeStruct] = {}
     saved: dict[str, Saved] = {}
     casts: list[np.dtype | None] = []
-    held = None
+    held = NOTHING_HELD
     try:
         named = named_arrays(like, caller)
         if isinstance(mesh, AbstractMesh):
