@@ -7,12 +7,13 @@ byte (NumPy's large arrays start 16 bytes into their pages, and XLA's CPU
 client copies any array not aligned to 64 bytes), made one block at a time on
 the thread that called `restore`: about 30 ms per 64 MiB on this project's
 2-core machine, beside tensorstore's decoding on the other core. Here each
-block is read by tensorstore into a buffer aligned to 64 bytes, which the CPU
-client takes as the device's buffer itself: the read is the only copy. (It
-takes any such NumPy array so, whatever `device_put`'s `may_alias` says: a
-block that several devices hold, read once, is copied device to device for
-all but the first, so that each device owns its buffer.) Every block of every
-array is asked for before any is waited on, so tensorstore decodes them all on
+block is read by tensorstore into a buffer aligned to 64 bytes
+(`_host.aligned_empty`, as `_resident.py` makes them), which the CPU client
+takes as the device's buffer itself: the read is the only copy. (It takes any
+such NumPy array so, whatever `device_put`'s `may_alias` says: a block that
+several devices hold, read once, is copied device to device for all but the
+first, so that each device owns its buffer.) Every block of every array is
+asked for before any is waited on, so tensorstore decodes them all on
 its own threads.
 
 The files are opened with orbax's own description of them (the tensorstore spec
@@ -28,24 +29,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._host import aligned_empty
 from ._disk import Held
 from ._targets import import_optional
 
 
-# XLA's CPU client takes a host buffer as a device's own when it is aligned so.
-_ALIGNMENT = 64
-
-
-def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array of `shape` and `dtype` whose data starts on an
-    `_ALIGNMENT`-byte boundary."""
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(size + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    return raw[start : start + size].view(dtype).reshape(shape)
-
-
-def _blocks(target: jax.ShapeDtypeStruct) -> dict[Any, tuple[tuple[int, int], ...]]:
+def _block_bounds(
+    target: jax.ShapeDtypeStruct,
+) -> dict[Any, tuple[tuple[int, int], ...]]:
     """The block each of this process's devices holds of `target`: the
     `(start, stop)` of each dimension."""
     mine = target.sharding.addressable_devices
@@ -86,7 +77,7 @@ def read_blocks(
         )
         spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=held.ocdbt)
         opening[k] = tensorstore.open(spec, context=context, open=True, read=True)
-    where = {k: _blocks(target) for k, target in wanted.items()}
+    where = {k: _block_bounds(target) for k, target in wanted.items()}
     read: dict[int, dict[Any, np.ndarray]] = {}
     writes = []
     for k, target in wanted.items():
@@ -105,7 +96,7 @@ def read_blocks(
         for bounds in where[k].values():
             if bounds not in read[k]:
                 shape = tuple(b - a for a, b in bounds)
-                read[k][bounds] = block = _aligned(shape, np.dtype(target.dtype))
+                read[k][bounds] = block = aligned_empty(shape, np.dtype(target.dtype))
                 source = store[tuple(slice(a, b) for a, b in bounds)]
                 written = tensorstore.array(block).write(source.translate_to[0])
                 writes.append((k, written))
