@@ -228,8 +228,9 @@ def _machine(kind: str | None) -> dict[str, Any]:
     """What ran the script: JAX's devices (unless `kind` says), the host's cores
     and load."""
     devices = jax.devices()
+    plural = "s" if len(devices) > 1 else ""
     if kind is None and devices[0].platform == "cpu":
-        kind = f"{len(devices)} cpu devices, {os.cpu_count()} cores"
+        kind = f"{len(devices)} cpu device{plural}, {os.cpu_count()} cores"
     elif kind is None:
         kind = f"{len(devices)} x {devices[0].device_kind}, {os.cpu_count()} cores"
     return {
