@@ -35,7 +35,15 @@ import sys
 import tempfile
 import time
 
-from _timing import interleaved, once, table, Times
+from _timing import (
+    add_json_option,
+    as_table,
+    interleaved,
+    once,
+    table,
+    Times,
+    write_json,
+)
 
 
 def _setup_jax() -> None:
@@ -178,6 +186,14 @@ def _run_child(case: str, path: str, args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------
 
 
+def _mib(values: list[float]) -> str:
+    return f"{min(values) / 2**20:.0f} / {statistics.median(values) / 2**20:.0f}"
+
+
+def _transient(run: dict) -> float:
+    return run["peak_anon"] - run["after"]
+
+
 def _row(name: str, values: list[float], unit: str = "s") -> str:
     scale = 1 if unit == "s" else 2**20
     lo, mid = min(values) / scale, statistics.median(values) / scale
@@ -190,6 +206,7 @@ def main() -> None:
     parser.add_argument("--leaf-mib", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--child", nargs=4)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.child:
         case, path, mib, leaf_mib = args.child
@@ -242,7 +259,8 @@ def main() -> None:
 
         times = interleaved({"ours": by_eqshard, "orbax": by_orbax}, args.runs)
         print()
-        table(
+        tables = {}
+        tables["restore"] = table(
             [
                 (
                     "restore (4, 2) -> (2, 4) (target <= 1.05)",
@@ -272,7 +290,7 @@ def main() -> None:
             "raw": "safetensors.numpy.load_file + eqshard.shard",
         }
         print()
-        table(
+        tables["safetensors"] = table(
             [
                 (
                     "load_safetensors (target <= 0.8)",
@@ -300,6 +318,19 @@ def main() -> None:
                 )
             )
         print(f"{'largest leaf + 10% (MiB)':<46} {largest * 1.1 / 2**20:>10.3f}")
+        tables["safetensors_memory"] = as_table(
+            ("MiB added, min / median", *labels.values()),
+            [
+                (what, *(_mib([key(r) for r in runs[case]]) for case in labels))
+                for what, key in (
+                    ("peak RSS (VmHWM)", lambda r: r["peak"]),
+                    ("peak anonymous", lambda r: r["peak_anon"]),
+                    ("resident after (the result)", lambda r: r["after"]),
+                    ("transient (peak anonymous - result)", _transient),
+                )
+            ],
+        )
+        write_json(__file__, tables, path=args.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -46,7 +46,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp
 import numpy as np
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -92,6 +92,7 @@ def check(out: list[jax.Array], want: list[np.ndarray], shardings: list[Any]):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
+    add_json_option(parser)
     args = parser.parse_args()
 
     auto = (AxisType.Auto,) * 2
@@ -206,7 +207,8 @@ def main() -> int:
             )
         ratios[case] = times[routes[0][0]].median / times[ours].median
         compiled[case] = compiles[ours]
-    table(rows, theirs="by hand", columns=("compiles",))
+    main_table = table(rows, theirs="by hand", columns=("compiles",))
+    write_json(__file__, {"main": main_table}, path=args.json)
     failed = []
     if ratios["one device -> (2, 4)"] < 20:
         failed.append("one device: eqshard under 20x faster than raw device_put")

@@ -26,7 +26,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -54,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--leaves", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=5)
+    add_json_option(parser)
     args = parser.parse_args()
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     rows = []
@@ -87,7 +88,8 @@ def main() -> None:
             max(5, args.runs // 2),
         )
     )
-    table(rows, unit="ms", theirs="raw JAX")
+    main_table = table(rows, unit="ms", theirs="raw JAX")
+    write_json(__file__, {"main": main_table}, path=args.json)
 
 
 if __name__ == "__main__":

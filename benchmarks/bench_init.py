@@ -65,7 +65,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
-from _timing import once
+from _timing import add_json_option, as_table, once, RESULTS, Table, write_json
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from models import Config, config_for_size, RULES, Transformer
 
@@ -167,7 +167,7 @@ def one_cold_build(route: str, layers: int) -> float:
     return once(build)[0]
 
 
-def depths_table(depths: list[int], runs: int) -> None:
+def depths_table(depths: list[int], runs: int) -> Table:
     """Cold times by depth, each in a fresh process (see the module's docstring)."""
     seconds: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -198,15 +198,22 @@ def depths_table(depths: list[int], runs: int) -> None:
     )
     print(header)
     print("-" * len(header))
+    cells = []
     for layers in depths:
         config = Config(vocab=4096, dim=512, heads=8, layers=layers)
         base = statistics.median(seconds[DEPTH_ROUTES[0], layers])
         row = f"{layers:>6} {config.parameters * 4 / MiB:>5.0f}"
+        cells.append([layers, f"{config.parameters * 4 / MiB:.0f}"])
         for route in DEPTH_ROUTES:
             times = seconds[route, layers]
             median = statistics.median(times)
             row += f" {min(times):>14.2f} {median:>15.2f} {base / median:>5.2f}x"
+            cells[-1] += [f"{min(times):.2f} / {median:.2f}", f"{base / median:.2f}x"]
         print(row)
+    columns = ["blocks", "MiB"]
+    for route in DEPTH_ROUTES:
+        columns += [f"{route} min / median", "ratio"]
+    return as_table(columns, cells, unit="s")
 
 
 def main() -> int:
@@ -216,12 +223,15 @@ def main() -> int:
     parser.add_argument("--depths", help="comma-separated block counts")
     parser.add_argument("--child", choices=DEPTH_ROUTES, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    add_json_option(parser)  # with --depths, by default results/bench_init_depths.json
     args = parser.parse_args()
     if args.child is not None:
         print(one_cold_build(args.child, args.layers))
         return 0
     if args.depths is not None:
-        depths_table([int(depth) for depth in args.depths.split(",")], args.runs)
+        depths = depths_table([int(d) for d in args.depths.split(",")], args.runs)
+        path = args.json or RESULTS / "bench_init_depths.json"
+        write_json(__file__, {"depths": depths}, path=path)
         return 0
 
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
@@ -323,9 +333,21 @@ def main() -> int:
     )
     print(header)
     print("-" * len(header))
+    cells = []
     for (name, _, ref), bytes_ in zip(rows, peak, strict=True):
         base = rows[ref][0]
         c, w = cold[name], warm[name]
+        cells.append(
+            (
+                name,
+                f"{min(c):.3f} / {statistics.median(c):.3f}",
+                f"{statistics.median(cold[base]) / statistics.median(c):.2f}x",
+                f"{min(w):.3f} / {statistics.median(w):.3f}",
+                f"{statistics.median(warm[base]) / statistics.median(w):.2f}x",
+                "{} / {}".format(*compiles[name]),
+                f"{bytes_ / MiB:.1f}",
+            )
+        )
         print(
             f"{name:<30} {min(c):>8.3f} {statistics.median(c):>9.3f} "
             f"{statistics.median(cold[base]) / statistics.median(c):>7.2f}x "
@@ -349,6 +371,17 @@ def main() -> int:
         f"eager: device 0 holds the whole model ({total / MiB:.1f} MiB) and its "
         f"shards; largest array {largest / MiB:.1f} MiB"
     )
+    columns = (
+        "route",
+        "cold min / median",
+        "raw / this",
+        "warm min / median",
+        "raw / this",
+        "compiles cold / warm",
+        "peak MiB per device",
+    )
+    routes = as_table(columns, cells, unit="s")
+    write_json(__file__, {"routes": routes}, path=args.json)
     return 0
 
 

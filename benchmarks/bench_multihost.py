@@ -27,9 +27,9 @@ clean exit.
 
 With `--pin`, each process is pinned to a core of its own (process `i` to core
 `i % cores`, every thread of it, those JAX has already started included). On this
-2-core machine that made `shard` slower and no steadier (see the README), so the
-processes run free by default. Run with `python benchmarks/bench_multihost.py`
-(about 20 s).
+2-core machine that made `shard` slower and no steadier (see
+docs/notes/benchmarks-history.md), so the processes run free by default. Run
+with `python benchmarks/bench_multihost.py` (about 20 s).
 """
 
 import argparse
@@ -46,7 +46,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
-from _timing import interleaved, table, Times  # noqa: E402
+from _timing import add_json_option, interleaved, table, Times, write_json  # noqa: E402
 from multihost import run_processes  # noqa: E402
 
 import eqshard  # noqa: E402
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--runs", type=int, default=11)
     parser.add_argument("--pin", action="store_true")
+    add_json_option(parser)
     args = parser.parse_args()
     # The children load `_child` from this file by path: name it as a module's
     # function, not `__main__`'s.
@@ -126,16 +127,21 @@ def main() -> None:
         f"processes, P('dp', 'tp'); ms, min / median over {args.runs} runs; "
         f"{'each process on a core of its own' if args.pin else 'processes free'}"
     )
-    for what, pick in (
-        ("process 0", lambda ts: ts[0]),
-        ("the slower process of each run (the call is done when both are)", max),
+    tables = {}
+    for key, what, pick in (
+        ("process_0", "process 0", lambda ts: ts[0]),
+        (
+            "slower",
+            "the slower process of each run (the call is done when both are)",
+            max,
+        ),
     ):
         times = {
             name: Times(tuple(map(pick, zip(*(p[name] for p in per_process)))))
             for name in per_process[0]
         }
         print(f"\n{what}:")
-        table(
+        tables[key] = table(
             [
                 (label, times[name], times["raw"])
                 for name, label in (
@@ -145,7 +151,10 @@ def main() -> None:
             ],
             unit="ms",
             theirs="make_array_from_callback",
+            title=what,
         )
+    kind = f"2 processes x 4 cpu devices, {os.cpu_count()} cores"
+    write_json(__file__, tables, path=args.json, machine=kind)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -115,6 +115,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--runs", type=int, default=5)
+    add_json_option(parser)
     options = parser.parse_args()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     partitioner = eqshard.t5x.Partitioner(mesh=mesh)
@@ -133,7 +134,8 @@ def main():
         )
         base = times.pop("jax.jit")
         rows += [(f"{case}: {name}", t, base) for name, t in times.items()]
-    table(rows, unit="us", ours="variant", theirs="jax.jit")
+    main_table = table(rows, unit="us", ours="variant", theirs="jax.jit")
+    write_json(__file__, {"main": main_table}, path=options.json)
 
 
 if __name__ == "__main__":

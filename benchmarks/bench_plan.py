@@ -23,6 +23,7 @@ garbage collector fixed (`benchmarks/_timing.py`).
 Run: `python benchmarks/bench_plan.py`.
 """
 
+import argparse
 import io
 import math
 
@@ -30,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from bench_rules import make_tree  # the same 10,000-leaf tree
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
@@ -124,6 +125,9 @@ def raw_plan(shapes, specs):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_option(parser)
+    args = parser.parse_args()
     shapes = eqx.filter_eval_shape(Llama)
     n_arrays = len(jax.tree.leaves(shapes))
     rules = fsdp_rules(MESH)
@@ -168,13 +172,14 @@ def main():
         "device (bf16 params + grads, f32 AdamW) of 80 GiB"
     )
     raw = times.pop("raw JAX plan")
-    table(
+    main_table = table(
         [
             (name, t, raw if name == "plan_training (adamw)" else None)
             for name, t in times.items()
         ],
         theirs="raw JAX plan",
     )
+    write_json(__file__, {"main": main_table}, path=args.json)
 
 
 if __name__ == "__main__":

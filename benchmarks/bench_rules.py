@@ -13,6 +13,7 @@ Also times the `@typecheck` wrapper on a trivial public function.
 Run: `python benchmarks/bench_rules.py`.
 """
 
+import argparse
 import os
 import re
 import subprocess
@@ -21,7 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from _timing import interleaved, once, table
+from _timing import add_json_option, as_table, interleaved, once, table, write_json
 from jax.sharding import PartitionSpec as P
 
 import eqshard
@@ -135,6 +136,9 @@ def typecheck_overhead():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_option(parser)
+    args = parser.parse_args()
     tree = make_tree()
     rules = make_rules()
     n_leaves = len(jax.tree.leaves(tree))
@@ -157,7 +161,7 @@ def main():
     )
     print(f"{n_leaves} leaves, {len(rules)} rules, {REPEATS} interleaved runs each")
     ours = times.pop("eqshard.match_partition_rules")
-    table(
+    main_table = table(
         [(f"vs {name}", ours, t) for name, t in times.items()],
         unit="ms",
         theirs="naive",
@@ -168,6 +172,12 @@ def main():
     width = max(len(name) for name, _ in overhead)
     for name, us in overhead:
         print(f"{name:<{width}}  {us:8.2f} us/call")
+    typecheck_table = as_table(
+        ("eqshard.tree_path_to_string(2-key path, '/')", "us per call"),
+        [(name, f"{us:.2f}") for name, us in overhead],
+    )
+    tables = {"main": main_table, "typecheck": typecheck_table}
+    write_json(__file__, tables, path=args.json)
 
 
 if __name__ == "__main__":

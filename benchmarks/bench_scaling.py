@@ -28,7 +28,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np
 import optax
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -195,18 +195,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-gib", type=float, default=2.0)
+    add_json_option(parser)
     options = parser.parse_args()
     mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
     print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, mesh (2, 4)")
     print(f"{options.runs} runs per case; CPU figures (8 virtual devices, 2 cores)\n")
-    table(
+    leaves = table(
         leaf_rows(mesh, (1_000, 10_000, 100_000), options.runs),
         theirs="raw JAX",
         columns=("per leaf",),
     )
     print()
     sizes = [64 * 4**i for i in range(5) if 64 * 4**i <= options.max_gib * 1024]
-    table(byte_rows(mesh, sizes, options.runs), theirs="raw JAX", columns=("per GiB",))
+    rows = byte_rows(mesh, sizes, options.runs)
+    nbytes = table(rows, theirs="raw JAX", columns=("per GiB",))
+    write_json(__file__, {"leaves": leaves, "bytes": nbytes}, path=options.json)
 
 
 if __name__ == "__main__":

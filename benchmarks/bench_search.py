@@ -37,6 +37,7 @@ search ranks by) at most the baseline's in at least 5 of the 6 cases.
     python benchmarks/bench_search.py
 """
 
+import argparse
 import math
 import sys
 from collections.abc import Callable
@@ -50,7 +51,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import optax
-from _timing import once
+from _timing import add_json_option, as_table, once, write_json
 from jax.sharding import AxisType, PartitionSpec as P
 from models import Block, MLP
 
@@ -278,6 +279,9 @@ def case(name: str, mesh: Any) -> dict[str, Any]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_json_option(parser)
+    args = parser.parse_args()
     meshes = [
         jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2),
         jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
@@ -292,12 +296,20 @@ def main() -> int:
                 f"{row['seconds']:.1f} s",
                 file=sys.stderr,
             )
-    header = (
-        "| model | mesh | layouts | search s | chosen | peak / budget | "
-        "sent / step (baseline) | bytes / step (baseline) | replicated peak |"
+    columns = (
+        "model",
+        "mesh",
+        "layouts",
+        "search s",
+        "chosen",
+        "peak / budget",
+        "sent / step (baseline)",
+        "bytes / step (baseline)",
+        "replicated peak",
     )
-    print(header)
-    print("|---" * 9 + "|")
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+    cells = []
     fit = wins = 0
     slow = []
     for row in rows:
@@ -315,11 +327,20 @@ def main() -> int:
             sent = f"{fmt(best.cost)} ({fmt(hand.cost)})"
             total = f"{fmt(best.total_bytes)} ({fmt(hand.total_bytes)})"
         rep = "-" if replicated is None else fmt(replicated.memory.peak_bytes)
-        print(
-            f"| {row['name']} ({row['parameters'] / 1e6:.1f}M) | {row['mesh']} | "
-            f"{row['compiled']} | {row['seconds']:.1f} | {chosen} | {peak} | "
-            f"{sent} | {total} | {rep} |"
+        cells.append(
+            (
+                f"{row['name']} ({row['parameters'] / 1e6:.1f}M)",
+                row["mesh"],
+                row["compiled"],
+                f"{row['seconds']:.1f}",
+                chosen,
+                peak,
+                sent,
+                total,
+                rep,
+            )
         )
+        print("| " + " | ".join(map(str, cells[-1])) + " |")
     print()
     print(
         f"chosen layout within budget: {fit} of {len(rows)}; sends at most the "
@@ -327,6 +348,7 @@ def main() -> int:
     )
     ok = fit == len(rows) and wins >= 5 and not slow
     print("targets met" if ok else "TARGET MISSED")
+    write_json(__file__, {"main": as_table(columns, cells)}, path=args.json)
     return 0 if ok else 1
 
 

@@ -38,7 +38,16 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np
-from _timing import interleaved, once, table, Times
+from _timing import (
+    add_json_option,
+    as_table,
+    interleaved,
+    once,
+    Table,
+    table,
+    Times,
+    write_json,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -228,7 +237,7 @@ def _number(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e3 else f"{x:,.1f}"
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row]) -> Table:
     header = ("operation", "eqshard", "raw JAX", "ratio", "target", "result")
     body = [
         (
@@ -246,9 +255,10 @@ def print_table(rows: list[Row]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    return as_table(header, body)
 
 
-def main(n_layers: int) -> int:
+def main(n_layers: int, json_path: str | None = None) -> int:
     start = time.perf_counter()
     mesh = make_mesh()
     params = make_params(n_layers)
@@ -373,9 +383,9 @@ def main(n_layers: int) -> int:
         )
     )
 
-    table(timings, unit="ms", theirs="raw JAX", columns=("target", "result"))
+    times = table(timings, unit="ms", theirs="raw JAX", columns=("target", "result"))
     print()
-    print_table(rows)
+    others = print_table(rows)
     print(
         f"\nThe jit-per-leaf (fjformer) passes compiled {jit_compiles} times "
         f"({RUNS + 1} passes of 200 leaves).\nRSS baseline (process and the tree "
@@ -387,6 +397,7 @@ def main(n_layers: int) -> int:
         f"total time {time.perf_counter() - start:.0f} s"
     )
     ok = all(ok for *_, ok in rows) and all(r[-1] == "pass" for r in timings)
+    write_json(__file__, {"times": times, "others": others}, path=json_path)
     return 0 if ok else 1
 
 
@@ -394,8 +405,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16, help="16 is ~1 GiB")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.child:
         memory_child(args.child, args.layers)
     else:
-        sys.exit(main(args.layers))
+        sys.exit(main(args.layers, args.json))

@@ -48,7 +48,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import optax
-from _timing import once, table, Times
+from _timing import add_json_option, once, table, Times, write_json
 from jax.sharding import AxisType, PartitionSpec as P
 from models import Block, RULES
 
@@ -205,6 +205,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
+    add_json_option(parser)
     args = parser.parse_args()
 
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
@@ -259,7 +260,7 @@ def main() -> int:
         f"1024, {n_params / 1e6:.1f}M parameters ({len(report.arguments)} argument "
         f"arrays with the AdamW state); (2, 4) ('fsdp', 'tp') mesh; {args.runs} runs\n"
     )
-    table(
+    main_table = table(
         [
             ("(2) eqshard.analyze_step, cold", Times(tuple(ours)), Times(tuple(raw)))
             + (compiles["analyze_step"],),
@@ -298,6 +299,7 @@ def main() -> int:
         and max(statistics.median(v) for v in timings.values()) < 1.0
     )
     print("targets met" if ok else "TARGET MISSED")
+    write_json(__file__, {"main": main_table}, path=args.json)
     return 0 if ok else 1
 
 
