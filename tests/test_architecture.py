@@ -1,0 +1,463 @@
+"""The layout rules of `eqshard/`, read from the source's ASTs (nothing is imported).
+
+The package is a house with wings (CONTRIBUTING.md, "Where things are"): base
+modules at the root, then one private package per concern. Imports run one way,
+down `WINGS`; there are no cycles, no `_private` name is imported from another
+module, no module is over `MAX_MODULE_LINES` lines and no function over
+`MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded).
+
+Today's violations are data (`ALLOWED_*` below): the tests pass while they hold
+and fail when a new one appears, or when one listed is gone (then delete its
+entry, so the lists only shrink). `python tests/test_architecture.py`, or
+`python -m pytest -s -q tests/test_architecture.py -k stats`, prints the figures.
+"""
+
+import ast
+import dataclasses
+import functools
+import io
+import tokenize
+from collections.abc import Iterator
+from pathlib import Path
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "eqshard"
+NAME = "eqshard"
+
+# The wings, lowest first. A module may import from its own wing and from any wing
+# of an earlier row; never from a later row nor from another wing of its own row.
+# `base` is the root's own modules; `eqshard` is the public surface (the root's
+# `__init__.py`), which imports every wing but the command.
+WINGS: tuple[tuple[str, ...], ...] = (
+    ("base",),
+    ("_spectree",),
+    ("_move", "_transforms"),
+    ("_build", "_readers", "_checkpoint"),
+    ("_step",),
+    ("_search",),
+    ("t5x", "compat"),
+    ("eqshard",),
+    ("_cli",),
+    ("__main__",),
+)
+
+# The modules that stay at the root, in the base wing.
+BASE = frozenset({"_typing", "_tree", "_mesh", "_keys", "_report", "_deprecated"})
+
+# BEGIN FLAT: modules still at the root that belong to a wing (the move empties it).
+FLAT: dict[str, str] = {
+    "_logical": "_spectree",
+    "_specs": "_spectree",
+    "_rules": "_spectree",
+    "_auto": "_spectree",
+    "_spec_args": "_spectree",
+    "_derive": "_spectree",
+    "_follow": "_spectree",
+    "_host": "_move",
+    "_gather": "_move",
+    "_shard": "_move",
+    "_resident": "_move",
+    "_multiprocess": "_move",
+    "_process_blocks": "_move",
+    "_threads": "_move",
+    "_jit": "_transforms",
+    "_filter_jit": "_transforms",
+    "_shard_map": "_transforms",
+    "_constraint": "_transforms",
+    "_explicit": "_transforms",
+    "_programs": "_transforms",
+    "_init": "_build",
+    "_init_pieces": "_build",
+    "_inspect": "_readers",
+    "_layout": "_readers",
+    "_plan": "_readers",
+    "_step": "_step",
+    "_step_report": "_step",
+    "_hlo": "_step",
+    "_search": "_search",
+    "_search_step": "_search",
+    "_search_report": "_search",
+    "_candidates": "_search",
+    "_uses": "_search",
+}
+# END FLAT
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+# Today's violations (each entry is checked to still be one; delete it when fixed).
+ALLOWED_CYCLES: tuple[frozenset[str], ...] = ()
+# restore_target goes to the checkpoint wing.
+ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("eqshard._checkpoint._restore", "eqshard._init"),
+    }
+)
+ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
+ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
+    {
+        "eqshard._hlo",
+        "eqshard._init",
+        "eqshard._inspect",
+        "eqshard._jit",
+        "eqshard._logical",
+        "eqshard._mesh",
+        "eqshard._multiprocess",
+        "eqshard._rules",
+        "eqshard._shard",
+        "eqshard._shard_map",
+        "eqshard._step",
+        "eqshard._tree",
+    }
+)
+ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
+    {
+        "eqshard._checkpoint._restore.restore",
+        "eqshard._cli._main._parser",
+        "eqshard._hlo.Program._graph",
+        "eqshard._init.sharded_init",
+        "eqshard._init_pieces.plan",
+        "eqshard._inspect.analyze_pairs",
+        "eqshard._multiprocess._disagreement_message",
+        "eqshard._search.search_layout",
+        "eqshard._step._analyze",
+        "eqshard.t5x._partitioner.Partitioner.__init__",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module names
+    imported: str
+    names: tuple[str, ...]  # the names taken from `imported` (empty: `import x`)
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package by its own name)."""
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(modules()[module].read_text(), filename=str(modules()[module]))
+
+
+def _is_package(module: str) -> bool:
+    return modules()[module].name == "__init__.py"
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The dotted module a `from ... import` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not _is_package(module):
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module: str) -> list[Import]:
+    """Every import of an eqshard module by `module`, also inside functions; a name
+    that is a submodule (`from . import t5x`) is an import of that submodule."""
+    found = []
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == NAME:
+                    found.append(Import(module, alias.name, (), node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            target = _absolute(module, node)
+            if target.split(".")[0] != NAME:
+                continue
+            names = []
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in modules():
+                    found.append(Import(module, sub, (), node.lineno))
+                else:
+                    names.append(alias.name)
+            if names:
+                found.append(Import(module, target, tuple(names), node.lineno))
+    return found
+
+
+@functools.cache
+def all_imports() -> list[Import]:
+    return [i for m in modules() for i in imports(m) if i.imported != m]
+
+
+def edges() -> set[tuple[str, str]]:
+    """Distinct importer -> imported pairs."""
+    return {(i.importer, i.imported) for i in all_imports()}
+
+
+def wing(module: str) -> str:
+    """The wing `module` belongs to (for a module still at the root, the one `FLAT`
+    gives it)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return NAME
+    if len(parts) > 2 or _is_package(module):
+        return parts[1]
+    if parts[1] == "__main__":
+        return "__main__"
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] in FLAT:
+        return FLAT[parts[1]]
+    raise AssertionError(
+        f"{module} is at the root of eqshard/ but is neither in BASE nor in a wing: "
+        "put it in its wing's package (or in BASE, if it is a base module)."
+    )
+
+
+def rank(wing_name: str) -> int:
+    for i, row in enumerate(WINGS):
+        if wing_name in row:
+            return i
+    raise AssertionError(f"the wing {wing_name!r} is not in WINGS")
+
+
+def upward(edge: tuple[str, str]) -> bool:
+    """An import against the wings' direction: of a later row, or of another wing
+    of the same row."""
+    a, b = wing(edge[0]), wing(edge[1])
+    return a != b and rank(b) >= rank(a)
+
+
+def components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components (Tarjan), in reverse topological order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    result: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            result.append(frozenset(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return result
+
+
+def _graph(pairs: set[tuple[str, str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for a, b in pairs:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    return graph
+
+
+def cycles(pairs: set[tuple[str, str]]) -> list[frozenset[str]]:
+    """The groups of nodes that import each other, directly or not."""
+    return [c for c in components(_graph(pairs)) if len(c) > 1]
+
+
+def wing_edges() -> set[tuple[str, str]]:
+    return {(wing(a), wing(b)) for a, b in edges() if wing(a) != wing(b)}
+
+
+def longest_chain() -> list[str]:
+    """The longest chain of imports (`a` imports `b` imports ...), modules that
+    import each other counted once (the graph of cycles collapsed)."""
+    graph = _graph(edges())
+    groups = components(graph)  # reverse topological: imported groups first
+    of = {v: g for g in groups for v in g}
+    best: dict[frozenset[str], list[str]] = {}
+    for g in groups:
+        below = {of[w] for v in g for w in graph[v]} - {g}
+        heads = sorted(below, key=min)  # ties go to the first name
+        longest = max((best[h] for h in heads), key=len, default=[])
+        best[g] = [min(g), *longest]
+    return max((best[g] for g in sorted(groups, key=min)), key=len)
+
+
+def _code_lines(source: str) -> set[int]:
+    """The lines that hold code: not blank, not only a comment."""
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (
+            tokenize.COMMENT,
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return lines
+
+
+def _functions(
+    node: ast.AST, prefix: str
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield f"{prefix}{child.name}", child
+            yield from _functions(child, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from _functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from _functions(child, prefix)
+
+
+def function_lines() -> dict[str, int]:
+    """Lines of code of every function and method (`module.Class.method`; a nested
+    function's lines count in its own and in the enclosing one's)."""
+    sizes = {}
+    for module in modules():
+        code = _code_lines(modules()[module].read_text())
+        for name, fn in _functions(_tree(module), f"{module}."):
+            lines = set(range(fn.lineno, (fn.end_lineno or fn.lineno) + 1))
+            first = fn.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines -= set(range(first.lineno, (first.end_lineno or 0) + 1))
+            sizes[name] = len(lines & code)
+    return sizes
+
+
+def module_lines() -> dict[str, int]:
+    return {m: len(p.read_text().splitlines()) for m, p in modules().items()}
+
+
+def private_imports() -> set[tuple[str, str, str]]:
+    """(importer, imported, name) of every `_private` name taken from another
+    module (a module's own name may start with `_`)."""
+    found = set()
+    for i in all_imports():
+        for name in i.names:
+            if name.startswith("_") and not name.startswith("__"):
+                found.add((i.importer, i.imported, name))
+    return found
+
+
+def metrics() -> dict[str, object]:
+    """The figures of the layout (issue 34's "Show it")."""
+    pairs = edges()
+    fns = function_lines()
+    sizes = module_lines()
+    chain = longest_chain()
+    largest = max(sizes, key=lambda m: sizes[m])
+    longest = max(fns, key=lambda f: fns[f])
+    return {
+        "modules": len(modules()),
+        "folders": len({p.parent for p in modules().values()}),
+        "import statements": len({(i.importer, i.line) for i in all_imports()}),
+        "edges (importer -> imported)": len(pairs),
+        "longest import chain": f"{len(chain)} modules: {' -> '.join(chain)}",
+        "module cycles": f"{len(cycles(pairs))} "
+        f"({sum(map(len, cycles(pairs)))} modules)",
+        "wing cycles": [sorted(c) for c in cycles(wing_edges())],
+        "upward edges": len([e for e in pairs if upward(e)]),
+        "private names across modules": len(private_imports()),
+        f"modules over {MAX_MODULE_LINES} lines": len(
+            [m for m in sizes if sizes[m] > MAX_MODULE_LINES]
+        ),
+        "largest module": f"{largest} ({sizes[largest]} lines)",
+        f"functions over {MAX_FUNCTION_LINES} lines of code": len(
+            [f for f in fns if fns[f] > MAX_FUNCTION_LINES]
+        ),
+        "longest function": f"{longest} ({fns[longest]} lines of code)",
+    }
+
+
+def _check(kind: str, found: set, allowed: frozenset | set) -> None:
+    new = sorted(found - allowed)
+    gone = sorted(allowed - found)
+    assert not new, f"new {kind} (see this file's docstring): {new}"
+    assert not gone, f"no longer {kind}: remove from the allowed ones: {gone}"
+
+
+def test_every_module_has_a_wing():
+    for module in modules():
+        rank(wing(module))
+    assert not set(FLAT) - {m.split(".")[1] for m in modules() if m.count(".") == 1}
+
+
+def test_no_cycles_between_modules():
+    found = cycles(edges())
+    for group in found:
+        assert any(group <= allowed for allowed in ALLOWED_CYCLES), (
+            f"a new cycle of imports: {sorted(group)}"
+        )
+    for allowed in ALLOWED_CYCLES:
+        assert any(allowed & group for group in found), (
+            f"no longer a cycle: remove from ALLOWED_CYCLES: {sorted(allowed)}"
+        )
+
+
+def test_no_cycles_between_wings():
+    allowed = {e for e in ALLOWED_UPWARD}
+    pairs = {(wing(a), wing(b)) for a, b in edges() - allowed if wing(a) != wing(b)}
+    assert not cycles(pairs)
+
+
+def test_imports_run_down_the_wings():
+    _check("upward imports", {e for e in edges() if upward(e)}, ALLOWED_UPWARD)
+
+
+def test_no_private_names_across_modules():
+    _check("private names across modules", private_imports(), ALLOWED_PRIVATE)
+
+
+def test_module_size():
+    sizes = module_lines()
+    long = {m for m in sizes if sizes[m] > MAX_MODULE_LINES}
+    _check(f"modules over {MAX_MODULE_LINES} lines", long, ALLOWED_LONG_MODULES)
+
+
+def test_function_size():
+    fns = function_lines()
+    long = {f for f in fns if fns[f] > MAX_FUNCTION_LINES}
+    _check(
+        f"functions over {MAX_FUNCTION_LINES} lines of code",
+        long,
+        ALLOWED_LONG_FUNCTIONS,
+    )
+
+
+def test_stats():
+    figures = metrics()
+    assert figures["modules"] == len(modules())
+    print()
+    for key, value in figures.items():
+        print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    for key, value in metrics().items():
+        print(f"{key}: {value}")
