@@ -21,6 +21,7 @@ How a search goes:
 """
 
 import io
+import math
 import operator
 import sys
 import time
@@ -29,7 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._candidates import (
@@ -65,6 +67,44 @@ def _candidate_error(name: str, error: Exception) -> ValueError:
     return search_error(
         f"the rules of candidate {name!r} cannot lay out `params`:\n{error}\nFix "
         "those rules, or leave the candidate out."
+    )
+
+
+def _same_name_error(name: str, where: str) -> ValueError:
+    return search_error(
+        f"two candidates are named {name!r} ({where}); each layout is known by "
+        "its name in the ranking and in `rules_text`. Give each of yours a name "
+        "of its own."
+    )
+
+
+def _untyped_why(error: Exception) -> str:
+    """Why a candidate was not compiled: JAX's error on Explicit axes, one line
+    (eqshard's message names the layer and its arrays)."""
+    message = " ".join(str(error).split()).removeprefix("eqshard.analyze_step: ")
+    message = message.partition(" Run the model under")[0]  # the fix: said once
+    return f"JAX cannot type the step with this layout: {message}"
+
+
+def _untyped(error: BaseException) -> bool:
+    """Whether `error` is (or was raised from) JAX's error on an operation whose
+    result's sharding is ambiguous on Explicit axes: a layout JAX cannot type.
+    JAX does not export its class, so it is known by name, as in `_explicit`."""
+    found: BaseException | None = error
+    while found is not None:
+        if type(found).__name__ == "ShardingTypeError":
+            return True
+        found = found.__cause__
+    return False
+
+
+def _all_untyped_error(skipped: list[tuple[str, str]]) -> ValueError:
+    names = ", ".join(repr(name) for name, _ in skipped)
+    return search_error(
+        f"no candidate could be compiled: on the mesh's Explicit axes JAX cannot "
+        f"type the step with any of {names}. The first: {skipped[0][1]}. Run "
+        "the model under `eqshard.auto_axes(fn, out_specs=...)`, which makes the "
+        "Explicit axes Auto inside `fn`, or search on a mesh of Auto axes."
     )
 
 
@@ -116,16 +156,47 @@ def _given(candidates: Any) -> list[tuple[str, Any]]:
         named = [(str(name), rules) for name, rules in candidates.items()]
     elif isinstance(candidates, Sequence) and not isinstance(candidates, str):
         named = [(f"candidate {i}", rules) for i, rules in enumerate(candidates, 1)]
+        return named
     else:
         raise TypeError(
             f"eqshard.{CALLER}: `candidates` is {candidates!r}; give a list of rule "
             "lists, or a dict from a name to a rule list, e.g. "
             "`{'tp': [('mlp/up', P(None, 'tp')), ('.*', P())]}`."
         )
+    seen: set[str] = set()
+    for name, _ in named:
+        if name in seen:  # keys such as 1 and "1"
+            raise _same_name_error(name, "two keys of `candidates` read the same")
+        seen.add(name)
     return named
 
 
-def _bandwidth(bandwidth: Mapping[str, float] | None, mesh: Mesh) -> dict[str, float]:
+def _number(value: Any) -> bool:
+    """Whether `value` is a real number: a Python or NumPy int or float (no bool)."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def _memory(device_memory: Any) -> int:
+    """`device_memory` in bytes: an int, a float (rounded to whole bytes), or a
+    string such as `"16GiB"`."""
+    if isinstance(device_memory, str):
+        return parse_bytes(device_memory, caller=CALLER)
+    if not _number(device_memory) or not math.isfinite(device_memory):
+        raise search_error(
+            f"`device_memory` is {device_memory!r}; give the budget per device in "
+            "bytes (an int or a float, such as 16e9) or as a string such as "
+            '"16GiB".'
+        )
+    if isinstance(device_memory, float | np.floating):
+        device_memory = round(float(device_memory))
+    return parse_bytes(operator.index(device_memory), caller=CALLER)
+
+
+def _bandwidth(
+    bandwidth: Mapping[str, int | float] | None, mesh: Mesh
+) -> dict[str, float]:
     weights = {str(axis): 1.0 for axis in mesh.axis_names}
     for axis, value in (bandwidth or {}).items():
         if axis not in weights:
@@ -134,10 +205,11 @@ def _bandwidth(bandwidth: Mapping[str, float] | None, mesh: Mesh) -> dict[str, f
                 f"{dict(mesh.shape)}. Give a relative bandwidth per mesh axis, e.g. "
                 f"{{{next(iter(weights))!r}: 1.0}}."
             )
-        if not value > 0:
+        if not (_number(value) and value > 0 and math.isfinite(value)):
             raise search_error(
                 f"`bandwidth[{axis!r}]` is {value!r}; a relative bandwidth is a "
-                "positive number (1.0 for ICI, about 0.1 for DCN)."
+                "positive finite number, an int or a float (1.0 for ICI, about 0.1 "
+                "for DCN)."
             )
         weights[axis] = float(value)
     return weights
@@ -187,6 +259,13 @@ def _layouts(
             unique.append(layout)
         elif layout[1] == "given":
             repeated.append((layout[0], f"the same layout as {seen[key]}"))
+    names: set[str] = set()
+    for layout in unique:
+        if layout[0] in names:  # yours, and a built-in strategy's other layout
+            raise _same_name_error(
+                layout[0], "yours, and a built-in strategy with another layout"
+            )
+        names.add(layout[0])
     return unique, repeated
 
 
@@ -196,12 +275,12 @@ def search_layout(
     params: PyTree,
     *args: Any,
     mesh: Mesh | AbstractMesh | None = None,
-    device_memory: Int | str,
+    device_memory: Int | float | str,
     candidates: Any = None,
     builtin: bool = True,
-    bandwidth: Mapping[str, float] | None = None,
+    bandwidth: Mapping[str, int | float] | None = None,
     max_candidates: Int | None = None,
-    time_budget: float | None = None,
+    time_budget: int | float | None = None,
     progress: bool = True,
 ) -> LayoutSearch:
     """Chooses a layout of `params` by compiling the step `fn(params, *args)` for
@@ -224,7 +303,10 @@ def search_layout(
     Each candidate is compiled once with [`eqshard.analyze_step`][], for
     abstract arguments: nothing is allocated. Outputs with the structure of
     `params` (or of an argument that follows it) get its shardings, and those
-    arguments are donated. The figures are XLA's for the backend compiled for:
+    arguments are donated. On a mesh of Explicit axes, a layout with which JAX
+    cannot type the step (an operation whose result's sharding is ambiguous) is
+    not compiled: it is listed in the result's `skipped` with JAX's reason, and
+    the others are ranked. The figures are XLA's for the backend compiled for:
     a search on virtual CPU devices ranks layouts; it does not forecast GPU or
     TPU time.
 
@@ -237,15 +319,16 @@ def search_layout(
     - `*args`: the step's other arguments, concrete or abstract (the batch with
       its shardings, e.g. `eqshard.abstract(batch, P("dp"), mesh)`).
     - `mesh`: a concrete mesh; defaults to the one set by `jax.set_mesh`.
-    - `device_memory`: the budget per device: bytes, or a string such as
-      `"16GiB"`.
+    - `device_memory`: the budget per device: bytes (an int, or a float such as
+      `16e9`, rounded to whole bytes), or a string such as `"16GiB"`.
     - `candidates`: your rule lists, as a list or a dict from names to lists;
       ranked with the built-in ones, and kept where a built-in one gives the
-      same layout.
+      same layout. A name is one layout's: yours and a built-in strategy's
+      other layout cannot share it.
     - `builtin`: whether to add the built-in strategies.
-    - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each), such
-      as `{"dcn": 0.1}`: a collective's bytes count divided by the bandwidth of
-      the slowest axis it crosses.
+    - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each; ints or
+      floats), such as `{"dcn": 0.1}`: a collective's bytes count divided by the
+      bandwidth of the slowest axis it crosses.
     - `max_candidates`: compile at most this many layouts (yours first).
     - `time_budget`: start no compile after this many seconds (the result is
       then not repeatable).
@@ -261,7 +344,8 @@ def search_layout(
 
     `ValueError` for an `AbstractMesh` (compiling needs devices: use virtual CPU
     devices), an argument on another mesh, rules of yours that cannot lay out
-    `params` (naming the candidate and the paths), or bad options.
+    `params` (naming the candidate and the paths), two candidates of one name,
+    no candidate that JAX can type on Explicit axes, or bad options.
 
     !!! Example
 
@@ -279,15 +363,13 @@ def search_layout(
     if not isinstance(found, Mesh):
         raise _abstract_mesh_error(found)
     mesh = found
-    if not isinstance(device_memory, str):
-        device_memory = operator.index(device_memory)
-    budget = parse_bytes(device_memory, caller=CALLER)
+    budget = _memory(device_memory)
     weights = _bandwidth(bandwidth, mesh)
     if max_candidates is not None and max_candidates < 1:
         raise search_error(
             f"`max_candidates` must be at least 1; got {max_candidates}."
         )
-    if time_budget is not None and not time_budget > 0:
+    if time_budget is not None and not (_number(time_budget) and time_budget > 0):
         raise search_error(
             f"`time_budget` must be a positive number of seconds; got {time_budget}."
         )
@@ -308,7 +390,8 @@ def search_layout(
             (layout[0], "max_candidates") for layout in layouts[max_candidates:]
         ]
         layouts = layouts[:max_candidates]
-    compiled = []
+    compiled: list[LayoutCandidate] = []
+    untyped: list[tuple[str, str]] = []
     bar = _Progress(len(layouts), progress, sys.stderr)
     try:
         for i, layout in enumerate(layouts):
@@ -316,7 +399,16 @@ def search_layout(
             if i and late:
                 skipped += [(rest[0], "time budget") for rest in layouts[i:]]
                 break
-            report = step.report(layout[3])
+            explicit = AxisType.Explicit in mesh.axis_types
+            try:
+                report = step.report(layout[3])
+            except (TypeError, ValueError) as error:
+                if not (explicit and _untyped(error)):
+                    raise
+                # JAX cannot type the step with this layout: the others may do.
+                untyped.append((layout[0], _untyped_why(error)))
+                bar.update(layout[0])
+                continue
             text = rules_text(
                 params,
                 layout[3],
@@ -332,6 +424,9 @@ def search_layout(
             bar.update(layout[0])
     finally:
         bar.close()
+    if untyped and not compiled:
+        raise _all_untyped_error(untyped)
+    skipped += untyped
     order = {id(c): i for i, c in enumerate(compiled)}
     ranked = sorted(
         compiled,

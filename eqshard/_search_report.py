@@ -160,7 +160,8 @@ class LayoutSearch(Report):
     - `bandwidth`: the relative bandwidth of each mesh axis used in `cost`.
     - `candidates`: the [`LayoutCandidate`][eqshard.LayoutCandidate]s, ranked.
     - `skipped`: `(name, why)` of the layouts not compiled: the same layout as
-      an earlier one, or beyond `max_candidates` or the time budget.
+      an earlier one, beyond `max_candidates` or the time budget, or, on
+      Explicit axes, one with which JAX cannot type the step (why says where).
     """
 
     function: str

@@ -358,19 +358,39 @@ class StepReport(Report):
         return super().to_json()
 
     @classmethod
-    def from_json(cls, text: str) -> "StepReport":
-        """The report that `to_json` wrote."""
+    def from_json(cls, text: str | bytes) -> "StepReport":
+        """The report that `to_json` wrote.
+
+        The whole document is checked before a report is built: every field is
+        there, of its type (integers not negative, a collective's group at least
+        one device), and nothing else is.
+
+        **Raises:** `ValueError` naming the JSON path of the first fields that
+        are wrong (`collectives/0/parts/1/bytes`) and what each should hold,
+        when the text is not a step report written by `to_json`.
+        """
         try:
             data = json.loads(text)
-            if data.pop("format") != _FORMAT:
-                raise ValueError("another format version")
-            data.pop("jax")
-            return _build(cls, data)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"eqshard.StepReport.from_json: the text is not a step report written "
-                f"by StepReport.to_json (format {_FORMAT}): {e}."
-            ) from None
+        except RecursionError:
+            problems = [("", "JSON nested at most a few levels deep", _UNSHOWN)]
+            raise _json_error(problems) from None
+        except (ValueError, TypeError) as e:
+            raise _json_error([("", f"JSON text ({e})", _UNSHOWN)]) from None
+        problems: list[tuple[str, str, Any]] = []
+        if not isinstance(data, dict):
+            problems.append(("", "an object", data))
+        else:
+            data = dict(data)
+            version = data.pop("format", _MISSING)
+            if type(version) is not int or version != _FORMAT:
+                problems.append(("format", f"the format version {_FORMAT}", version))
+            version = data.pop("jax", _MISSING)
+            if type(version) is not str:
+                problems.append(("jax", "the JAX version, a string", version))
+            report = _checked(cls, data, "", problems)
+            if not problems:
+                return report
+        raise _json_error(problems)
 
     # -- showing -------------------------------------------------------------------
 
@@ -487,21 +507,121 @@ class StepReport(Report):
 _COLUMNS = ("kind", "shape", "dtype", "bytes", "count", "axes", "leaves")
 
 
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    """The dataclass `cls` from `plain`'s dict, lists back to tuples."""
+# What `from_json` checks beyond the types: the values of a closed vocabulary,
+# and the least value of integer fields (0 unless named here).
+_CHOICES = {(CollectivePart, "via"): ("", "producer", "consumer", "neighbours")}
+_LEAST = {(CollectiveRow, "group_size"): 1}
+_MISSING: Any = object()  # a field not in the document
+_UNSHOWN: Any = object()  # a problem with the text, not with a value
+_SHOWN = 5  # problems listed in one message
+
+
+def _json_error(problems: list[tuple[str, str, Any]]) -> ValueError:
+    """The one message of `from_json`: what each wrong field should hold, at its
+    JSON path, and how to fix it."""
+
+    def got(value: Any) -> str:
+        if value is _MISSING:
+            return "nothing (the field is missing)"
+        if isinstance(value, list | dict):  # not its repr: it may be large
+            return f"{'a list' if isinstance(value, list) else 'an object'} of " + (
+                f"{len(value)} items"
+            )
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        return f"{shown} ({type(value).__name__})"
+
+    lines = []
+    for path, expected, value in problems[:_SHOWN]:
+        where = f"at '{path}'" if path else "at the top level"
+        found = "" if value is _UNSHOWN else f", got {got(value)}"
+        lines.append(f"  {where}: expected {expected}{found}")
+    if len(problems) > _SHOWN:
+        lines.append(f"  and {len(problems) - _SHOWN} more")
+    return ValueError(
+        "eqshard.StepReport.from_json: the text is not a step report written by "
+        f"StepReport.to_json (format {_FORMAT}):\n"
+        + "\n".join(lines)
+        + "\nRead only what to_json wrote, or write the report again with "
+        "eqshard.analyze_step(...).to_json()."
+    )
+
+
+def _checked(
+    cls: type, data: Any, path: str, problems: list[tuple[str, str, Any]]
+) -> Any:
+    """The dataclass `cls` from `plain`'s dict, lists back to tuples, every field
+    checked; each problem is added to `problems` as (path, expected, value), and
+    `None` is returned for a value with problems."""
+    if not isinstance(data, dict):
+        problems.append((path, f"an object ({cls.__name__})", data))
+        return None
     hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    for key in data:
+        if key not in names:
+            key = key if len(key) <= 40 else key[:37] + "..."
+            where = f"{path}/{key}" if path else key
+            problems.append(
+                (where, f"no field here ({cls.__name__} has none)", data[key])
+            )
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        kwargs[f.name] = _typed(hints[f.name], data[f.name])
-    return cls(**kwargs)
+    count = len(problems)
+    for f in fields:
+        where = f"{path}/{f.name}" if path else f.name
+        if f.name not in data:
+            problems.append((where, _expected(hints[f.name]), _MISSING))
+            continue
+        least = _LEAST.get((cls, f.name), 0)
+        value = _value(hints[f.name], data[f.name], where, problems, least=least)
+        choices = _CHOICES.get((cls, f.name))
+        if choices is not None and type(value) is str and value not in choices:
+            listed = ", ".join(repr(c) for c in choices)
+            problems.append((where, f"one of {listed}", value))
+        kwargs[f.name] = value
+    return cls(**kwargs) if len(problems) == count else None
 
 
-def _typed(hint: Any, value: Any) -> Any:
+def _expected(hint: Any) -> str:
     if dataclasses.is_dataclass(hint):
-        return _build(typing.cast(type, hint), value)
+        return f"an object ({typing.cast(type, hint).__name__})"
+    if typing.get_origin(hint) is tuple:
+        return "a list"
+    return {str: "a string", int: "an integer", bool: "true or false"}[hint]
+
+
+def _value(
+    hint: Any,
+    value: Any,
+    path: str,
+    problems: list[tuple[str, str, Any]],
+    *,
+    least: int = 0,
+) -> Any:
+    """`value` as `hint` says (a dataclass, a tuple, a string, an integer of at
+    least `least`, a bool), or `None` with its problems added."""
+    if dataclasses.is_dataclass(hint):
+        return _checked(typing.cast(type, hint), value, path, problems)
     if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
+        if not isinstance(value, list):
+            problems.append((path, _expected(hint), value))
+            return None
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_typed(args[0], v) for v in value)
-        return tuple(_typed(a, v) for a, v in zip(args, value, strict=True))
+            args = (args[0],) * len(value)
+        elif len(args) != len(value):
+            problems.append((path, f"a list of {len(args)} items", value))
+            return None
+        return tuple(
+            _value(a, v, f"{path}/{i}", problems)
+            for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
+    if type(value) is not hint:
+        problems.append((path, _expected(hint), value))
+        return None
+    if hint is int and value < least:
+        problems.append((path, f"an integer of at least {least}", value))
+        return None
     return value

@@ -605,3 +605,90 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     assert f"compiled peak {peak[1]} of 1.0 MiB: fits" in again.stdout
     assert "step 'step' on mesh {'dp': 2, 'tp': 4}" in again.stdout
     assert "model/down/weight [producer]" in again.stdout
+
+
+# ---------------------------------------------------------------------------------
+# In-process runs of the command's `main` (no interpreter to start): --save-rules,
+# user files, and the exit code of a model that raises.
+# ---------------------------------------------------------------------------------
+
+
+def _main(*args: str) -> int:
+    from eqshard._cli._main import main
+
+    return main(list(args))
+
+
+def test_save_rules_writes_only_rules_that_fit_and_never_an_input(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(ROOT)
+    saved = tmp_path / "fit.rules"
+    saved.write_text("# the user's file\n.*  ()\n")
+    fit = ("--model", TINY, "--mesh", "dp:8", "--fit", "--save-rules", str(saved))
+    # Nothing fits in 64 KiB: the file is kept, and the output says so.
+    assert _main(*fit, "--device-memory", "64KiB") == 1
+    assert saved.read_text() == "# the user's file\n.*  ()\n"
+    out = capsys.readouterr().out
+    assert f"not saved to {saved}: --save-rules saves only rules that fit" in out
+    assert "the file there is kept" in out
+    # The --rules file given is never replaced, fitting or not.
+    assert _main(*fit, "--device-memory", "512KiB", "--rules", str(saved)) == 2
+    err = capsys.readouterr().err
+    assert f"--save-rules {saved}: that is the file of --rules" in err
+    assert saved.read_text() == "# the user's file\n.*  ()\n"
+    # Rules that fit replace the file, and the output says so.
+    assert _main(*fit, "--device-memory", "512KiB") == 0
+    out = capsys.readouterr().out
+    assert f"saved to {saved}, replacing the file there" in out
+    assert saved.read_text() in out and "auto_fsdp" in saved.read_text()
+    new = tmp_path / "new.rules"
+    assert _main(*fit[:-1], str(new), "--device-memory", "512KiB") == 0
+    out = capsys.readouterr().out
+    assert f"saved to {new}\n" in out and new.read_text() == saved.read_text()
+
+
+def test_a_user_file_named_as_a_standard_module_is_the_users(
+    tmp_path, monkeypatch, capsys
+):
+    import typing
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "typing", typing)  # restored, whatever happens
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "typing.py").write_text(
+        "import equinox as eqx\nimport jax\n\n\n"
+        "def model():\n"
+        "    return eqx.nn.Linear(64, 32, key=jax.random.key(0))\n"
+    )
+    args = ("--model", "sub/typing.py:model", "--mesh", "dp:8", "--optimizer", "none")
+    assert _main(*args) == 0
+    assert "model sub/typing.py:model: 2,080 parameters" in capsys.readouterr().out
+    assert sys.modules["typing"] is typing  # the standard library's, untouched
+
+
+def test_a_model_or_step_that_raises_exits_3_with_its_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_text(
+        "def helper():\n    return 1 / 0\n\n\ndef model():\n    return helper()\n"
+    )
+    fit = ("--mesh", "dp:8", "--device-memory", "1MiB", "--fit")
+    assert _main("--model", "bad.py:model", *fit) == 3  # not 1: "does not fit"
+    err = capsys.readouterr().err
+    assert "--model 'bad.py:model': calling it raised ZeroDivisionError" in err
+    assert "bad.py:6 in model: return helper()" in err
+    assert "bad.py:2 in helper: return 1 / 0" in err
+    # A step that raises when traced, under --fit's search.
+    (tmp_path / "mlp.py").write_text(
+        STEP_MODULE.replace(
+            "    loss = lambda",
+            "    raise RuntimeError('no step yet')\n    loss = lambda",
+        )
+    )
+    step = ("--model", "mlp.py:model", "--step", "mlp.py:training")
+    assert _main(*step, *fit) == 3
+    err = capsys.readouterr().err
+    assert "--step mlp.py:training: the step raised RuntimeError: no step yet" in err
+    assert re.search(r"mlp\.py:\d+ in step: raise RuntimeError", err)

@@ -474,6 +474,74 @@ def test_errors(mesh):
         )
 
 
+def test_on_explicit_axes_a_layout_jax_cannot_type_is_skipped_and_named(
+    explicit_mesh,
+):
+    # Equinox's Linear names no output sharding: on Explicit axes, JAX cannot
+    # type its matmul with the weight split, so only `replicated` compiles.
+    args = arguments(Unrolled, explicit_mesh, 64, P("dp"))
+    result = eqshard.search_layout(
+        step, *args, mesh=explicit_mesh, device_memory="1GiB", progress=False
+    )
+    assert [c.name for c in result.candidates] == ["replicated"]
+    untyped = dict(result.skipped)
+    assert {"fsdp(dp)", "tp(tp)"} <= set(untyped)
+    assert "JAX cannot type the step with this layout" in untyped["tp(tp)"]
+    assert "'blocks/0/down'" in untyped["tp(tp)"]  # the layer where it failed
+    assert "not compiled: fsdp(dp) (JAX cannot type" in result.table()
+    # None JAX can type: an error naming them, and how to fix it.
+    with pytest.raises(ValueError, match=r"no candidate could be compiled") as e:
+        eqshard.search_layout(
+            step,
+            *args,
+            mesh=explicit_mesh,
+            device_memory="1GiB",
+            candidates={"tp": TP},
+            builtin=False,
+        )
+    assert "'tp'" in str(e.value) and "auto_axes" in str(e.value)
+
+
+def test_numbers_are_ints_or_floats(mesh):
+    args = arguments(Unrolled, mesh, 64, P("dp"))
+    result = eqshard.search_layout(
+        step,
+        *args,
+        mesh=mesh,
+        candidates={"tp": TP},
+        builtin=False,
+        bandwidth={"dp": 1, "tp": np.float32(0.5)},
+        device_memory=1e9,
+        time_budget=60,
+    )
+    assert result.device_memory == 10**9
+    assert dict(result.bandwidth) == {"dp": 1.0, "tp": 0.5}
+    for bad, match in (
+        ({"device_memory": float("inf")}, r"`device_memory` is inf; give"),
+        ({"device_memory": True}, r"`device_memory` is True; give"),
+        ({"device_memory": -1.0}, r"the memory must be positive"),
+        ({"bandwidth": {"dp": float("nan")}}, r"`bandwidth\['dp'\]` is nan"),
+        ({"bandwidth": {"dp": True}}, r"`bandwidth\['dp'\]` is True"),
+    ):
+        options = {"device_memory": "1GiB", **bad}
+        with pytest.raises(ValueError, match=rf"^eqshard.search_layout: {match}"):
+            eqshard.search_layout(step, *args, mesh=mesh, **options)
+
+
+def test_two_candidates_of_one_name(mesh):
+    args = arguments(Unrolled, mesh, 64, P("dp"))
+    with pytest.raises(ValueError, match=r"two candidates are named '1'"):
+        eqshard.search_layout(
+            step, *args, mesh=mesh, device_memory="1GiB", candidates={1: TP, "1": TP}
+        )
+    # Yours and a built-in strategy of another layout.
+    mine = {"tp(tp)": [(".*", P())]}
+    with pytest.raises(ValueError, match=r"two candidates are named 'tp\(tp\)'"):
+        eqshard.search_layout(
+            step, *args, mesh=mesh, device_memory="1GiB", candidates=mine
+        )
+
+
 # ---------------------------------------------------------------------------------
 # Tensor-parallel pairs from paths and shapes.
 # ---------------------------------------------------------------------------------

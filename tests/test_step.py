@@ -418,6 +418,77 @@ def test_json_is_byte_stable_and_reads_back(mesh):
         eqshard.StepReport.from_json('{"format": 99}')
 
 
+@pytest.fixture(scope="module")
+def report_json(mesh):
+    report = eqshard.analyze_step(sgd, *placed(Unrolled, TP_WRONG, mesh))
+    assert report.collectives
+    return report.to_json()
+
+
+def _edited(text, path, value):
+    """The report's JSON with the value at `path` (keys and indices) replaced."""
+    data = json.loads(text)
+    *parents, last = path
+    where = data
+    for key in parents:
+        where = where[key]
+    where[last] = value
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    "edit, where, expected",
+    [
+        # Before: AttributeError ('list' object has no attribute 'pop').
+        (lambda text: "[]", "the top level", "an object"),
+        # Before: RecursionError.
+        (lambda text: "[" * 100_000, "the top level", "JSON nested at most"),
+        # Before: accepted, then ZeroDivisionError in `link_bytes`.
+        (
+            lambda text: _edited(text, ("collectives", 0, "group_size"), 0),
+            "'collectives/0/group_size'",
+            "an integer of at least 1",
+        ),
+        # Before: accepted as the shape ('1', '6'), then wrong everywhere.
+        (
+            lambda text: _edited(text, ("arguments", 0, "shape"), "16"),
+            "'arguments/0/shape'",
+            "a list",
+        ),
+        # Before: accepted, then TypeError in `total_bytes`.
+        (
+            lambda text: _edited(text, ("collectives", 0, "count"), "3"),
+            "'collectives/0/count'",
+            "an integer",
+        ),
+        (
+            lambda text: _edited(text, ("collectives", 0, "parts", 0, "bytes"), -8),
+            "'collectives/0/parts/0/bytes'",
+            "an integer of at least 0",
+        ),
+        (
+            lambda text: _edited(text, ("memory", "temp_bytes"), 1.5),
+            "'memory/temp_bytes'",
+            "an integer",
+        ),
+        (
+            lambda text: _edited(text, ("format",), True),
+            "'format'",
+            "the format version 1",
+        ),
+        (
+            lambda text: _edited(text, ("arguments", 0, "typo"), 1),
+            "'arguments/0/typo'",
+            "no field here",
+        ),
+    ],
+)
+def test_json_that_is_not_a_report_names_the_field(report_json, edit, where, expected):
+    with pytest.raises(ValueError, match="StepReport.from_json") as e:
+        eqshard.StepReport.from_json(edit(report_json))
+    assert f"at {where}: expected {expected}" in str(e.value)
+
+
 def test_str_repr_and_show(mesh, monkeypatch):
     report = eqshard.analyze_step(sgd, *placed(Unrolled, TP_WRONG, mesh))
     assert "\n" not in repr(report) and repr(report).startswith("StepReport(")

@@ -16,10 +16,16 @@ and `UsageError`, the command's one-line errors.
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
+import os
 import pathlib
+import re
 import sys
+import sysconfig
+import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,8 +54,58 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "none")
 THRESHOLDS = (2**20, 2**14, 0)
 
 
+# The command's exit codes (its --help and docs/how-to/command-line.md list them).
+EXIT_OK = 0
+EXIT_DOES_NOT_FIT = 1  # also when the reader of the output goes away
+EXIT_USAGE = 2
+EXIT_USER_CODE = 3
+
+
 class UsageError(Exception):
     """A bad option: reported as one line on stderr, with exit code 2."""
+
+
+class UserCodeError(Exception):
+    """The user's model or step raised: reported with the summary of its
+    traceback, with exit code 3 (1 would read as "does not fit")."""
+
+
+# Where the frames of a traceback that are not the user's come from.
+_LIBRARY_DIRS = tuple(
+    str(pathlib.Path(p).resolve())
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]}
+) + (str(pathlib.Path(__file__).resolve().parent.parent),)
+_FRAMES = 6  # the user's frames a summary shows, the innermost
+
+
+def user_code_error(what: str, error: BaseException) -> UserCodeError:
+    """The one message for an exception of the user's code: `what` raised it, its
+    type and message, and the innermost frames of the user's files."""
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [
+        f for f in frames if not str(pathlib.Path(f.filename)).startswith(_LIBRARY_DIRS)
+    ]
+    shown = (mine or list(frames))[-_FRAMES:]
+    message = " ".join(str(error).split())[:400]
+    lines = [f"{what} raised {type(error).__name__}: {message}"]
+    for frame in shown:
+        where = os.path.relpath(frame.filename) if frame.filename else "?"
+        where = frame.filename if where.startswith("..") else where
+        lines.append(f"  {where}:{frame.lineno} in {frame.name}: {frame.line}")
+    lines.append(
+        "This is an error of your code, not of the plan: fix it and run the "
+        f"command again (exit code {EXIT_USER_CODE})."
+    )
+    return UserCodeError("\n".join(lines))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """A module name of the user's file's own: never a standard or installed
+    module's (`sub/typing.py` is not `typing`), the same for the same file (so
+    `--model m.py:model --step m.py:step` load it once)."""
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    stem = re.sub(r"\W", "_", path.stem)
+    return f"_eqshard_user_{stem}_{digest}"
 
 
 def _import(module: str, option: str) -> Any:
@@ -57,25 +113,35 @@ def _import(module: str, option: str) -> Any:
         path = pathlib.Path(module).resolve()
         if not path.is_file():
             raise ValueError(f"{option}: no file {module!r}")
-        loaded = sys.modules.get(path.stem)
-        if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        name = _module_name(path)
+        loaded = sys.modules.get(name)
+        if loaded is not None:
             return loaded  # `--model m.py:model --step m.py:step`: one module
-        spec = importlib.util.spec_from_file_location(path.stem, path)
+        spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise ValueError(f"{option}: cannot import the file {module!r}")
         loaded = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = loaded
-        spec.loader.exec_module(loaded)
+        sys.modules[name] = loaded  # for its dataclasses, pickling, ...
+        try:
+            spec.loader.exec_module(loaded)
+        except Exception as error:  # the user's code
+            del sys.modules[name]
+            raise user_code_error(f"{option}: importing {module!r}", error) from None
         return loaded
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # as `python -m` does: modules of the current directory
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:
-        raise ValueError(
-            f"{option}: cannot import {module!r} ({error}); run from the directory "
-            "that holds it, set PYTHONPATH, or give a file path (model.py:fn)"
-        ) from None
+        if error.name is not None and module.startswith(error.name):
+            raise ValueError(
+                f"{option}: cannot import {module!r} ({error}); run from the "
+                "directory that holds it, set PYTHONPATH, or give a file path "
+                "(model.py:fn)"
+            ) from None
+        raise user_code_error(f"{option}: importing {module!r}", error) from None
+    except Exception as error:  # the user's module raised while imported
+        raise user_code_error(f"{option}: importing {module!r}", error) from None
 
 
 _EXAMPLES = {
@@ -109,7 +175,11 @@ def load_model(text: str) -> PyTree:
     """The abstract model `MODULE:CALLABLE` (or `path/to/file.py:CALLABLE`) makes:
     the callable is called with no arguments under `eqx.filter_eval_shape`, so
     nothing is allocated; it may return a module or an abstract one."""
-    shapes = eqx.filter_eval_shape(import_target(text, "--model"))
+    fn = import_target(text, "--model")
+    try:
+        shapes = eqx.filter_eval_shape(fn)  # nothing allocated
+    except Exception as error:  # the user's code
+        raise user_code_error(f"--model {text!r}: calling it", error) from None
     if not any(is_array(leaf) for leaf in jtu.tree_leaves(shapes)):
         raise ValueError(f"--model {text!r}: the model it returns has no arrays")
     return shapes
@@ -334,6 +404,8 @@ class PlanOptions:
             raise UsageError("--fit needs --device-memory, the budget to fit in")
         if args.save_rules is not None and not args.fit:
             raise UsageError("--save-rules writes the rules that --fit proposes")
+        if args.save_rules is not None:
+            _check_not_an_input(args.save_rules, args)
         try:
             optimizer = make_optimizer(args.optimizer or "adamw")
         except ValueError as error:
@@ -374,18 +446,75 @@ def _print_plan(plan: eqshard.TrainingPlan) -> None:
         print(plan.table())
 
 
-def save_rules(path: str | None, text: str) -> None:
-    """Writes `--save-rules`' file, if asked for, and says so."""
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
+
+
+def _check_not_an_input(path: str, args: argparse.Namespace) -> None:
+    """Refuses a `--save-rules` file that the command reads: the `--rules` file,
+    or the file of `--model` or `--step`."""
+    inputs = [("--rules", args.rules)]
+    for option, text in (("--model", args.model), ("--step", args.step)):
+        module = (text or "").rpartition(":")[0]
+        if module.endswith(".py") or "/" in module:
+            inputs.append((option, module))
+    for option, given in inputs:
+        if given is not None and _same_file(path, given):
+            raise UsageError(
+                f"--save-rules {path}: that is the file of {option} {given}, which "
+                "the command reads; it is never replaced. Save the proposed rules "
+                "to another file"
+            )
+
+
+def _write(path: str, text: str) -> None:
+    """Writes `text` to `path`: a regular file is replaced whole (a new file,
+    renamed over it), so that a failed write keeps the old one; anything else
+    (`/dev/stdout`) is written in place."""
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isfile(real):
+        with open(real, "w") as file:
+            file.write(text)
+        return
+    folder, name = os.path.split(real)
+    handle, staged = tempfile.mkstemp(prefix=f".{name}.", suffix=".new", dir=folder)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        if os.path.exists(real):
+            mode = os.stat(real).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(staged, mode)
+        os.replace(staged, real)
+    except BaseException:
+        os.unlink(staged)
+        raise
+
+
+def save_rules(path: str | None, text: str, *, fits: bool) -> None:
+    """Writes `--save-rules`' file when the rules fit, and says what it did:
+    saved, saved over a file that was there, or not saved."""
     if path is None:
         return
+    existed = os.path.lexists(path)
+    if not fits:
+        kept = "; the file there is kept as it was" if existed else ""
+        print(f"not saved to {path}: --save-rules saves only rules that fit{kept}")
+        print()
+        return
     try:
-        with open(path, "w") as file:
-            file.write(text)
+        _write(path, text)
     except OSError as error:
         raise UsageError(
             f"--save-rules {path}: cannot write the file ({error.strerror or error})"
         ) from None
-    print(f"saved to {path}")
+    print(f"saved to {path}" + (", replacing the file there" if existed else ""))
     print()
 
 
@@ -429,7 +558,7 @@ def training_memory(
             "a smaller --param-dtype / --state-dtype. The closest rules:"
         )
     print(text)
-    save_rules(options.save_rules, text)
+    save_rules(options.save_rules, text, fits=plan.fits)
     _print_plan(plan)
     return 0 if plan.fits else 1
 

@@ -38,6 +38,9 @@ from ._demo import (
     Transformer,
 )
 from ._fit import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_USAGE,
+    EXIT_USER_CODE,
     OPTIMIZERS,
     PlanOptions,
     PROG,
@@ -47,6 +50,7 @@ from ._fit import (
     show_plan,
     training_memory,
     UsageError,
+    UserCodeError,
 )
 from ._step import run_step
 
@@ -90,7 +94,11 @@ def _parser() -> argparse.ArgumentParser:
             "spec is the last field, or all that follows '->'): "
             f"{SPEC_SYNTAX}. This is the spec syntax of "
             "eqshard.compat.create_pattern_based_partition_spec too. "
-            "Lines starting with # are comments. The first matching rule wins."
+            "Lines starting with # are comments. The first matching rule wins. "
+            "Exit codes: 0 success (the plan fits); 1 the plan does not fit "
+            "--device-memory, or nothing --fit tried does (--save-rules then "
+            "writes nothing); 2 a bad option, rules file or mesh; 3 your --model "
+            "or --step code raised (its traceback is summarised)."
         ),
     )
     parser.add_argument(
@@ -178,7 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save-rules",
         metavar="FILE",
-        help="with --fit, also write the proposed rules to FILE (a --rules file)",
+        help=(
+            "with --fit, also write the proposed rules to FILE (a --rules file) if "
+            "they fit; never the --rules, --model or --step file, and it says "
+            "when it replaces a file"
+        ),
     )
     parser.add_argument(
         "--table",
@@ -402,7 +414,9 @@ def _check_step_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command; returns the exit code (2 for a bad option)."""
+    """Runs the command; returns the exit code: 0, 1 when a plan does not fit
+    (or the reader of the output went away), 2 for a bad option, 3 when the
+    user's model or step raised."""
     start = time.perf_counter()
     args = _parser().parse_args(argv)
     try:
@@ -439,10 +453,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stdout.flush()
         print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except UserCodeError as error:
+        sys.stdout.flush()
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USER_CODE
     except BrokenPipeError:
         # The reader went away (`python -m eqshard --size 70B | head`): stop
         # quietly, and keep Python from failing again when it flushes stdout.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_DOES_NOT_FIT
     return status

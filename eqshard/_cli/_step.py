@@ -38,6 +38,7 @@ from ._fit import (
     save_rules,
     Setup,
     UsageError,
+    user_code_error,
 )
 
 
@@ -50,10 +51,7 @@ def load_step(text: str) -> tuple[Any, Any, PyTree]:
     try:
         made = eqx.filter_eval_shape(fn)  # nothing allocated, whatever it makes
     except Exception as error:  # the user's code: say where it failed
-        raise UsageError(
-            f"--step {text!r}: calling it raised {type(error).__name__}: "
-            f"{_one_line(error)}"
-        ) from None
+        raise user_code_error(f"--step {text!r}: calling it", error) from None
     if not (isinstance(made, tuple | list) and len(made) == 3):
         raise UsageError(
             f"--step {text!r}: it returned {type(made).__name__}; return "
@@ -122,7 +120,11 @@ def run_step(
             )
         )
     except (ValueError, TypeError) as error:
+        if not str(error).startswith("eqshard."):  # the step's own error
+            raise user_code_error(f"--step {args.step}: the step", error) from None
         raise UsageError(f"--step {args.step}: {_one_line(error)}") from None
+    except Exception as error:  # the step raised while traced
+        raise user_code_error(f"--step {args.step}: the step", error) from None
     what = f"{len(result.candidates)} layouts" if args.fit else "the step"
     timer("compile", seconds, f"eqshard.search_layout: {what}")
     if args.fit:
@@ -158,7 +160,7 @@ def _show_search(
         "made by eqshard.search_layout", f"made by `{PROG} --fit`"
     )
     print(text)
-    save_rules(options.save_rules, text)
+    save_rules(options.save_rules, text, fits=best is not None)
     print(f"step report of {chosen.name}:")
     print(chosen.report.table())
     return 0 if best is not None else 1
