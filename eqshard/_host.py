@@ -27,6 +27,14 @@ needed, converted on host, in one pass over its data:
    its memory: only if they lie in it is it placed again, from a private copy
    (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
    placed on other devices are copied there anyway.
+4. **Nothing read later.** `jax.device_put` returns before its transfers are
+   done, so a device may read the caller's buffer after the call (writes made
+   at once changed arrays on the mesh). `shard` waits for the transfers of the
+   arrays placed as they are (`borrowed`) before it returns, and before it
+   compares addresses; a private copy is the devices' own, and is not waited
+   for. `filter_jit`, `init_sharded` and `shard_map` hand JAX NumPy arguments
+   that it reads later still, in a program: they give it private copies
+   instead (`host_private`), which keeps the call asynchronous.
 
 This is the one policy for every path that brings data in: a cast asked for may
 round, but values that would become inf or nan, wrap around, or be narrowed are
@@ -289,6 +297,37 @@ def private_copy(leaf: np.ndarray) -> np.ndarray:
     out = aligned_empty(leaf.shape, leaf.dtype)
     np.copyto(out, leaf)
     return out
+
+
+def borrowed(ready: Any, value: Any) -> bool:
+    """Whether `ready`, handed to `jax.device_put` for the leaf `value`, is (in
+    part) the caller's own NumPy memory, which the transfer may read after
+    `device_put` returns: `host_ready` returned it, or a view of it, rather than a
+    copy of its own."""
+    return (
+        isinstance(value, np.ndarray)
+        and isinstance(ready, np.ndarray)
+        and np.may_share_memory(ready, value)
+    )
+
+
+def host_private(tree: PyTree) -> PyTree:
+    """`tree` with every NumPy array replaced by a private copy (`private_copy`),
+    for a call that hands its arguments to JAX and returns before JAX has read
+    them (`jax.jit`, an eager `shard_map`): the caller may then write its
+    buffers at once. The same object if it holds no NumPy array."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if not any(map(_is_plain_numpy, leaves)):
+        return tree
+    return jtu.tree_unflatten(
+        treedef, [private_copy(x) if _is_plain_numpy(x) else x for x in leaves]
+    )
+
+
+def _is_plain_numpy(x: Any) -> bool:
+    """A NumPy array that JAX reads as it is (subclasses such as masked arrays,
+    and Python objects, are JAX's to refuse, not copied first)."""
+    return type(x) is np.ndarray and not x.dtype.hasobject
 
 
 def shares_memory(placed: jax.Array, leaf: np.ndarray) -> bool:
