@@ -718,7 +718,7 @@ def test_unknown_mesh_axis_names_the_leaf_the_axes_and_the_fix(mesh):
     message = str(info.value)
     assert message.startswith("eqshard.shard: ")
     assert "'layers/0/w'" in message and "'model' is not a mesh axis" in message
-    assert "the mesh has 'dp', 'tp'" in message and "Use P('dp',)" in message
+    assert "on mesh {'dp': 2, 'tp': 4}" in message and "Use P('dp',)" in message
     for on in (mesh, mesh.abstract_mesh):  # named_shardings' one builder, also
         # for `filter_jit` on an abstract mesh (JAX's own error named no path)
         with pytest.raises(ValueError) as info:
