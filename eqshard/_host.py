@@ -21,8 +21,9 @@ needed, converted on host, in one pass over its data:
    is copied whatever its alignment, so such arrays are placed as they are. A
    NumPy array placed on CPU devices (or in host memory) some of whose blocks are
    dense is copied up front into a private, 64-byte aligned buffer if it is under
-   1 MiB, or replicated on several devices (which copy an unaligned array once
-   each); the devices then share that buffer without further copies. A larger
+   1 MiB, or if its blocks are each held by several devices (`P()`, or `P("dp")`
+   on a ('dp', 'tp') mesh: they copy an unaligned block once each); the devices
+   then share that buffer without further copies. A larger
    one is placed as it is, and the device buffers' addresses are compared with
    its memory: only if they lie in it is it placed again, from a private copy
    (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
@@ -57,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
@@ -292,6 +293,22 @@ def _copied_per_device(sharding: NamedSharding) -> bool:
     return sharding.is_fully_replicated and len(sharding.device_set) > 1
 
 
+@ft.lru_cache(maxsize=1024)
+def _blocks_replicated(sharding: NamedSharding) -> bool:
+    """Whether each block of `sharding` is held by several devices (the spec
+    leaves some mesh axis out): `device_put` copies an unaligned dense block once
+    per device that holds it, where a private aligned copy is one copy in all
+    (16 MiB on `P("dp")` of a (2, 4) mesh: 15 ms placed as it was, 2 ms from a
+    private copy; `benchmarks/bench_shard_host.py`)."""
+    split = 1
+    for entry in sharding.spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        for axis in entry if isinstance(entry, tuple | list) else (entry,):
+            split *= dict(sharding.mesh.shape).get(axis, 1)
+    return len(sharding.device_set) > split
+
+
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
     out = aligned_empty(leaf.shape, leaf.dtype)
@@ -392,7 +409,10 @@ def host_ready(
         and may_alias(sharding)
         and (
             _copied_per_device(sharding)
-            or (leaf.nbytes < PRIVATE_BELOW and takes_in_place(leaf, sharding))
+            or (
+                (leaf.nbytes < PRIVATE_BELOW or _blocks_replicated(sharding))
+                and takes_in_place(leaf, sharding)
+            )
         )
     )
     if target == leaf.dtype and not private:
