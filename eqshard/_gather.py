@@ -183,7 +183,9 @@ def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> 
     """Copies every `jax.Array` of a pytree to host, as `numpy.ndarray`s.
 
     Values are bit-exact and keep their dtype (bfloat16 included) unless `dtype`
-    asks for a cast. Everything else (NumPy arrays, static fields, callables, Python
+    asks for a cast. Each is a writeable array that owns its memory, whatever the
+    array's spec (replicated, split or on one device): it shares nothing with
+    the device buffers. Everything else (NumPy arrays, static fields, callables, Python
     scalars, `None`) is returned as it is. Arrays whose shards this process can see
     are copied with one `jax.device_get`; in a multi-process run, arrays spread over
     several processes are gathered one at a time without ever putting a full copy
