@@ -118,8 +118,6 @@ class _Specs:
                 "no mesh is given or set, and no argument is placed on one. Pass "
                 "`mesh=`, or use `jax.set_mesh(mesh)`."
             )
-        if isinstance(mesh, AbstractMesh):
-            return NamedSharding(mesh, spec)
         return named_sharding(spec, mesh, caller=_CALLER, path=path, argname=name)
 
     def _count_error(self, count: int) -> ValueError | None:

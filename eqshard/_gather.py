@@ -69,7 +69,7 @@ def _cpu_blocks(
     return tuple(blocks.values())
 
 
-def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
+def fetch(arrays: list[jax.Array], *, own: bool = False) -> list[np.ndarray]:
     """The values of fully addressable arrays on this host, as `jax.device_get`
     gives them, without leaving a host copy cached on the arrays.
 
@@ -78,7 +78,12 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     `iter_gather` would hold every leaf at once. On CPU each distinct block is
     read from its device buffer (no copy, so nothing is cached) into the result,
     the blocks spread over the cores (`_threads.py`); elsewhere each array is
-    read through a short-lived `_uncached` wrapper."""
+    read through a short-lived `_uncached` wrapper.
+
+    An array of one distinct block (replicated, or on one device) comes back as
+    a read-only view of its device buffer on CPU, and read-only elsewhere (JAX's
+    host copy); with `own`, every value is a writeable array that owns its
+    memory, as `gather` promises (a copy where the value was not one)."""
     out: list[Any] = [None] * len(arrays)
     on_cpu: list[tuple[int, Any]] = []
     elsewhere: list[tuple[int, Any]] = []
@@ -87,12 +92,12 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
         (elsewhere if blocks is None else on_cpu).append((i, blocks))
     # The blocks are copied into the arrays they belong to, spread over the cores:
     # an array's together, those of an array larger than a core's share each on
-    # its own. An array of one block is its device buffer.
-    several = [(i, blocks) for i, blocks in on_cpu if len(blocks) > 1]
+    # its own. An array of one block is its device buffer, unless it must `own`.
+    several = [(i, blocks) for i, blocks in on_cpu if len(blocks) > 1 or own]
     large = split_above(sum(arrays[i].nbytes for i, _ in several))
     copies: list[tuple[int, Any]] = []  # (i, blocks of arrays[i])
     for i, blocks in on_cpu:
-        if len(blocks) == 1:
+        if len(blocks) == 1 and not own:
             out[i] = np.asarray(arrays[i].addressable_data(blocks[0][0]))
             continue
         out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
@@ -115,8 +120,19 @@ def fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
     if elsewhere:
         values = jax.device_get([_uncached(arrays[i]) for i, _ in elsewhere])
         for (i, _), value in zip(elsewhere, values, strict=True):
-            out[i] = value
+            out[i] = _owned(value) if own else value
     return out
+
+
+def _owned(value: Any) -> np.ndarray:
+    """`value` as a writeable array that owns its memory: itself, made writeable,
+    if it owns its memory already (JAX's host copy, which nothing else holds once
+    its `_uncached` wrapper is gone), else a copy."""
+    value = np.asarray(value)
+    if value.base is not None or not value.flags.owndata:
+        return np.array(value, copy=True)
+    value.flags.writeable = True
+    return value
 
 
 def _to_host(array: jax.Array) -> np.ndarray:
@@ -167,7 +183,9 @@ def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> 
     """Copies every `jax.Array` of a pytree to host, as `numpy.ndarray`s.
 
     Values are bit-exact and keep their dtype (bfloat16 included) unless `dtype`
-    asks for a cast. Everything else (NumPy arrays, static fields, callables, Python
+    asks for a cast. Each is a writeable array that owns its memory, whatever the
+    array's spec (replicated, split or on one device): it shares nothing with
+    the device buffers. Everything else (NumPy arrays, static fields, callables, Python
     scalars, `None`) is returned as it is. Arrays whose shards this process can see
     are copied with one `jax.device_get`; in a multi-process run, arrays spread over
     several processes are gathered one at a time without ever putting a full copy
@@ -230,7 +248,8 @@ def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> 
         if isinstance(x, jax.Array) and x.is_fully_addressable
     ]
     out = list(leaves)
-    for i, value in zip(local, fetch([leaves[i] for i in local]), strict=True):
+    fetched = fetch([leaves[i] for i in local], own=True)
+    for i, value in zip(local, fetched, strict=True):
         out[i] = value
     shared = [(path, x) for (path, _), x in zip(path_leaves, leaves, strict=True)]
     shared = [(path, x) for path, x in shared if needs_collective(x)]

@@ -21,12 +21,21 @@ needed, converted on host, in one pass over its data:
    is copied whatever its alignment, so such arrays are placed as they are. A
    NumPy array placed on CPU devices (or in host memory) some of whose blocks are
    dense is copied up front into a private, 64-byte aligned buffer if it is under
-   1 MiB, or replicated on several devices (which copy an unaligned array once
-   each); the devices then share that buffer without further copies. A larger
+   1 MiB, or if its blocks are each held by several devices (`P()`, or `P("dp")`
+   on a ('dp', 'tp') mesh: they copy an unaligned block once each); the devices
+   then share that buffer without further copies. A larger
    one is placed as it is, and the device buffers' addresses are compared with
    its memory: only if they lie in it is it placed again, from a private copy
    (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
    placed on other devices are copied there anyway.
+4. **Nothing read later.** `jax.device_put` returns before its transfers are
+   done, so a device may read the caller's buffer after the call (writes made
+   at once changed arrays on the mesh). `shard` waits for the transfers of the
+   arrays placed as they are (`borrowed`) before it returns, and before it
+   compares addresses; a private copy is the devices' own, and is not waited
+   for. `filter_jit`, `init_sharded` and `shard_map` hand JAX NumPy arguments
+   that it reads later still, in a program: they give it private copies
+   instead (`host_private`), which keeps the call asynchronous.
 
 This is the one policy for every path that brings data in: a cast asked for may
 round, but values that would become inf or nan, wrap around, or be narrowed are
@@ -49,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
@@ -284,11 +293,58 @@ def _copied_per_device(sharding: NamedSharding) -> bool:
     return sharding.is_fully_replicated and len(sharding.device_set) > 1
 
 
+@ft.lru_cache(maxsize=1024)
+def _blocks_replicated(sharding: NamedSharding) -> bool:
+    """Whether each block of `sharding` is held by several devices (the spec
+    leaves some mesh axis out): `device_put` copies an unaligned dense block once
+    per device that holds it, where a private aligned copy is one copy in all
+    (16 MiB on `P("dp")` of a (2, 4) mesh: 15 ms placed as it was, 2 ms from a
+    private copy; `benchmarks/bench_shard_host.py`)."""
+    split = 1
+    for entry in sharding.spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        for axis in entry if isinstance(entry, tuple | list) else (entry,):
+            split *= dict(sharding.mesh.shape).get(axis, 1)
+    return len(sharding.device_set) > split
+
+
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
     out = aligned_empty(leaf.shape, leaf.dtype)
     np.copyto(out, leaf)
     return out
+
+
+def borrowed(ready: Any, value: Any) -> bool:
+    """Whether `ready`, handed to `jax.device_put` for the leaf `value`, is (in
+    part) the caller's own NumPy memory, which the transfer may read after
+    `device_put` returns: `host_ready` returned it, or a view of it, rather than a
+    copy of its own."""
+    return (
+        isinstance(value, np.ndarray)
+        and isinstance(ready, np.ndarray)
+        and np.may_share_memory(ready, value)
+    )
+
+
+def host_private(tree: PyTree) -> PyTree:
+    """`tree` with every NumPy array replaced by a private copy (`private_copy`),
+    for a call that hands its arguments to JAX and returns before JAX has read
+    them (`jax.jit`, an eager `shard_map`): the caller may then write its
+    buffers at once. The same object if it holds no NumPy array."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if not any(map(_is_plain_numpy, leaves)):
+        return tree
+    return jtu.tree_unflatten(
+        treedef, [private_copy(x) if _is_plain_numpy(x) else x for x in leaves]
+    )
+
+
+def _is_plain_numpy(x: Any) -> bool:
+    """A NumPy array that JAX reads as it is (subclasses such as masked arrays,
+    and Python objects, are JAX's to refuse, not copied first)."""
+    return type(x) is np.ndarray and not x.dtype.hasobject
 
 
 def shares_memory(placed: jax.Array, leaf: np.ndarray) -> bool:
@@ -353,7 +409,10 @@ def host_ready(
         and may_alias(sharding)
         and (
             _copied_per_device(sharding)
-            or (leaf.nbytes < PRIVATE_BELOW and takes_in_place(leaf, sharding))
+            or (
+                (leaf.nbytes < PRIVATE_BELOW or _blocks_replicated(sharding))
+                and takes_in_place(leaf, sharding)
+            )
         )
     )
     if target == leaf.dtype and not private:

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._derive import abstract_tree, restricted
-from ._host import converted, loss_error, lost_text
+from ._host import converted, host_private, loss_error, lost_text
 from ._init_pieces import Plan, plan
 from ._mesh import concrete_mesh, find_mesh
 from ._programs import Programs
@@ -651,4 +651,4 @@ def init_sharded(
         ```
     """
     run, _, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
-    return assemble(run(*inputs))
+    return assemble(run(*host_private(inputs)))

@@ -37,6 +37,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import PyTree
 
 from ._explicit import explained
+from ._host import host_private
 from ._logical import LogicalRules, RulesContext
 from ._mesh import mesh_repr
 from ._specs import (
@@ -598,14 +599,14 @@ class JitFunction:
             and (not self._donated or len(set(map(id, args))) == len(args))
         ):
             try:
-                out, statics = direct(*args)
+                out, statics = direct(*host_private(args))
             except ValueError as e:
                 self._diagnose(args, e)
                 raise
         else:
             jitted, call_args, _ = self._dispatch(args, static=True)
             try:
-                out, statics = jitted(*call_args)
+                out, statics = jitted(*host_private(call_args))
             except ValueError as e:
                 self._diagnose(args, e)
                 raise

@@ -464,11 +464,6 @@ def fail_together(
 # ---------------------------------------------------------------------------------
 
 
-# How long `shard` waits for the other processes' digests: it has no `timeout=`,
-# and waited without end in an XLA all-gather before.
-_AGREE_TIMEOUT = 86_400.0
-
-
 def start_agreement(
     caller: str,
     tree: PyTree,
@@ -478,6 +473,7 @@ def start_agreement(
     root: KeyPath,
     host_local: bool,
     check_values: CheckValues = "sample",
+    timeout: float | int = 300.0,
 ) -> Callable[[], None]:
     """Checks that every process of the call's meshes passed the same paths,
     shapes, dtypes and specs, and equal values where the values must be equal
@@ -489,8 +485,9 @@ def start_agreement(
     In two steps: posts this process's digest now (a meeting of the processes of
     the meshes, `post_status`, if there are several), and returns the function that
     finishes the check (reads the others' digests and raises the same
-    `ValueError` on every process if they differ; `agreed_alone` if there is no
-    other process). In between, a process may do work that involves no
+    `ValueError` on every process if they differ, or if the others do not post
+    theirs within `timeout` seconds; `agreed_alone` if there is no other
+    process). In between, a process may do work that involves no
     other process, such as placing full copies or host-local blocks (not laying
     out a global array again: a collective), and so not wait for the others
     idle; it must then finish the check before it raises what that work raised,
@@ -516,7 +513,7 @@ def start_agreement(
     read = post_status(
         caller,
         tuple(device.process_index for device in devices),
-        _AGREE_TIMEOUT,
+        timeout,
         cannot="they cannot compare their trees",
         rule="Every process of the mesh must make the same call at the same point",
         status=digest,

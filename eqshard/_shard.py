@@ -21,7 +21,9 @@ How data moves, in the order of this file:
      that would lose values is refused, naming every array;
    - *placing*: in one process the rest move in one batched `jax.device_put`
      (on CPU devices, NumPy arrays whose blocks are strided are spread over
-     the cores: `_threads.py`);
+     the cores: `_threads.py`), and `shard` waits for the transfers that read
+     the caller's NumPy buffers, placing again from a private copy any array
+     whose device buffers are that memory (`_host.py`, 3-4);
      in a multi-process run, each process supplies only the shards its own
      devices hold, from a full copy of each array or (for
      `Partitioner.move_to_devices(host_local=True)`) from its own block of it,
@@ -48,10 +50,12 @@ from jaxtyping import PyTree
 
 from ._gather import fetch
 from ._host import (
+    borrowed,
     host_ready,
     leaf_casts,
     loss_error,
     lost_text,
+    may_alias,
     private_copy,
     shares_memory,
     takes_in_place,
@@ -61,6 +65,7 @@ from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from ._mesh import concrete_mesh
 from ._multiprocess import (
     agreed_alone,
+    check_timeout,
     from_host_copies,
     from_host_local,
     host_local_shape,
@@ -214,8 +219,9 @@ def _leaves(
         elif isinstance(spec, PartitionSpec) and is_array(value):
             sharding = made.get(id(spec))
             if sharding is None:
-                # `mesh` is the concrete mesh found above.
-                sharding = NamedSharding(typing.cast(Mesh, mesh), spec)
+                # `mesh` is the concrete mesh found above; the spec is checked.
+                mesh = typing.cast(Mesh, mesh)
+                sharding = named_sharding(spec, mesh, caller=caller, path=path)
                 made[id(spec)] = sharding
         leaves.append(_Leaf(path, value, sharding, cast))
     return leaves, treedef
@@ -330,31 +336,41 @@ def _put(moves: list[_Move], *, donate: bool) -> None:
         placed = spread_device_put(ready, shardings)
     for move, array in zip(rest, placed, strict=True):
         move.placed = array
-    _unalias(rest)
 
 
-def _aliases(move: _Move) -> bool:
+def _aliases(move: _Move, host_local: bool) -> bool:
     """Whether the device buffers of `move.placed` are the caller's own NumPy
-    memory (a large array placed as given; see `_host.py`)."""
+    memory (a large array placed as given; see `_host.py`). A host-local block
+    is not the array's shape, so only its addresses are compared."""
     ready, sharding = move.ready, typing.cast(NamedSharding, move.leaf.sharding)
-    given = ready is move.source or getattr(ready, "base", None) is move.source
     return (
-        given
-        and isinstance(ready, np.ndarray)
-        and takes_in_place(ready, sharding)
+        may_alias(sharding)
+        and (host_local or takes_in_place(ready, sharding))
         and shares_memory(typing.cast(jax.Array, move.placed), ready)
     )
 
 
-def _unalias(moves: list[_Move]) -> None:
-    """The moves whose arrays alias the caller's memory, placed again from a
-    private copy, in one batched `device_put`."""
-    aliased = [m for m in moves if _aliases(m)]
+def _release(moves: list[_Move], *, host_local: bool) -> None:
+    """Lets go of the caller's memory: waits for the transfers that read the
+    caller's NumPy buffers (`device_put` returns before they are done, and a data
+    loader writes its buffer again at once), then places again, from a private
+    copy, the arrays whose device buffers turn out to be that memory itself (in
+    one batched `device_put`, or one process's shards of each)."""
+    reading = [m for m in moves if borrowed(m.ready, m.leaf.value)]
+    if not reading:
+        return
+    jax.block_until_ready([m.placed for m in reading])
+    aliased = [m for m in reading if _aliases(m, host_local)]
     if not aliased:
         return
-    again = jax.device_put(
-        [private_copy(m.ready) for m in aliased], [m.leaf.sharding for m in aliased]
-    )
+    copies = [private_copy(m.ready) for m in aliased]
+    shardings = [typing.cast(NamedSharding, m.leaf.sharding) for m in aliased]
+    if jax.process_count() == 1:
+        again = jax.device_put(copies, shardings)
+    else:
+        again = [
+            _to_global(c, s, host_local) for c, s in zip(copies, shardings, strict=True)
+        ]
     for move, array in zip(aliased, again, strict=True):
         move.placed = array
 
@@ -390,6 +406,7 @@ def _place(
         for move in moves:
             sharding = typing.cast(NamedSharding, move.leaf.sharding)
             move.placed = _to_global(move.ready, sharding, host_local)
+    _release(moves, host_local=host_local)
     return [
         leaf.value if move is None else move.placed
         for leaf, move in zip(leaves, of_leaf, strict=True)
@@ -404,6 +421,7 @@ def shard(
     *,
     dtype: Any = None,
     check_values: CheckValues = "sample",
+    timeout: float | int = 300.0,
 ) -> PyTree:
     """Places the arrays of a pytree on a mesh.
 
@@ -449,14 +467,19 @@ def shard(
       turn finite values into inf is refused.
     - `check_values`: in a multi-process run, how much of the values the processes
       compare: `"sample"` (64 elements of each array) or `"full"` (every byte).
+    - `timeout`: in a multi-process run, how many seconds to wait for the other
+      processes to make the same call before raising (as [`eqshard.gather`][]).
 
     NumPy data loses nothing: with `jax_enable_x64` off, 64-bit arrays are placed
     as 32-bit ones (as JAX does) only if every value survives (integers in range,
     floats still finite; checked with one vectorised pass), and refused
     otherwise. Big-endian arrays are converted to native byte order. Placed
     arrays never share memory with the caller's NumPy buffers (on CPU, each
-    block of a NumPy array is copied once, into a buffer of its own), so a data
-    loader may reuse its buffers. An array that stands at several leaves with one
+    block of a NumPy array is copied once, into a buffer of its own), and `shard`
+    returns only once the devices have finished reading them (`jax.device_put`
+    returns before its transfers are done, and on CPU may even keep a NumPy
+    source as a device buffer), so a data loader may write its buffers again as
+    soon as `shard` returns. An array that stands at several leaves with one
     spec (tied weights) is placed once and comes back as one array at all of them.
     An [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it)
     becomes a key array again, placed with its spec.
@@ -475,10 +498,13 @@ def shard(
       axes. The message names every such leaf,
       its shape and spec, and the nearest spec that fits. In a multi-process run,
       also (on every process) if the processes' paths, shapes, dtypes or specs
-      differ, or their copies of an array do.
+      differ, or their copies of an array do, and if the other processes do
+      not make the same call within `timeout` seconds (a process that comes
+      after one gave up raises too).
       Also, naming the arrays, if NumPy data would lose values (see above), if
-      an array was deleted (donated), if `dtype` is not floating, or if
-      `check_values` is neither `"sample"` nor `"full"`.
+      an array was deleted (donated), if `dtype` is not floating, if
+      `check_values` is neither `"sample"` nor `"full"`, or if `timeout` is not
+      a number of seconds > 0.
     - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
       leaf of `specs` is not a spec, if `mesh` or a `NamedSharding`'s mesh is
       abstract,
@@ -497,9 +523,16 @@ def shard(
         ```
     """
     check_choice(check_values, CHECK_VALUES, caller="shard", name="check_values")
+    check_timeout("shard", timeout)
     specs = resolve_specs(specs, tree, caller="shard", mesh=mesh)
     return shard_tree(
-        tree, specs, mesh, dtype=dtype, caller="shard", check_values=check_values
+        tree,
+        specs,
+        mesh,
+        dtype=dtype,
+        caller="shard",
+        check_values=check_values,
+        timeout=timeout,
     )
 
 
@@ -514,6 +547,7 @@ def shard_tree(
     host_local: bool = False,
     donate: bool = False,
     check_values: CheckValues = "sample",
+    timeout: float | int = 300.0,
 ) -> PyTree:
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
@@ -534,6 +568,7 @@ def shard_tree(
             root=root,
             host_local=host_local,
             check_values=check_values,
+            timeout=timeout,
         )
         if any(isinstance(x, jax.Array) for x in jtu.tree_leaves(tree)):
             agreed()

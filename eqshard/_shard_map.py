@@ -34,6 +34,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._host import host_private
 from ._logical import AxisNames, get_logical_axis_rules
 from ._mesh import find_mesh, mesh_repr, same_mesh
 from ._programs import Programs
@@ -633,7 +634,7 @@ def shard_map(
             treedef, [leaf if is_array(leaf) else None for leaf in leaves]
         )
         program = _program(_Map(fn, on, specs, out_specs, options, manual))
-        out, rest = program(arrays, static)
+        out, rest = program(host_private(arrays), static)
         return eqx.combine(out, rest.value)
 
     return mapped

@@ -10,7 +10,7 @@ one place, `spec_error_message`, so every caller reports the same way.
 import dataclasses
 import functools as ft
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
@@ -105,7 +105,7 @@ def abstract_mesh_error(caller: str, paths: Sequence[KeyPath]) -> TypeError:
 
 def named_sharding(
     spec: PartitionSpec,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     *,
     caller: str,
     path: KeyPath,
@@ -113,7 +113,9 @@ def named_sharding(
     logical: bool = False,
 ) -> NamedSharding:
     """`NamedSharding(mesh, spec)`, after checking that `spec` names only axes of
-    `mesh`, each once (JAX's own errors name no path)."""
+    `mesh`, each once (JAX's own errors name no path): the one place a
+    `NamedSharding` is built from a user's spec (`shard`, `named_shardings`,
+    `filter_jit`, `t5x.PartitionedFn`), on a concrete or an abstract mesh."""
     axes = [axis for entry in spec for axis in entry_axes(entry)]
     unknown = [axis for axis in axes if axis not in mesh.shape]
     twice = sorted({axis for i, axis in enumerate(axes) if axis in axes[:i]})
@@ -123,7 +125,8 @@ def named_sharding(
             what = (
                 f"names {', '.join(map(repr, unknown))}, not "
                 f"{'an axis' if len(unknown) == 1 else 'axes'} of the mesh "
-                f"{mesh_repr(mesh)}. Use the mesh's axis names{alternative}"
+                f"{mesh_repr(mesh)}. Use the mesh's axis names "
+                f"({_axes_text(mesh.axis_names)}) or None{alternative}"
             )
         else:
             what = (
@@ -135,6 +138,11 @@ def named_sharding(
             f"{what}."
         )
     return NamedSharding(mesh, spec)
+
+
+def _axes_text(axes: Iterable[str]) -> str:
+    """A mesh's axis names, for messages: `'dp', 'tp'`."""
+    return ", ".join(map(repr, axes))
 
 
 def entry_axes(entry: Any) -> tuple[Any, ...]:

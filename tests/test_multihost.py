@@ -4,6 +4,8 @@
 # values worked out by hand or with NumPy here. A launch costs ~2 s, so each one
 # checks many things.
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,6 @@ from multihost import run_processes
 from probes import aligned
 
 import eqshard
-from eqshard import _multiprocess
 
 
 def _mesh(shape, names):
@@ -559,23 +560,34 @@ def _child_gather_alone():
     out["again"] = eqshard.gather(placed, timeout=60)["w"]
     out["bad_timeout"] = _error(eqshard.gather, placed, timeout=0)
 
-    # shard's agreement check posts its digest and waits for the others' (for a
-    # day): a process alone raises, and so does one that comes after it gave up.
-    def exchange(status):
-        post = _multiprocess.post_status
-        return post("shard", (0, 1), 1, cannot="no", rule="Rule", status=status)()
+    # shard's agreement check posts its digest and waits `timeout=` seconds for
+    # the others': a process alone raises, and so does one that comes after it
+    # gave up, each within the bound.
+    batch = {"x": np.arange(2 * 1024 * 256, dtype=np.float32).reshape(512, 1024)}
+
+    def shard_alone():
+        start = time.monotonic()
+        error = _error(eqshard.shard, batch, P("dp"), mesh, timeout=1)
+        return error, time.monotonic() - start
 
     if p == 0:
-        out["exchange alone"] = _error(exchange, status="digest 0")
-    multihost_utils.sync_global_devices("eqshard test: after the lone exchange")
+        out["shard alone"], out["alone took"] = shard_alone()
+    multihost_utils.sync_global_devices("eqshard test: after the lone shard")
     if p == 1:
-        out["exchange late"] = _error(exchange, status="digest 1")
-    multihost_utils.sync_global_devices("eqshard test: after the late exchange")
-    out["exchange again"] = exchange(status=f"digest {p}")
+        out["shard late"], out["late took"] = shard_alone()
+    multihost_utils.sync_global_devices("eqshard test: after the late shard")
+    # Both made the same calls, so the next shard meets again; its host buffer
+    # is the caller's as soon as it returns (written at once, nothing changes).
+    expected = batch["x"].copy()
+    placed_batch = eqshard.shard(batch, P("dp"), mesh, timeout=60)
+    batch["x"][...] = -1.0
+    out["batch shards"] = _shards(placed_batch["x"])
+    out["expected"] = expected
+    out["shard bad_timeout"] = _error(eqshard.shard, batch, P(), mesh, timeout=0)
     return out
 
 
-def test_gather_alone_raises_instead_of_hanging():
+def test_gather_or_shard_alone_raises_instead_of_hanging():
     results = run_processes(_child_gather_alone, timeout=120)
     for r in results:
         np.testing.assert_array_equal(r["together"], W)
@@ -589,14 +601,20 @@ def test_gather_alone_raises_instead_of_hanging():
             "this call within 1 s, so the arrays at 'stage/w' cannot be gathered"
         )
         assert "must make the same call" in message
-        message = results[p][f"exchange {key}"]
+        message = results[p][f"shard {key}"]
         assert message is not None, f"process {p} did not raise"
         assert message.startswith(
             f"eqshard.shard: on process {p}, processes [0, 1] did not all make "
-            "this call within 1 s, so no (all of them take part). Rule;"
+            "this call within 1 s, so they cannot compare their trees"
         )
-    for r in results:
-        assert r["exchange again"] == {0: "digest 0", 1: "digest 1"}
+        assert "raise `timeout=`" in message
+        assert results[p][f"{key} took"] < 30  # not a day
+    for p, r in enumerate(results):
+        assert r["shard bad_timeout"].startswith("eqshard.shard: timeout must be")
+        rows = r["expected"][p * 256 : (p + 1) * 256]
+        for _, index, data in r["batch shards"]:
+            assert index[0] == (p * 256, (p + 1) * 256)
+            np.testing.assert_array_equal(data, rows)
 
 
 # ---------------------------------------------------------------------------------

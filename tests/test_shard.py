@@ -686,3 +686,59 @@ def test_check_values_must_be_sample_or_full(mesh):
     # One process: nothing to compare, either way.
     placed = eqshard.shard({"x": x}, P("tp"), mesh, check_values="full")
     np.testing.assert_array_equal(np.asarray(placed["x"]), x)
+
+
+@pytest.mark.parametrize("kind", ["replicated", "split", "one device", "key"])
+def test_gather_gives_writeable_copies_that_own_their_memory(mesh, kind):
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    if kind == "replicated":
+        placed = eqshard.shard(jnp.asarray(value), P(), mesh)
+    elif kind == "split":
+        placed = eqshard.shard(jnp.asarray(value), P("dp", "tp"), mesh)
+    elif kind == "one device":
+        one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        placed = eqshard.shard(jnp.asarray(value), NamedSharding(one, P()), mesh)
+    else:
+        placed = eqshard.shard(jax.random.key(3), P(), mesh)
+        value = np.asarray(jax.random.key_data(jax.random.key(3)))
+    host = eqshard.gather({"x": placed})["x"]
+    if kind == "key":
+        host, placed = host.data, jax.random.key_data(placed)
+    assert host.flags.writeable and host.flags.owndata
+    for shard in placed.addressable_shards:
+        assert not np.shares_memory(host, np.asarray(shard.data))
+    host[...] = 7  # writing it changes nothing on the mesh
+    np.testing.assert_array_equal(np.asarray(placed), value)
+
+
+def test_unknown_mesh_axis_names_the_leaf_the_axes_and_the_fix(mesh):
+    tree = {"layers": [{"w": np.ones((8, 8), np.float32)}]}
+    with pytest.raises(ValueError) as info:
+        eqshard.shard(tree, {"layers": [{"w": P("dp", "model")}]}, mesh)
+    message = str(info.value)
+    assert message.startswith("eqshard.shard: ")
+    assert "'layers/0/w'" in message and "'model' is not a mesh axis" in message
+    assert "on mesh {'dp': 2, 'tp': 4}" in message and "Use P('dp',)" in message
+    for on in (mesh, mesh.abstract_mesh):  # named_shardings' one builder, also
+        # for `filter_jit` on an abstract mesh (JAX's own error named no path)
+        with pytest.raises(ValueError) as info:
+            eqshard._specs.named_sharding(
+                P(("dp", "model")), on, caller="filter_jit", path=(jtu.DictKey("w"),)
+            )
+        message = str(info.value)
+        assert message.startswith("eqshard.filter_jit: `specs` at 'w' is P(")
+        assert "names 'model'" in message and "('dp', 'tp') or None" in message
+    with pytest.raises(ValueError) as info:
+        eqshard.named_shardings({"a": {"b": P(None, "model")}}, mesh)
+    message = str(info.value)
+    assert message.startswith("eqshard.named_shardings: `specs` at 'a/b'")
+    assert "'model'" in message and "{'dp': 2, 'tp': 4}" in message
+    assert "Use the mesh's axis names ('dp', 'tp') or None" in message
+
+
+def test_filter_jit_on_an_abstract_mesh_names_an_unknown_axis(mesh):
+    f = eqshard.filter_jit(
+        lambda x: x, in_specs=({"w": P("model")},), mesh=mesh.abstract_mesh
+    )
+    with pytest.raises(ValueError, match=r"filter_jit: `in_specs` at '0/w'.*'model'"):
+        f({"w": np.ones((8, 8), np.float32)})

@@ -1,0 +1,92 @@
+"""Times `eqshard.shard` of NumPy data against the safe hand-written route, on 8
+virtual CPU devices and a (2, 4) ('dp', 'tp') mesh with Auto axes.
+
+`shard` returns only once the devices have finished reading the caller's buffer,
+and never leaves a device buffer in it, so the caller may write the buffer at
+once. By hand, the same promise takes a private copy and a wait:
+`jax.device_put(np.array(x, copy=True), sharding)` then
+`jax.block_until_ready`. Raw `jax.device_put(x, sharding)` is not compared: it
+returns before its transfers are done, and on CPU may keep a replicated source
+as the device buffer itself.
+
+Cases: `P("dp")`, `P("dp", "tp")` and `P()` at 16 and 64 MiB of float32, from an
+array NumPy allocated (as a loader's is). Each case runs both routes in turn
+`--runs` times with the garbage collector fixed (`benchmarks/_timing.py`; both
+are blocked on before the clock stops), and prints the min and median of each
+and their ratios (target: a median ratio at or under 1.1), then the same rows as
+JSON on stdout, or into `--json PATH`. Run with
+`python benchmarks/bench_shard_host.py` (under a minute).
+"""
+
+import argparse
+import json
+
+import jax
+
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np
+from _timing import interleaved, table
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqshard
+
+
+def by_hand(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.block_until_ready(jax.device_put(np.array(x, copy=True), sharding))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64], help="MiB")
+    parser.add_argument("--json", help="write the rows here instead of stdout")
+    args = parser.parse_args()
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    rows, records = [], []
+    for mib in args.sizes:
+        host = np.arange(mib << 18, dtype=np.float32).reshape(-1, 1024)
+        for spec in (P("dp"), P("dp", "tp"), P()):
+            sharding = NamedSharding(mesh, spec)
+
+            def check(name: str, out: jax.Array, host: np.ndarray = host) -> None:
+                first = out.addressable_shards[0]
+                assert out.sharding == sharding, name
+                np.testing.assert_array_equal(np.asarray(first.data), host[first.index])
+
+            times = interleaved(
+                {
+                    "eqshard": lambda x, s=sharding: eqshard.shard(x, s),
+                    "by hand": lambda x, s=sharding: by_hand(x, s),
+                },
+                args.runs,
+                setup=lambda h=host: h,
+                check=check,
+            )
+            case = f"shard {mib} MiB {spec}"
+            rows.append((case, times["eqshard"], times["by hand"]))
+            records.append(
+                {
+                    "case": case,
+                    "eqshard_s": list(times["eqshard"].seconds),
+                    "by_hand_s": list(times["by hand"].seconds),
+                    "x_median": times["eqshard"].median / times["by hand"].median,
+                    "x_min": times["eqshard"].min / times["by hand"].min,
+                }
+            )
+    table(rows, unit="ms", theirs="copy+put+block")
+    result = {
+        "device": str(jax.devices()[0].platform),
+        "runs": args.runs,
+        "rows": records,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    else:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
