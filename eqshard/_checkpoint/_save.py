@@ -5,6 +5,7 @@ one, which the new one replaces only when complete (see the package's docstring)
 import functools as ft
 import json
 import os
+import uuid
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from jaxtyping import PyTree
 
 from .._host import unplaceable
 from .._keys import is_key
-from .._multiprocess import check_timeout, fail_together
+from .._multiprocess import check_timeout, fail_together, meet
 from .._tree import (
     DELETED,
     is_deleted,
@@ -22,7 +23,15 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory, NEW, OWN_FILE, remove, swap
+from ._disk import check_directory
+from ._swap import (
+    OWN_FILE,
+    release_lock,
+    remove,
+    staging_name,
+    swap,
+    take_lock,
+)
 from ._targets import import_optional, named_arrays, stored_like
 
 
@@ -207,27 +216,34 @@ def save(
     ocp = import_optional("orbax.checkpoint", "orbax", caller)
     epath = import_optional("etils.epath", "orbax", caller)
     path = os.path.abspath(os.fspath(directory))
-    new = path + NEW
     primary = jax.process_index() == 0
+    new = staging_name(path) if primary else ""
     cannot = f"the checkpoint at {path!r} is not written"
     rule = "Every process must make the same `save` call at the same point"
     failure: Exception | None = None
     named: dict[str, tuple[int, KeyPath, Any]] = {}
     own: dict[str, dict[str, Any]] = {}
-    try:
-        named = named_arrays(tree, caller)
-        own = _check_leaves(named, caller)
-        check_directory(path, overwrite, caller)
-        if primary:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            remove(new)  # left by a save that failed
-            os.mkdir(new)
-    except Exception as error:  # raised on every process, by `fail_together`
-        failure = error
-    rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
+    lock: int | None = None
+    made = False
     handler = ocp.StandardCheckpointHandler()
     try:
+        try:
+            named = named_arrays(tree, caller)
+            own = _check_leaves(named, caller)
+            if primary:  # the one writer: process 0 (see `_swap.py`)
+                _make_parent(path, caller)
+                lock = take_lock(path, new, caller)
+            check_directory(path, overwrite, caller)
+            if primary:
+                os.mkdir(new)
+                made = True
+        except Exception as error:  # raised on every process, by `fail_together`
+            failure = error
+        rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
         fail_together(caller, failure, timeout, rows=rows, cannot=cannot, rule=rule)
+        processes = tuple(range(jax.process_count()))
+        staged = meet(caller, processes, timeout, cannot=cannot, rule=rule, status=new)
+        new = staged.get(0, new)  # process 0's staging directory
         items = _items(named, own)
         try:  # every process writes its shards
             if items:
@@ -240,12 +256,42 @@ def save(
                 if items:
                     handler.finalize(epath.Path(new))
                 with open(os.path.join(new, OWN_FILE), "w") as f:
-                    json.dump({"version": 1, "orbax": bool(items), "arrays": own}, f)
+                    json.dump(
+                        {
+                            "version": 1,
+                            "generation": uuid.uuid4().hex,
+                            "orbax": bool(items),
+                            "arrays": own,
+                        },
+                        f,
+                    )
                 swap(new, path)
         except Exception as error:
             failure = _not_written(caller, path, error)
         fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
     finally:
         handler.close()
-        if primary:  # after a failure: the new files go, the old stay
-            remove(new)
+        try:
+            if made:  # after a failure: the new files go, the old stay
+                remove(new)
+        finally:
+            if lock is not None:
+                release_lock(path, lock)
+
+
+def _make_parent(path: str, caller: str) -> None:
+    """Makes the directory `path` goes in, or raises naming the file in the way."""
+    parent = os.path.dirname(path)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = parent
+        while os.path.dirname(blocking) != blocking and (
+            not os.path.lexists(blocking) or os.path.isdir(blocking)
+        ):
+            blocking = os.path.dirname(blocking)
+        raise ValueError(
+            f"eqshard.{caller}: cannot write the checkpoint at {path!r}: "
+            f"{blocking!r} is a file, not a directory. Save under a directory, or "
+            "move that file away."
+        ) from None
