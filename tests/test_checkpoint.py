@@ -850,7 +850,7 @@ def test_a_live_lock_refuses_and_a_dead_ones_is_taken_over(tmp_path):
     like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
     host = socket.gethostname()
     # A writer that is alive (here, this very process) holds the lock: refused.
-    staging = path + ".eqshard-new-" + "ab" * 16
+    staging = path + ".eqshard-new-" + "ab" * 8
     _lock(path, host=host, pid=os.getpid(), staging=staging)
     with pytest.raises(ValueError, match="another save is writing") as error:
         eqshard.save(path, _values_tree(2), overwrite=True)

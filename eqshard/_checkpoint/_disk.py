@@ -1,6 +1,7 @@
-"""An orbax checkpoint on disk: its directory, eqshard's own file in it, what
-it holds (read from its descriptions, no array data), and a complete checkpoint
-put in the place of an old one.
+"""An orbax checkpoint on disk: its directory (what `overwrite=True` may
+replace), eqshard's own file in it (every field checked to be what `save`
+writes, and to agree with orbax's metadata), and what it holds (read from its
+descriptions, no array data). The lock and the swap are `_swap.py`'s.
 """
 
 import glob

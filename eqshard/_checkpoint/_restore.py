@@ -358,7 +358,10 @@ def restore(
     - `ValueError` naming every array missing from the checkpoint, extra in it,
       or saved with another shape or dtype (without a cast); naming the arrays
       that get no sharding, or whose values would be lost (see above); if the
-      checkpoint is not there, or its files are truncated or damaged; as
+      checkpoint is not there, or its files are truncated or damaged
+      (`eqshard.json` included: each of its fields is checked); if a save to
+      `directory` finished during the restore (nothing is returned: restore
+      again), or, when the checkpoint cannot be read, one was in progress; as
       [`eqshard.shard`][], if `specs` does not fit; with `on_invalid="raise"`,
       listing every spec that would change for `mesh`; and in a multi-process
       run, if another process failed, or did not make the call within

@@ -145,7 +145,7 @@ def _not_written(caller: str, path: str, error: Exception) -> ValueError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     failure = ValueError(
         f"eqshard.{caller}: writing the checkpoint at {path!r} failed, so nothing "
-        f"there was replaced: {first[:400]}"
+        f"there was replaced: {first[:600]}"
     )
     failure.__cause__ = error
     return failure
@@ -174,9 +174,13 @@ def save(
     an integer type of the same width.
 
     Every leaf is checked before anything is written, and the checkpoint is
-    written beside `directory` and put in its place only when complete: a save
-    that fails, at any point, leaves a checkpoint that was there as it was.
-    Returns when the checkpoint is complete on disk.
+    written beside `directory` (in a staging directory of this save's own) and
+    put in its place only when complete, in one atomic step where the file
+    system can exchange two directories (Linux's local file systems): a save
+    that fails, at any point, leaves a checkpoint that was there as it was, and
+    a reader always finds a whole checkpoint there. One save writes a path at
+    a time: a second one raises at once (see `Raises`). Returns when the
+    checkpoint is complete on disk.
 
     In a multi-process run, every process makes the same call (with the same
     `directory`, on a file system all of them see). The processes meet before
@@ -187,7 +191,9 @@ def save(
 
     - `directory`: the checkpoint's directory; it must not exist yet.
     - `tree`: any pytree.
-    - `overwrite`: replace a checkpoint (or an empty directory) at `directory`.
+    - `overwrite`: replace a checkpoint (or an empty directory) at `directory`;
+      a directory that holds anything else too (a `config.yaml`, say) is
+      refused, naming it.
     - `timeout`: in a multi-process run, how many seconds each process waits
       for the others at each meeting (after writing its shards, for the
       slowest to write theirs).
@@ -198,10 +204,13 @@ def save(
       (no data), and dtypes orbax cannot store (text, Python objects); with them,
       deleted (donated) arrays, which alone raise `ValueError`.
     - `ValueError` if `directory` exists (and not `overwrite`), or holds something
-      other than a checkpoint; naming both paths if two arrays have the same path
-      string; if writing fails (nothing is replaced); and in a multi-process run,
-      if another process failed, passed another tree, or did not make the call
-      within `timeout` seconds.
+      other than a checkpoint, or its parent is a file; if another save to
+      `directory` is under way (naming its host, process and the lock file,
+      `<directory>.eqshard-lock`; the lock of a process of this host that is
+      gone is taken over, with a warning); naming both paths if two arrays have
+      the same path string; if writing fails (nothing is replaced); and in a
+      multi-process run, if another process failed, passed another tree, or did
+      not make the call within `timeout` seconds.
     - `ImportError` if orbax-checkpoint is not installed
       (`pip install "eqshard[orbax]"`).
 

@@ -9,7 +9,7 @@ the place of an old one in one step.
    gone, on this host (no such process, and no `flock` on the file), is taken
    over with a warning; its staging directory is removed.
 2. **Stage.** Each writer writes into a directory of its own,
-   `<path>.eqshard-new-<random hex>`, beside `path`: never a directory it did
+   `<path>.eqshard-new-<16 random hex digits>`, beside `path`: never a directory it did
    not make.
 3. **Swap.** `renameat2(RENAME_EXCHANGE)` (Linux) exchanges the staging
    directory and the old checkpoint in one atomic step, so `path` always holds
@@ -52,14 +52,14 @@ def remove(path: str) -> None:
 
 def staging_name(path: str) -> str:
     """A directory name beside `path` that no other writer uses."""
-    return f"{path}{NEW}-{uuid.uuid4().hex}"
+    return f"{path}{NEW}-{uuid.uuid4().hex[:16]}"
 
 
 def _is_staging(path: str, name: Any) -> bool:
     """Whether `name` is one of `staging_name(path)`'s names."""
     return (
         isinstance(name, str)
-        and re.fullmatch(re.escape(path + NEW) + "-[0-9a-f]{32}", name) is not None
+        and re.fullmatch(re.escape(path + NEW) + "-[0-9a-f]{16}", name) is not None
     )
 
 
@@ -271,7 +271,7 @@ def swap(new: str, path: str) -> None:
     if _renameat2(new, path, _RENAME_EXCHANGE):
         shutil.rmtree(new, ignore_errors=True)  # the old checkpoint
         return
-    old = f"{path}{OLD}-{uuid.uuid4().hex}"
+    old = f"{path}{OLD}-{uuid.uuid4().hex[:16]}"
     os.rename(path, old)
     try:
         os.rename(new, path)
