@@ -393,7 +393,7 @@ def test_zero_size_arrays_and_trees_without_arrays_round_trip(tmp_path):
     assert out["keys"].shape == (0,) and out["n"] == 3
     assert jax.dtypes.issubdtype(out["keys"].dtype, jax.dtypes.prng_key)
     for empty in ({}, {"n": 3, "f": jnp.tanh}, None):
-        eqshard.save_safetensors(tmp_path / "none.safetensors", empty)
+        eqshard.save_safetensors(tmp_path / "none.safetensors", empty, overwrite=True)
         assert safetensors.numpy.load_file(str(tmp_path / "none.safetensors")) == {}
         assert _file_header(tmp_path / "none.safetensors") == {}
         assert eqshard.load_safetensors(tmp_path / "none.safetensors", empty) == empty

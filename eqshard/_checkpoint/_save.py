@@ -246,6 +246,8 @@ def save(
             if primary:
                 os.mkdir(new)
                 made = True
+        except OSError as error:  # a lock or directory that cannot be made
+            failure = _not_written(caller, path, error)
         except Exception as error:  # raised on every process, by `fail_together`
             failure = error
         rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
