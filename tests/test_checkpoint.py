@@ -766,9 +766,9 @@ def _values_like(mesh):
 
 def _child_writers_and_reader(path, sync, saves):
     """Launch index 0 and 1 save `saves` trees each to `path`; index 2 restores
-    it until both are done. Plain processes, no `jax.distributed`: they start
-    together when each has opened its end of the FIFOs in `sync` (an open waits
-    for the other end)."""
+    it until both are done (and once after). Plain processes, no
+    `jax.distributed`: they start together when each has opened its end of the
+    FIFOs in `sync` (an open waits for the other end)."""
     role = int(os.environ["MULTIHOST_PROCESS_ID"])
     ends = {0: [("a", os.O_RDONLY)], 1: [("b", os.O_WRONLY), ("a", os.O_WRONLY)]}
     for name, mode in ends.get(role, [("b", os.O_RDONLY)]):
@@ -788,7 +788,9 @@ def _child_writers_and_reader(path, sync, saves):
     like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
     read, errors, missing = [], [], 0
     done = [os.path.join(sync, f"done-{w}") for w in (0, 1)]
-    while len(read) + len(errors) < 300 and not all(map(os.path.exists, done)):
+    while len(read) + len(errors) < 300 and not (
+        read and all(map(os.path.exists, done))
+    ):
         missing += not os.path.isdir(path)
         try:
             out = eqshard.restore(path, like)
