@@ -94,6 +94,7 @@ def run_processes(
     timeout: float = 60.0,
     args: tuple[Any, ...] = (),
     typecheck: bool = True,
+    distributed: bool = True,
 ) -> list[Any]:
     """Runs `fn(*args)` in `num_processes` JAX processes and returns their results.
 
@@ -120,6 +121,11 @@ def run_processes(
     - `typecheck`: whether the children import eqshard under jaxtyping's import
       hook, as the tests do; the benchmarks turn it off, to time eqshard as users
       run it (with only its own `@typecheck` on public functions).
+    - `distributed`: `False` starts plain, separate Python processes instead
+      (no `jax.distributed`: each is process 0 of its own, with its own
+      `devices_per_process` devices), as separate jobs on one machine are; each
+      child finds its launch index in the environment variable
+      `MULTIHOST_PROCESS_ID`.
 
     **Returns:**
 
@@ -181,6 +187,7 @@ def run_processes(
         num_processes=num_processes,
         devices_per_process=devices_per_process,
         typecheck=typecheck,
+        distributed=distributed,
     )
     with tempfile.TemporaryDirectory(prefix="eqshard-multihost-") as tmp:
         spec["port"] = _free_port()
@@ -482,19 +489,22 @@ def _child_main(spec_path: str, process_id: int, result_path: str) -> None:
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     phase = "starting JAX (jax.distributed.initialize)"
+    distributed = spec.get("distributed", True)
+    os.environ["MULTIHOST_PROCESS_ID"] = str(process_id)
     try:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", spec["devices_per_process"])
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        address = f"127.0.0.1:{spec['port']}"
-        jax.distributed.initialize(
-            coordinator_address=address,
-            num_processes=spec["num_processes"],
-            process_id=process_id,
-            coordinator_bind_address=address,
-        )
+        if distributed:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            address = f"127.0.0.1:{spec['port']}"
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=spec["num_processes"],
+                process_id=process_id,
+                coordinator_bind_address=address,
+            )
 
         phase = f"importing {spec['module_path']}"
         warnings.simplefilter("error")
@@ -521,7 +531,8 @@ def _child_main(spec_path: str, process_id: int, result_path: str) -> None:
         phase = f"pickling the result of {spec['name']}"
         record = pickle.dumps({"ok": True, "value": value})
         phase = "shutting down JAX (jax.distributed.shutdown)"
-        jax.distributed.shutdown()
+        if distributed:
+            jax.distributed.shutdown()
     except BaseException:
         failure = {"ok": False, "phase": phase, "traceback": traceback.format_exc()}
         _write_record(result_path, pickle.dumps(failure))

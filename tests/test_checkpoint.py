@@ -1,8 +1,12 @@
 import contextlib
 import glob
+import json
 import os
 import resource
 import signal
+import socket
+import subprocess
+import threading
 
 import equinox as eqx
 import jax
@@ -742,3 +746,259 @@ def test_restore_from_a_constructor_and_rules_adapts_to_the_mesh(tmp_path):
         match=r"(?s)restore: .*'b', 'w'.*`like` is .*takes arguments.*partial",
     ):
         eqshard.restore(tmp_path / "c", lambda key: host, rules, other)
+
+
+# ---------------------------------------------------------------------------------
+# One writer at a time per path; readers never get a mix of two checkpoints.
+
+
+def _values_tree(value):
+    return {k: np.full((64,), value, np.float32) for k in ("a", "b", "c")}
+
+
+def _values_like(mesh):
+    whole = NamedSharding(mesh, P())
+    return {
+        k: jax.ShapeDtypeStruct((64,), jnp.float32, sharding=whole)
+        for k in ("a", "b", "c")
+    }
+
+
+def _child_writers_and_reader(path, sync, saves):
+    """Launch index 0 and 1 save `saves` trees each to `path`; index 2 restores
+    it until both are done (and once after). Plain processes, no
+    `jax.distributed`: they start together when each has opened its end of the
+    FIFOs in `sync` (an open waits for the other end)."""
+    role = int(os.environ["MULTIHOST_PROCESS_ID"])
+    ends = {0: [("a", os.O_RDONLY)], 1: [("b", os.O_WRONLY), ("a", os.O_WRONLY)]}
+    for name, mode in ends.get(role, [("b", os.O_RDONLY)]):
+        os.close(os.open(os.path.join(sync, name), mode))
+    if role < 2:
+        said = []
+        for j in range(saves):
+            value = 100 * (role + 1) + j
+            try:
+                eqshard.save(path, _values_tree(value), overwrite=True)
+                said.append(value)
+            except ValueError as error:
+                said.append(str(error))
+        with open(os.path.join(sync, f"done-{role}"), "w"):
+            pass
+        return said
+    like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
+    read, errors, missing = [], [], 0
+    done = [os.path.join(sync, f"done-{w}") for w in (0, 1)]
+    while len(read) + len(errors) < 300 and not (
+        read and all(map(os.path.exists, done))
+    ):
+        missing += not os.path.isdir(path)
+        try:
+            out = eqshard.restore(path, like)
+        except ValueError as error:
+            errors.append(str(error))
+            continue
+        read.append(sorted({float(v) for x in out.values() for v in np.asarray(x)}))
+    return {"read": read, "errors": errors, "missing": missing}
+
+
+def test_concurrent_writers_and_a_reader(tmp_path):
+    path = str(tmp_path / "c")
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    os.mkfifo(sync / "a")
+    os.mkfifo(sync / "b")
+    eqshard.save(path, _values_tree(0))
+    writer0, writer1, reader = run_processes(
+        _child_writers_and_reader,
+        num_processes=3,
+        devices_per_process=1,
+        args=(path, str(sync), 4),
+        timeout=120,
+        distributed=False,
+    )
+    saved = {v for v in writer0 + writer1 if isinstance(v, int)}
+    lost = [said for said in writer0 + writer1 if isinstance(said, str)]
+    assert saved and lost  # the first saves of both start together: one loses
+    for said in lost:  # and is told why, naming the lock
+        assert said.startswith(f"eqshard.save: another save is writing {path!r}")
+        assert f"holds {path + '.eqshard-lock'!r}" in said
+    # The reader never got a mix, and always found a complete checkpoint.
+    assert reader["read"], reader["errors"]
+    for values in reader["read"]:
+        assert len(values) == 1 and values[0] in saved | {0}, values
+    assert reader["missing"] == 0
+    for message in reader["errors"]:
+        assert "finished during the restore" in message, message
+    last = eqshard.restore(path, _values_like(_mesh((1,), ("x",), jax.devices()[:1])))
+    assert len({float(v) for x in last.values() for v in np.asarray(x)} & saved) == 1
+    assert sorted(os.listdir(tmp_path)) == ["c", "sync"]
+
+
+def _reaped_pid():
+    """The id of a process that has ended and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def _lock(path, **info):
+    with open(path + ".eqshard-lock", "x") as f:
+        json.dump(info, f)
+
+
+def test_a_live_lock_refuses_and_a_dead_ones_is_taken_over(tmp_path):
+    path = str(tmp_path / "c")
+    eqshard.save(path, _values_tree(1))
+    like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
+    host = socket.gethostname()
+    # A writer that is alive (here, this very process) holds the lock: refused.
+    staging = path + ".eqshard-new-" + "ab" * 8
+    _lock(path, host=host, pid=os.getpid(), staging=staging)
+    with pytest.raises(ValueError, match="another save is writing") as error:
+        eqshard.save(path, _values_tree(2), overwrite=True)
+    assert f"process {os.getpid()} on host {host!r}" in str(error.value)
+    assert repr(staging) in str(error.value)
+    # So is a lock of another host, whose processes cannot be seen from here.
+    os.remove(path + ".eqshard-lock")
+    _lock(path, host=host + "-elsewhere", pid=_reaped_pid(), staging=staging)
+    with pytest.raises(ValueError, match="another save is writing"):
+        eqshard.save(path, _values_tree(2), overwrite=True)
+    assert {float(v) for x in eqshard.restore(path, like).values() for v in x} == {1}
+    # A lock whose process is gone, on this host: taken over, its staging removed.
+    os.remove(path + ".eqshard-lock")
+    os.mkdir(staging)
+    (tmp_path / os.path.basename(staging) / "half-written").write_text("x")
+    dead = _reaped_pid()
+    _lock(path, host=host, pid=dead, staging=staging)
+    with pytest.warns(UserWarning, match=f"by process {dead} on host .* is gone"):
+        eqshard.save(path, _values_tree(2), overwrite=True)
+    assert {float(v) for x in eqshard.restore(path, like).values() for v in x} == {2}
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_a_save_during_a_restore_is_refused(tmp_path, monkeypatch):
+    from eqshard._checkpoint import _restore
+
+    path = str(tmp_path / "c")
+    eqshard.save(path, _values_tree(1))
+    like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
+    read = _restore._read
+
+    def read_then_save(*args, **kwargs):  # a real save, ending during the read
+        out = read(*args, **kwargs)
+        eqshard.save(path, _values_tree(2), overwrite=True)
+        return out
+
+    monkeypatch.setattr(_restore, "_read", read_then_save)
+    with pytest.raises(ValueError, match="a save to .* finished during the restore"):
+        eqshard.restore(path, like)
+    monkeypatch.undo()
+    assert {float(v) for x in eqshard.restore(path, like).values() for v in x} == {2}
+    # A save in progress (its lock there), while the path is not: said so.
+    os.rename(path, path + "-moved")
+    _lock(path, host=socket.gethostname(), pid=os.getpid(), staging="s")
+    with pytest.raises(ValueError, match="A save to it is in progress"):
+        eqshard.restore(path, like)
+
+
+def test_overwrite_keeps_what_is_not_the_checkpoints(tmp_path):
+    path = str(tmp_path / "c")
+    eqshard.save(path, _values_tree(1))
+    like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
+    (tmp_path / "c" / "config.yaml").write_text("lr: 0.1")
+    with pytest.raises(ValueError, match=r"also 'config.yaml', which is not part"):
+        eqshard.save(path, _values_tree(2), overwrite=True)
+    assert (tmp_path / "c" / "config.yaml").read_text() == "lr: 0.1"
+    assert {float(v) for x in eqshard.restore(path, like).values() for v in x} == {1}
+    os.remove(tmp_path / "c" / "config.yaml")
+    # Directories named as eqshard's staging once were are someone else's now.
+    for name in ("c.eqshard-new", "c.eqshard-old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text(name)
+    eqshard.save(path, _values_tree(2), overwrite=True)
+    for name in ("c.eqshard-new", "c.eqshard-old"):
+        assert (tmp_path / name / "mine.txt").read_text() == name
+    assert sorted(os.listdir(tmp_path)) == ["c", "c.eqshard-new", "c.eqshard-old"]
+    assert {float(v) for x in eqshard.restore(path, like).values() for v in x} == {2}
+    # A parent that is a file: eqshard's error, naming it.
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"'.*/file' is a file, not a directory"):
+        eqshard.save(tmp_path / "file" / "sub" / "c", _values_tree(1))
+
+
+def test_a_fifo_named_eqshard_json_is_refused(tmp_path):
+    path = tmp_path / "c"
+    eqshard.save(path, _values_tree(1))
+    like = _values_like(_mesh((1,), ("x",), jax.devices()[:1]))
+    own = path / "eqshard.json"
+    os.remove(own)
+    os.mkfifo(own)
+    raised = []
+
+    def call():
+        try:
+            eqshard.restore(path, like)
+        except ValueError as error:
+            raised.append(str(error))
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # waiting for a writer: give it one, and fail
+        os.close(os.open(own, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join()
+    assert raised and f"{str(own)!r} is damaged" in raised[0], raised
+    assert "not a regular file" in raised[0]
+
+
+def test_eqshard_json_that_lies_is_refused(tmp_path):
+    path = tmp_path / "c"
+    tree = {"a": np.ones(4, np.float32), "e": np.zeros((0, 2), np.float32)}
+    tree["u"] = np.arange(4).astype(ml_dtypes.uint4)
+    eqshard.save(path, tree)
+    mesh = _mesh((1,), ("x",), jax.devices()[:1])
+    with open(path / "eqshard.json") as f:
+        truth = json.load(f)
+
+    def restore_with(change, like):
+        own = json.loads(json.dumps(truth))
+        change(own)
+        with open(path / "eqshard.json", "w") as f:
+            json.dump(own, f)
+        with pytest.raises(ValueError) as error:
+            eqshard.restore(path, like, P(), mesh)
+        return str(error.value)
+
+    # An array held only in eqshard.json, with a shape that has data: its bytes
+    # would be whatever memory held.
+    big = {**tree, "e": np.zeros((4, 2), np.float32)}
+    message = restore_with(lambda own: own["arrays"]["e"].update(shape=[4, 2]), big)
+    assert f"{str(path / 'eqshard.json')!r} is damaged" in message
+    assert "'arrays/e/shape' is [4, 2], yet 'saved_as' is null" in message
+    # Bits said to be held in a dtype of another width, or another shape.
+    wide = lambda own: own["arrays"]["u"].update(saved_as="int16")  # noqa: E731
+    assert "'arrays/u/saved_as' is 'int16'" in restore_with(wide, tree)
+    longer = {**tree, "u": np.zeros(8, ml_dtypes.uint4)}
+    shape = lambda own: own["arrays"]["u"].update(shape=[8])  # noqa: E731
+    assert "'arrays/u/shape' is [8], but orbax holds" in restore_with(shape, longer)
+    no_orbax = lambda own: own.update(orbax=False)  # noqa: E731
+    assert "'orbax'" in restore_with(no_orbax, tree)
+
+
+def test_save_safetensors_replaces_only_when_asked(tmp_path):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"keep me")
+    with pytest.raises(ValueError, match="already exists.*`overwrite=True`"):
+        eqshard.save_safetensors(path, {"a": np.zeros(2, np.float32)})
+    assert path.read_bytes() == b"keep me"
+    eqshard.save_safetensors(path, {"a": np.zeros(2, np.float32)}, overwrite=True)
+    assert path.read_bytes() != b"keep me"
+    fifo = tmp_path / "f.safetensors"
+    os.mkfifo(fifo)
+    link = tmp_path / "l.safetensors"
+    link.symlink_to(path)
+    for target, kind in ((fifo, "not a regular file"), (link, "a symbolic link")):
+        with pytest.raises(ValueError, match=kind):
+            eqshard.save_safetensors(target, {"a": np.ones(2)}, overwrite=True)
+    assert link.is_symlink() and fifo.is_fifo()
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, fifo.name, link.name])

@@ -797,11 +797,13 @@ def _child_save_safetensors(directory):
     # part in gathering 'x', then both raise, and the file saved before is intact.
     full = file_size_limit(w_starts + 100) if p == 0 else contextlib.nullcontext()
     with full:
-        out["full"] = _error(eqshard.save_safetensors, path, placed, timeout=60)
+        out["full"] = _error(
+            eqshard.save_safetensors, path, placed, overwrite=True, timeout=60
+        )
     sync("full")
     out["intact"] = read() == saved
     # All made the same calls, so the next one meets again.
-    eqshard.save_safetensors(path, placed, timeout=60)
+    eqshard.save_safetensors(path, placed, overwrite=True, timeout=60)
     out["again"] = read() == saved
     out["bad_timeout"] = _error(eqshard.save_safetensors, path, placed, timeout=-1)
     # An int64 tensor whose rows 4-7, read by process 1 only (the 'dp' half of its

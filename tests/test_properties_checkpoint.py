@@ -10,6 +10,7 @@
 
 import contextlib
 import glob
+import json
 import os
 import resource
 import signal
@@ -241,3 +242,98 @@ def test_damaged_files_are_an_eqshard_error_naming_them(damage, spec):
         message = str(caught.value)
         assert message.startswith("eqshard.restore: "), message
         assert directory in message and "damaged" in message, message
+
+
+# ---------------------------------------------------------------------------------
+# A hostile eqshard.json: random bytes, random JSON, and fields that lie.
+
+_HONEST = {
+    "w": np.arange(8, dtype=np.float32),
+    "empty": np.zeros((0, 3), np.int8),
+    "bits": np.arange(8).astype(jnp.uint4),
+    "ids": np.arange(4, dtype=np.int32).reshape(2, 2),
+}
+_DTYPE_NAMES = ["float32", "int8", "int4", "uint4", "uint8", "int16", "bool"]
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 10)
+    | st.sampled_from(_DTYPE_NAMES + ["object", "<f4", "", "w"]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["shape", "dtype", "saved_as", "x"]), inner)
+    ),
+    max_leaves=8,
+)
+_FIELDS = [
+    "version",
+    "orbax",
+    "generation",
+    "arrays",
+    *(f"arrays/{n}" for n in ("empty", "bits", "w", "new")),
+    *(
+        f"arrays/{n}/{k}"
+        for n in ("empty", "bits")
+        for k in ("shape", "dtype", "saved_as")
+    ),
+]
+
+
+@st.composite
+def _hostile(draw, truth):
+    """The bytes of a hostile eqshard.json, and the field it changes (if one)."""
+    kind = draw(st.sampled_from(["bytes", "json", "field", "field", "field"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=64)), None
+    if kind == "json":
+        return json.dumps(draw(_JSON)).encode(), None
+    field = draw(st.sampled_from(_FIELDS))
+    own = json.loads(json.dumps(truth))
+    *parents, key = field.split("/")
+    node = own
+    for part in parents:
+        node = node.setdefault(part, {}) if isinstance(node, dict) else node
+    if draw(st.booleans()) and key in node:
+        del node[key]
+    else:
+        node[key] = draw(_JSON)
+    return json.dumps(own).encode(), field
+
+
+@pytest.fixture(scope="module")
+def honest_checkpoint(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("hostile") / "c")
+    eqshard.save(directory, _HONEST)
+    with open(os.path.join(directory, "eqshard.json")) as f:
+        return directory, json.load(f)
+
+
+@settings(deadline=None)  # ~10 ms an example: the profile's count
+@given(data=st.data())
+def test_a_hostile_eqshard_json_is_refused_naming_the_field(data, honest_checkpoint):
+    directory, truth = honest_checkpoint
+    raw, field = data.draw(_hostile(truth))
+    file = os.path.join(directory, "eqshard.json")
+    with open(file, "wb") as f:
+        f.write(raw)
+    like = eqshard.abstract(_HONEST, P(), _ONE_DEVICE)
+    try:
+        out = eqshard.restore(directory, like)
+    except ValueError as error:
+        message = str(error)
+        assert message.startswith("eqshard.restore: "), message
+        if f"{file!r} is damaged" in message:
+            event("eqshard.json refused")
+            named = message.split("its field '")[1].split("'")[0] if field else None
+            if field and named:  # the field changed, or one it must agree with
+                assert named.split("/")[:2] == field.split("/")[:2] or (
+                    named in ("orbax", "arrays") or field in ("orbax", "arrays")
+                ), (field, message)
+        else:  # it agrees with itself, and not with `like`: named by path
+            event("differs from like")
+            assert "does not match" in message, message
+    else:
+        event("restored")
+        got = eqshard.gather(out)
+        for name, want in _HONEST.items():
+            _check_same(got[name], want, name)

@@ -230,7 +230,7 @@ def test_an_interrupted_save_leaves_the_old_file(old, new, limit, sharded):
             new = eqshard.shard(new, P(), MESHES[2])
         with file_size_limit(limit):  # a disk with `limit` bytes left
             try:
-                eqshard.save_safetensors(path, new)
+                eqshard.save_safetensors(path, new, overwrite=True)
                 saved = True
             except ValueError as error:
                 saved = False

@@ -393,7 +393,7 @@ def test_zero_size_arrays_and_trees_without_arrays_round_trip(tmp_path):
     assert out["keys"].shape == (0,) and out["n"] == 3
     assert jax.dtypes.issubdtype(out["keys"].dtype, jax.dtypes.prng_key)
     for empty in ({}, {"n": 3, "f": jnp.tanh}, None):
-        eqshard.save_safetensors(tmp_path / "none.safetensors", empty)
+        eqshard.save_safetensors(tmp_path / "none.safetensors", empty, overwrite=True)
         assert safetensors.numpy.load_file(str(tmp_path / "none.safetensors")) == {}
         assert _file_header(tmp_path / "none.safetensors") == {}
         assert eqshard.load_safetensors(tmp_path / "none.safetensors", empty) == empty
@@ -637,13 +637,13 @@ def test_interrupted_save_keeps_the_old_file_and_leaves_nothing(tmp_path, limit)
     old = path.read_bytes()
     tree = {"w": eqshard.shard(np.ones((64, 64), np.float32), P("dp", "tp"), mesh)}
     with file_size_limit(limit), pytest.raises(ValueError) as error:  # a full disk
-        eqshard.save_safetensors(path, tree)
+        eqshard.save_safetensors(path, tree, overwrite=True)
     assert str(error.value).startswith(
         f"eqshard.save_safetensors: could not write {str(path)!r}: File too large"
     )
     assert path.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
-    eqshard.save_safetensors(path, tree)  # and with room, saved
+    eqshard.save_safetensors(path, tree, overwrite=True)  # and with room, saved
     assert (
         safetensors.numpy.load_file(str(path))["w"].tobytes()
         == np.ones((64, 64), np.float32).tobytes()

@@ -5,8 +5,9 @@
 dependencies are imported inside the functions that use them, so `import
 eqshard` never imports them. The modules: `_targets.py` (what both formats
 share: names, targets, the message for differences), `_disk.py` (a checkpoint's
-directory, eqshard's own file, what it holds, the swap), `_save.py`,
-`_restore.py`, `_blocks.py` (orbax's files read block by block into CPU devices'
+directory, eqshard's own file, what it holds), `_save.py`,
+`_restore.py`, `_swap.py` (one writer per path, the atomic swap,
+generations), `_blocks.py` (orbax's files read block by block into CPU devices'
 memory), `_safetensors.py` (reading and writing) and `_safetensors_files.py`
 (which files, and their headers).
 
@@ -15,15 +16,23 @@ How a checkpoint is written, in the order of `save`:
 1. **Check first.** Before anything touches the disk, every leaf is checked
    (arrays without data, deleted ones, dtypes orbax cannot store), and all that
    cannot be saved are named together; so is a directory that exists (without
-   `overwrite`) or that holds something other than a checkpoint.
-2. **Beside the old one.** orbax writes the arrays to `<directory>.eqshard-new`,
-   and eqshard adds its own file, `eqshard.json`, for what orbax cannot hold:
-   zero-size arrays (orbax refuses them), kept by shape and dtype, and the dtypes
-   tensorstore has no name for (uint4, uint2, float8_e4m3), whose bits orbax holds
-   as an integer type of the same width. A tree without arrays is that file alone.
-3. **Swap.** Only a complete checkpoint replaces an old one: the old directory is
-   renamed to `<directory>.eqshard-old`, the new one into its place, and the old
-   one removed. A failure before that leaves the old checkpoint as it was.
+   `overwrite`), that holds something other than a checkpoint, or a checkpoint
+   with other files beside it (a `config.yaml`, say), which the swap would
+   delete.
+2. **One writer.** Process 0 takes `<directory>.eqshard-lock` (created
+   exclusively: a second save to the same path raises at once, naming the
+   first; see `_swap.py`).
+3. **Beside the old one.** orbax writes the arrays to a staging directory of
+   this save's own, `<directory>.eqshard-new-<random>`, and eqshard adds its own
+   file, `eqshard.json`, for what orbax cannot hold: zero-size arrays (orbax
+   refuses them), kept by shape and dtype, and the dtypes tensorstore has no
+   name for (uint4, uint2, float8_e4m3), whose bits orbax holds as an integer
+   type of the same width; and a random generation id. A tree without arrays
+   is that file alone.
+4. **Swap.** Only a complete checkpoint replaces an old one, in one atomic
+   exchange of the two directories (`renameat2`; two renames where the file
+   system has none), and the old one is removed. A failure before that leaves
+   the old checkpoint as it was.
 
 How a checkpoint is read, in the order of `restore`:
 
@@ -36,7 +45,9 @@ How a checkpoint is read, in the order of `restore`:
 3. **Compare first.** The checkpoint's metadata (orbax's and eqshard's: names,
    shapes, dtypes, of a nested orbax tree too) is compared with the targets, and
    every name missing, extra or different is reported together before any data
-   is read.
+   is read. Every field of `eqshard.json` is checked to be what `save` writes
+   and to agree with orbax's metadata (a file that is not a regular one is not
+   opened).
 4. **Read.** Each device's shard is read straight from the files onto that
    device (no full copy of an array on any device or on the host), converted to
    the target's dtype; in a multi-process run each process reads only the shards
@@ -53,6 +64,10 @@ How a checkpoint is read, in the order of `restore`:
    (which keeps every value's magnitude), and a floating array that holds inf or
    nan after the cast is read once more, whole on host, to tell values that
    overflowed from infinities that were saved.
+6. **One generation.** The checkpoint's generation (`_swap.generation`) is taken
+   before the metadata is read and again after the data: if a save finished in
+   between, nothing is returned (the read may mix two checkpoints), and the
+   error says to retry.
 
 In a multi-process run every process makes the same call. eqshard drives orbax's
 handlers itself, so that no process waits in orbax's barriers (collectives without

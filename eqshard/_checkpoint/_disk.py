@@ -1,14 +1,17 @@
-"""An orbax checkpoint on disk: its directory, eqshard's own file in it, what
-it holds (read from its descriptions, no array data), and a complete checkpoint
-put in the place of an old one.
+"""An orbax checkpoint on disk: its directory (what `overwrite=True` may
+replace), eqshard's own file in it (every field checked to be what `save`
+writes, and to agree with orbax's metadata), and what it holds (read from its
+descriptions, no array data). The lock and the swap are `_swap.py`'s.
 """
 
+import glob
 import json
 import os
-import shutil
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -19,15 +22,18 @@ from .._tree import (
     paths_text,
 )
 from .._typing import KeyPath
+from ._swap import LOCK, lock_holder, OLD, OWN_FILE, read_regular
 from ._targets import import_optional
 
 
-OWN_FILE = "eqshard.json"
 # orbax's own files: every orbax checkpoint has one of them.
 ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA")
-# Siblings of a checkpoint's directory: the new one while it is written, and the
-# old one while the new one takes its place.
-NEW, OLD = ".eqshard-new", ".eqshard-old"
+# What else orbax writes in a checkpoint's directory (beside a directory per array,
+# named as its metadata names it, where the checkpoint is not OCDBT's).
+_ORBAX_ENTRIES = re.compile(
+    r"_ROOT_METADATA|_sharding|manifest\.ocdbt|d|ocdbt\.process_\d+|"
+    r"commit_success\.txt|orbax\.checkpoint|array_metadatas"
+)
 
 
 def check_directory(path: str, overwrite: bool, caller: str) -> None:
@@ -56,31 +62,38 @@ def check_directory(path: str, overwrite: bool, caller: str) -> None:
             "metadata), so `overwrite=True` does not replace it. Save to another "
             "directory, or empty this one yourself."
         )
+    foreign = [e for e in entries if not _is_orbax_or_own(e)]
+    if foreign:
+        foreign = sorted(set(foreign) - _array_entries(path))
+    if foreign:
+        shown = [e + "/" * os.path.isdir(os.path.join(path, e)) for e in foreign]
+        raise ValueError(
+            f"eqshard.{caller}: {path!r} holds a checkpoint and also "
+            f"{paths_text(shown, 5)}, which is not part of it: `overwrite=True` "
+            "replaces the whole directory, so it would be deleted. Move it out of "
+            "the directory (or save to another one), and save again."
+        )
 
 
-def remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
+def _is_orbax_or_own(entry: str) -> bool:
+    return entry in (OWN_FILE, *ORBAX_FILES) or bool(_ORBAX_ENTRIES.fullmatch(entry))
 
 
-def swap(new: str, path: str) -> None:
-    """Puts the complete checkpoint at `new` in the place of `path`: with two
-    renames, each atomic, so that `path` always holds a whole checkpoint except
-    between them (when the old one is at `path + OLD`)."""
-    if not os.path.lexists(path):
-        os.rename(new, path)
-        return
-    old = path + OLD
-    remove(old)  # left by a swap that stopped between the renames
-    os.rename(path, old)
+def _array_entries(path: str) -> set[str]:
+    """The names of the arrays orbax's metadata describes at `path` (the names of
+    their directories, where the checkpoint is not OCDBT's); none if it cannot be
+    read."""
+    ocp = import_optional("orbax.checkpoint", "orbax", "save")
+    epath = import_optional("etils.epath", "orbax", "save")
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        os.rename(new, path)
-    except BaseException:
-        os.rename(old, path)
-        raise
-    remove(old)
+        tree = handler.metadata(epath.Path(path)).tree
+    except Exception:  # a damaged checkpoint: its directories are not told apart
+        return set()
+    finally:
+        handler.close()
+    leaves = jtu.tree_leaves(tree, is_leaf=_orbax_leaf)
+    return {m.name for m in leaves if isinstance(getattr(m, "name", None), str)}
 
 
 class Saved(NamedTuple):
@@ -93,13 +106,20 @@ class Saved(NamedTuple):
 
 
 def _no_checkpoint(path: str, caller: str) -> ValueError:
-    old = path + OLD
-    hint = (
-        f" A save that was replacing it stopped midway: the checkpoint that was "
-        f"there is at {old!r}; rename it back."
-        if os.path.isdir(old)
-        else " Check the path, and that `eqshard.save` finished there."
-    )
+    holder = lock_holder(path)
+    old = sorted(glob.glob(glob.escape(path + OLD) + "*"))
+    if holder is not None:
+        hint = (
+            f" A save to it is in progress, or stopped midway: {holder} holds "
+            f"{path + LOCK!r}. Retry when that save has finished."
+        )
+    elif old:
+        hint = (
+            " A save that was replacing it stopped midway: the checkpoint that "
+            f"was there is at {paths_text(old, 3)}; rename it back."
+        )
+    else:
+        hint = " Check the path, and that `eqshard.save` finished there."
     return ValueError(
         f"eqshard.{caller}: there is no checkpoint at {path!r} (no such "
         f"directory).{hint}"
@@ -113,28 +133,100 @@ def damaged_error(caller: str, where: str, what: str) -> ValueError:
     )
 
 
+class _Lie(Exception):
+    """A field of eqshard's file that is not what `save` writes: its path in the
+    file, and what is wrong with it."""
+
+    def __init__(self, field: str, what: str):
+        super().__init__(field, what)
+        self.field, self.what = field, what
+
+
+def _dtype_field(value: Any, field: str) -> np.dtype:
+    """The dtype `save` wrote as `value`: the name of a numeric or boolean dtype."""
+    try:
+        dtype = np.dtype(jnp.dtype(value)) if isinstance(value, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if (
+        dtype is None
+        or dtype.name != value
+        or not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
+    ):
+        raise _Lie(field, f"is {value!r}, not the name of a numeric dtype")
+    return dtype
+
+
+def _entry(name: str, entry: Any) -> Saved:
+    """An entry of eqshard's file, as `save` writes it, or `_Lie`."""
+    field = f"arrays/{name}"
+    if not isinstance(entry, dict) or set(entry) != {"shape", "dtype", "saved_as"}:
+        raise _Lie(field, "is not {'shape': ..., 'dtype': ..., 'saved_as': ...}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(
+        type(n) is int and 0 <= n < 2**62 for n in shape
+    ):
+        raise _Lie(f"{field}/shape", f"is {shape!r}, not a list of sizes")
+    dtype = _dtype_field(entry["dtype"], f"{field}/dtype")
+    bits = entry["saved_as"]
+    if bits is None:
+        if 0 not in shape:
+            raise _Lie(
+                f"{field}/shape",
+                f"is {shape!r}, yet 'saved_as' is null: only a zero-size array is "
+                "held in this file alone (it has no data)",
+            )
+        return Saved(tuple(shape), dtype, dtype, None)
+    stored = _dtype_field(bits, f"{field}/saved_as")
+    width = jax.dtypes.itemsize_bits
+    if stored == dtype or width(stored) != width(dtype):
+        raise _Lie(
+            f"{field}/saved_as",
+            f"is {bits!r}, which does not hold the bits of {dtype.name} (another "
+            "dtype of the same width)",
+        )
+    return Saved(tuple(shape), dtype, stored, None)
+
+
 def _read_own(path: str, caller: str) -> tuple[bool, dict[str, Saved]] | None:
     """eqshard's file in the checkpoint at `path`: whether orbax holds any array,
     and the arrays orbax does not hold as they are; `None` if there is no such
-    file (a checkpoint orbax wrote alone)."""
+    file (a checkpoint orbax wrote alone). Every field is checked to be what
+    `save` writes."""
     file = os.path.join(path, OWN_FILE)
-    if not os.path.exists(file):
-        return None
     try:
-        with open(file) as f:
-            own = json.load(f)
-        arrays = {}
-        for name, entry in own["arrays"].items():
-            dtype = np.dtype(jnp.dtype(entry["dtype"]))
-            bits = entry["saved_as"]
-            stored = dtype if bits is None else np.dtype(jnp.dtype(bits))
-            shape = tuple(int(n) for n in entry["shape"])
-            arrays[name] = Saved(shape, dtype, stored, None)
-        return bool(own["orbax"]), arrays
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        raw = read_regular(file, 1 << 26)
+        if raw is None:
+            return None
+        own = json.loads(raw)
+        if not isinstance(own, dict):
+            raise _Lie("<root>", "is not a JSON object")
+        if own.get("version") != 1 or type(own.get("version")) is not int:
+            raise _Lie("version", f"is {own.get('version')!r}: this eqshard reads 1")
+        if type(own.get("orbax")) is not bool:
+            raise _Lie("orbax", f"is {own.get('orbax')!r}, not true or false")
+        arrays = own.get("arrays")
+        if not isinstance(arrays, dict):
+            raise _Lie("arrays", f"is {arrays!r}, not an object")
+        found = {name: _entry(name, entry) for name, entry in arrays.items()}
+        if not own["orbax"]:
+            held = [n for n, s in found.items() if s.stored != s.dtype]
+            if held:
+                raise _Lie(
+                    f"arrays/{held[0]}/saved_as",
+                    "names the dtype orbax holds the array in, yet 'orbax' is false",
+                )
+        return own["orbax"], found
+    except _Lie as lie:
+        raise lie_error(caller, file, lie.field, lie.what) from None
+    except (OSError, ValueError) as error:
         raise damaged_error(
             caller, repr(file), f"{type(error).__name__}: {error}"
         ) from None
+
+
+def lie_error(caller: str, file: str, field: str, what: str) -> ValueError:
+    return damaged_error(caller, repr(file), f"its field '{field}' {what}")
 
 
 def _orbax_leaf(meta: Any) -> bool:
@@ -163,8 +255,18 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
     if not os.path.isdir(path):
         raise _no_checkpoint(path, caller)
     own = _read_own(path, caller)
+    file = os.path.join(path, OWN_FILE)
+    described = os.path.lexists(os.path.join(path, "_METADATA"))
     if own is not None and not own[0]:
+        if described:
+            raise lie_error(
+                caller, file, "orbax", "is false, yet orbax's metadata is there"
+            )
         return own[1], NOTHING_HELD
+    if own is not None and not described:
+        raise lie_error(
+            caller, file, "orbax", "is true, yet orbax's metadata is not there"
+        )
     epath = import_optional("etils.epath", "orbax", caller)
     handler = ocp.PyTreeCheckpointHandler()
     try:
@@ -198,14 +300,35 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         shape = tuple(int(n) for n in meta.shape)
         found[name], where[name] = Saved(shape, dtype, dtype, index), key
     for name, entry in ({} if own is None else own[1]).items():
-        if entry.stored == entry.dtype:
-            found[name] = entry  # zero-size: in eqshard's file only
-        elif name in found:  # bits that orbax holds as another dtype
-            found[name] = found[name]._replace(dtype=entry.dtype)
-        else:
-            raise damaged_error(
-                caller, repr(path), f"{OWN_FILE} names {name!r}, which orbax lacks"
+        field = f"arrays/{name}"
+        if entry.stored == entry.dtype:  # zero-size: in eqshard's file only
+            if name in found:
+                raise lie_error(
+                    caller,
+                    file,
+                    field,
+                    "says it is held here alone, yet orbax holds it",
+                )
+            found[name] = entry
+            continue
+        if name not in found:
+            raise lie_error(caller, file, field, "names an array orbax does not hold")
+        held = found[name]  # bits that orbax holds as another dtype
+        if held.dtype != entry.stored:
+            raise lie_error(
+                caller,
+                file,
+                f"{field}/saved_as",
+                f"is {entry.stored.name!r}, but orbax holds {held.dtype.name}",
             )
+        if held.shape != entry.shape:
+            raise lie_error(
+                caller,
+                file,
+                f"{field}/shape",
+                f"is {list(entry.shape)}, but orbax holds shape {list(held.shape)}",
+            )
+        found[name] = held._replace(dtype=entry.dtype)
     zarr3 = bool(getattr(metadata, "use_zarr3", False))
     return found, Held(layout, names, bool(ocdbt), zarr3)
 

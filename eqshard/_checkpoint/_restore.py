@@ -36,6 +36,7 @@ from ._disk import (
     saved_arrays,
     unreadable_error,
 )
+from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
     check_against,
@@ -253,6 +254,37 @@ def _losses(
     return lost
 
 
+def _finished_during(caller: str, path: str) -> ValueError:
+    return ValueError(
+        f"eqshard.{caller}: a save to {path!r} finished during the restore, so "
+        "what was read may mix two checkpoints, and nothing is returned. Restore "
+        "again (once saves to that path have finished)."
+    )
+
+
+def _during_save(caller: str, path: str, before: Any, error: Exception) -> Exception:
+    """`error`, or the error saying that a save finished during the restore (the
+    checkpoint's generation changed), or that one was in progress (its lock is
+    there) when `error` is eqshard's."""
+    if isinstance(error, ValueError) and generation(path) != before:
+        failure = _finished_during(caller, path)
+        failure.__cause__ = error
+        return failure
+    holder = lock_holder(path)
+    if (
+        not isinstance(error, ValueError)
+        or holder is None
+        or "is in progress" in str(error)
+    ):
+        return error
+    failure = ValueError(
+        f"{error} A save to {path!r} was in progress meanwhile ({holder} holds its "
+        "lock): restore again when it has finished."
+    )
+    failure.__cause__ = error.__cause__
+    return failure
+
+
 @typecheck
 def restore(
     directory: str | os.PathLike,
@@ -326,7 +358,10 @@ def restore(
     - `ValueError` naming every array missing from the checkpoint, extra in it,
       or saved with another shape or dtype (without a cast); naming the arrays
       that get no sharding, or whose values would be lost (see above); if the
-      checkpoint is not there, or its files are truncated or damaged; as
+      checkpoint is not there, or its files are truncated or damaged
+      (`eqshard.json` included: each of its fields is checked); if a save to
+      `directory` finished during the restore (nothing is returned: restore
+      again), or, when the checkpoint cannot be read, one was in progress; as
       [`eqshard.shard`][], if `specs` does not fit; with `on_invalid="raise"`,
       listing every spec that would change for `mesh`; and in a multi-process
       run, if another process failed, or did not make the call within
@@ -372,6 +407,7 @@ def restore(
     saved: dict[str, Saved] = {}
     casts: list[np.dtype | None] = []
     held = NOTHING_HELD
+    before = generation(path)
     try:
         named = named_arrays(like, caller)
         if isinstance(mesh, AbstractMesh):
@@ -385,16 +421,19 @@ def restore(
             placed = jtu.tree_leaves(target)
         casts = leaf_casts(dtype, like, caller=caller)
         targets = restore_targets(named, placed, casts, caller)
-        saved, held = saved_arrays(ocp, path, caller)
-        check_against(
-            targets,
-            named,
-            {name: (s.shape, s.dtype) for name, s in saved.items()},
-            casts,
-            caller=caller,
-            where=f"the checkpoint at {path!r}",
-            fix=fix,
-        )
+        try:  # the checkpoint's description, compared with the targets
+            saved, held = saved_arrays(ocp, path, caller)
+            check_against(
+                targets,
+                named,
+                {name: (s.shape, s.dtype) for name, s in saved.items()},
+                casts,
+                caller=caller,
+                where=f"the checkpoint at {path!r}",
+                fix=fix,
+            )
+        except ValueError as error:
+            raise _during_save(caller, path, before, error) from error.__cause__
     except Exception as error:  # raised on every process, by `fail_together`
         failure = error
     rows = [(n, t.shape, t.dtype) for n, t in targets.items()]
@@ -403,11 +442,16 @@ def restore(
     checks: dict[str, jax.Array] = {}
     try:
         restored, checks = _read(ocp, path, held, saved, targets, caller)
+        if generation(path) != before:
+            raise _finished_during(caller, path)
     except Exception as error:  # orbax wraps a failed read in a bare `Exception`
-        failure = (
+        failure = _during_save(
+            caller,
+            path,
+            before,
             unreadable_error(caller, path, error, list(targets))
             if is_read_error(error)
-            else error
+            else error,
         )
     fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
     processes = tuple(range(jax.process_count()))

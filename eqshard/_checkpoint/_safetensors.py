@@ -25,8 +25,10 @@ How `load_safetensors` reads:
 How `save_safetensors` writes: the format itself (an 8-byte header length, a
 JSON header, the raw bytes), so that the header is written from the shapes alone
 and the data streamed from [`eqshard.iter_gather`][], one array on host at a
-time, into `path.partial`, renamed to `path` only when complete and removed on
-any failure (a file already at `path` stays as it was). In a multi-process run
+time, into a partial file of its own beside `path` (`path.partial-<hex>`),
+renamed to `path` only when complete and removed on any failure (a file already
+at `path` stays as it was, and is replaced only with `overwrite=True`, and only
+if it is a regular file). In a multi-process run
 process 0 writes. The processes of arrays spread over several meet at a barrier
 first, so a process that makes the call alone raises after `timeout` instead of
 waiting forever in a collective; process 0 takes part in gathering to the end
@@ -38,7 +40,9 @@ import contextlib
 import json
 import math
 import os
+import stat
 import struct
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +61,7 @@ from .._spec_args import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
 from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES
+from ._swap import rename_no_replace
 from ._targets import (
     check_against,
     import_optional,
@@ -313,34 +318,73 @@ def load_safetensors(
     return loaded
 
 
-def _write(
-    final: str, header: bytes, values: Iterator[np.ndarray], caller: str
-) -> None:
-    """Writes `header` and then each of `values` to `final.partial`, and renames
-    it to `final` when complete; on any failure the partial file is removed and
-    a file already at `final` is left as it was."""
+def _check_target(final: str, overwrite: bool, caller: str) -> None:
+    """Raises unless a file may be written at `final`: its directory exists, and
+    nothing is there, or (with `overwrite`) a regular file."""
     directory = os.path.dirname(os.path.abspath(final))
-    if not os.path.isdir(directory) or os.path.isdir(final):
-        what = (
-            f"{final!r} is a directory"
-            if os.path.isdir(final)
-            else f"there is no directory {directory!r}"
+    fix = (
+        "Pass the path of a file in an existing directory (create it first with "
+        "`os.makedirs`)."
+    )
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"eqshard.{caller}: cannot write {final!r}: there is no directory "
+            f"{directory!r}. {fix}"
+        )
+    try:
+        mode = os.lstat(final).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(mode)
+            else "not a regular file"
         )
         raise ValueError(
-            f"eqshard.{caller}: cannot write {final!r}: {what}. Pass the path of a "
-            "file in an existing directory (create it first with `os.makedirs`)."
+            f"eqshard.{caller}: cannot write {final!r}: {final!r} is {kind}, which "
+            "is never replaced. Pass the path of a file, or remove that yourself."
         )
-    partial = f"{final}.partial"
-    done = False
+    if not overwrite:
+        raise ValueError(
+            f"eqshard.{caller}: {final!r} already exists. Write to another path, or "
+            "pass `overwrite=True` to replace it."
+        )
+
+
+def _write(
+    final: str,
+    header: bytes,
+    values: Iterator[np.ndarray],
+    overwrite: bool,
+    caller: str,
+) -> None:
+    """Writes `header` and then each of `values` to a partial file of its own
+    beside `final`, and renames it to `final` when complete (replacing a file
+    there only if `overwrite`); on any failure the partial file is removed and
+    a file already at `final` is left as it was."""
+    _check_target(final, overwrite, caller)
+    partial = f"{final}.partial-{uuid.uuid4().hex[:16]}"
     try:
-        with open(partial, "wb") as writer:
+        with open(partial, "xb") as writer:
             writer.write(struct.pack("<Q", len(header)) + header)
             for value in values:
                 data = np.ascontiguousarray(value, value.dtype.newbyteorder("<"))
                 # As bytes: a buffer of bfloat16 or float8 has no format code.
                 writer.write(data.reshape(-1).view(np.uint8).data)
-        os.replace(partial, final)
-        done = True
+        _check_target(final, overwrite, caller)  # anything put there meanwhile
+        if overwrite:
+            os.replace(partial, final)
+        else:
+            rename_no_replace(partial, final)  # fails if something is there now
+    except FileExistsError:
+        raise ValueError(
+            f"eqshard.{caller}: {final!r} was created while this file was being "
+            "written, so it is not replaced. Write to another path, or pass "
+            "`overwrite=True` to replace it."
+        ) from None
     except OSError as error:
         raise ValueError(
             f"eqshard.{caller}: could not write {final!r}: {error.strerror or error}. "
@@ -348,9 +392,8 @@ def _write(
             "Make room or fix the permissions, and save again."
         ) from error
     finally:
-        if not done:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(partial)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
 
 
 @typecheck
@@ -359,6 +402,7 @@ def save_safetensors(
     tree: PyTree,
     *,
     sep: str = ".",
+    overwrite: bool = False,
     timeout: float | int = 300.0,
 ) -> None:
     """Writes the arrays of a pytree to a safetensors file, one array at a time.
@@ -381,6 +425,8 @@ def save_safetensors(
     - `path`: the file to write, in an existing directory.
     - `tree`: any pytree.
     - `sep`: the separator that joins a path into a tensor name.
+    - `overwrite`: replace a file already at `path` (only a regular file is
+      ever replaced).
     - `timeout`: in a multi-process run, how many seconds to wait for the other
       processes to make the same call (and for process 0 to finish writing).
 
@@ -390,7 +436,9 @@ def save_safetensors(
       safetensors (such as int4, float4 or complex128), before anything is
       written, or if `tree` holds `jax.ShapeDtypeStruct`s.
     - `ValueError` naming both paths if two arrays get the same name; if the
-      directory of `path` is not there or the file cannot be written; or, in a
+      directory of `path` is not there, something is at `path` (without
+      `overwrite`, or other than a regular file), or the file cannot be
+      written; or, in a
       multi-process run, if the other processes do not make the same call
       within `timeout` seconds.
 
@@ -438,7 +486,7 @@ def save_safetensors(
     failure = None
     if jax.process_index() == 0:
         try:
-            _write(final, raw, values, caller)
+            _write(final, raw, values, overwrite, caller)
         except ValueError as error:
             failure = error
     for _ in values:  # the other processes gather to the end: take part

@@ -5,6 +5,7 @@ one, which the new one replaces only when complete (see the package's docstring)
 import functools as ft
 import json
 import os
+import uuid
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from jaxtyping import PyTree
 
 from .._host import unplaceable
 from .._keys import is_key
-from .._multiprocess import check_timeout, fail_together
+from .._multiprocess import check_timeout, fail_together, meet
 from .._tree import (
     DELETED,
     is_deleted,
@@ -22,7 +23,15 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory, NEW, OWN_FILE, remove, swap
+from ._disk import check_directory
+from ._swap import (
+    OWN_FILE,
+    release_lock,
+    remove,
+    staging_name,
+    swap,
+    take_lock,
+)
 from ._targets import import_optional, named_arrays, stored_like
 
 
@@ -136,7 +145,7 @@ def _not_written(caller: str, path: str, error: Exception) -> ValueError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     failure = ValueError(
         f"eqshard.{caller}: writing the checkpoint at {path!r} failed, so nothing "
-        f"there was replaced: {first[:400]}"
+        f"there was replaced: {first[:600]}"
     )
     failure.__cause__ = error
     return failure
@@ -165,9 +174,13 @@ def save(
     an integer type of the same width.
 
     Every leaf is checked before anything is written, and the checkpoint is
-    written beside `directory` and put in its place only when complete: a save
-    that fails, at any point, leaves a checkpoint that was there as it was.
-    Returns when the checkpoint is complete on disk.
+    written beside `directory` (in a staging directory of this save's own) and
+    put in its place only when complete, in one atomic step where the file
+    system can exchange two directories (Linux's local file systems): a save
+    that fails, at any point, leaves a checkpoint that was there as it was, and
+    a reader always finds a whole checkpoint there. One save writes a path at
+    a time: a second one raises at once (see `Raises`). Returns when the
+    checkpoint is complete on disk.
 
     In a multi-process run, every process makes the same call (with the same
     `directory`, on a file system all of them see). The processes meet before
@@ -178,7 +191,9 @@ def save(
 
     - `directory`: the checkpoint's directory; it must not exist yet.
     - `tree`: any pytree.
-    - `overwrite`: replace a checkpoint (or an empty directory) at `directory`.
+    - `overwrite`: replace a checkpoint (or an empty directory) at `directory`;
+      a directory that holds anything else too (a `config.yaml`, say) is
+      refused, naming it.
     - `timeout`: in a multi-process run, how many seconds each process waits
       for the others at each meeting (after writing its shards, for the
       slowest to write theirs).
@@ -189,10 +204,13 @@ def save(
       (no data), and dtypes orbax cannot store (text, Python objects); with them,
       deleted (donated) arrays, which alone raise `ValueError`.
     - `ValueError` if `directory` exists (and not `overwrite`), or holds something
-      other than a checkpoint; naming both paths if two arrays have the same path
-      string; if writing fails (nothing is replaced); and in a multi-process run,
-      if another process failed, passed another tree, or did not make the call
-      within `timeout` seconds.
+      other than a checkpoint, or its parent is a file; if another save to
+      `directory` is under way (naming its host, process and the lock file,
+      `<directory>.eqshard-lock`; the lock of a process of this host that is
+      gone is taken over, with a warning); naming both paths if two arrays have
+      the same path string; if writing fails (nothing is replaced); and in a
+      multi-process run, if another process failed, passed another tree, or did
+      not make the call within `timeout` seconds.
     - `ImportError` if orbax-checkpoint is not installed
       (`pip install "eqshard[orbax]"`).
 
@@ -207,27 +225,36 @@ def save(
     ocp = import_optional("orbax.checkpoint", "orbax", caller)
     epath = import_optional("etils.epath", "orbax", caller)
     path = os.path.abspath(os.fspath(directory))
-    new = path + NEW
     primary = jax.process_index() == 0
+    new = staging_name(path) if primary else ""
     cannot = f"the checkpoint at {path!r} is not written"
     rule = "Every process must make the same `save` call at the same point"
     failure: Exception | None = None
     named: dict[str, tuple[int, KeyPath, Any]] = {}
     own: dict[str, dict[str, Any]] = {}
-    try:
-        named = named_arrays(tree, caller)
-        own = _check_leaves(named, caller)
-        check_directory(path, overwrite, caller)
-        if primary:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            remove(new)  # left by a save that failed
-            os.mkdir(new)
-    except Exception as error:  # raised on every process, by `fail_together`
-        failure = error
-    rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
+    lock: int | None = None
+    made = False
     handler = ocp.StandardCheckpointHandler()
     try:
+        try:
+            named = named_arrays(tree, caller)
+            own = _check_leaves(named, caller)
+            if primary:  # the one writer: process 0 (see `_swap.py`)
+                _make_parent(path, caller)
+                lock = take_lock(path, new, caller)
+            check_directory(path, overwrite, caller)
+            if primary:
+                os.mkdir(new)
+                made = True
+        except OSError as error:  # a lock or directory that cannot be made
+            failure = _not_written(caller, path, error)
+        except Exception as error:  # raised on every process, by `fail_together`
+            failure = error
+        rows = [(n, x.shape, x.dtype) for n, (_, _, x) in named.items()]
         fail_together(caller, failure, timeout, rows=rows, cannot=cannot, rule=rule)
+        processes = tuple(range(jax.process_count()))
+        staged = meet(caller, processes, timeout, cannot=cannot, rule=rule, status=new)
+        new = staged.get(0, new)  # process 0's staging directory
         items = _items(named, own)
         try:  # every process writes its shards
             if items:
@@ -240,12 +267,42 @@ def save(
                 if items:
                     handler.finalize(epath.Path(new))
                 with open(os.path.join(new, OWN_FILE), "w") as f:
-                    json.dump({"version": 1, "orbax": bool(items), "arrays": own}, f)
+                    json.dump(
+                        {
+                            "version": 1,
+                            "generation": uuid.uuid4().hex,
+                            "orbax": bool(items),
+                            "arrays": own,
+                        },
+                        f,
+                    )
                 swap(new, path)
         except Exception as error:
             failure = _not_written(caller, path, error)
         fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
     finally:
         handler.close()
-        if primary:  # after a failure: the new files go, the old stay
-            remove(new)
+        try:
+            if made:  # after a failure: the new files go, the old stay
+                remove(new)
+        finally:
+            if lock is not None:
+                release_lock(path, lock)
+
+
+def _make_parent(path: str, caller: str) -> None:
+    """Makes the directory `path` goes in, or raises naming the file in the way."""
+    parent = os.path.dirname(path)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = parent
+        while os.path.dirname(blocking) != blocking and (
+            not os.path.lexists(blocking) or os.path.isdir(blocking)
+        ):
+            blocking = os.path.dirname(blocking)
+        raise ValueError(
+            f"eqshard.{caller}: cannot write the checkpoint at {path!r}: "
+            f"{blocking!r} is a file, not a directory. Save under a directory, or "
+            "move that file away."
+        ) from None
