@@ -80,6 +80,15 @@ class _Specs:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.mesh = mesh
+        # Read by `JitFunction`: functions of the arguments, and rules or
+        # functions of the output (whose shapes static leaves may change), read
+        # the values of non-array leaves, so each value is resolved apart.
+        self.reads_statics = any(
+            _is_spec_fn(e) for e in jtu.tree_leaves(in_specs, is_leaf=_is_out_entry)
+        ) or any(
+            is_partition_rules(e) or _is_spec_fn(e)
+            for e in jtu.tree_leaves(out_specs, is_leaf=_is_out_entry)
+        )
 
     def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:
         """The mesh given, else the one set, else the one the arguments are on."""
@@ -138,6 +147,17 @@ class _Specs:
         self, args: tuple[Any, ...]
     ) -> tuple[PyTree, PyTree, Mesh | AbstractMesh | None]:
         leaves, treedef = jtu.tree_flatten(args)
+        if isinstance(self.mesh, AbstractMesh) and not any(
+            isinstance(leaf, Tracer) for leaf in leaves
+        ):
+            # Outside another trace, JAX needs devices to lower, compile or run.
+            raise TypeError(
+                f"eqshard.{_CALLER}: `mesh` is an `AbstractMesh` ({self.mesh}), "
+                "which has no devices: a concrete mesh is needed to lower, compile "
+                "or run the function. Pass a `Mesh` (e.g. `eqshard.create_mesh(...)`"
+                " or `jax.make_mesh(...)`); an `AbstractMesh` serves only for a "
+                "function called inside another `jax.jit`."
+            )
         mesh = self._mesh(leaves)
         error = self._count_error(len(args))
         if error is not None:
