@@ -1,11 +1,12 @@
 """`filter_jit`: `eqx.filter_jit` with spec trees for the inputs and outputs, and
 Equinox's donation options, on `_jit.JitFunction`.
 
-The specs are resolved at the first call with arguments of each structure, against
-those arguments (`_Specs`): `in_specs` through `resolve_specs` (rules matched
-inside each argument), `out_specs` too, where an integer stands for an argument's
-layout (its spec, or where its arrays are placed); rules and functions among the
-`out_specs` cost one trace of `fn` for the output's paths and shapes.
+The specs are resolved at the first call with arguments of each structure, shapes,
+dtypes and placements (and under each mesh set), against those arguments
+(`_Specs`): `in_specs` through `resolve_specs` (rules matched inside each
+argument), `out_specs` too, where an integer stands for an argument's layout (its
+spec, or where its arrays are placed); rules and functions among the `out_specs`
+cost one trace of `fn` for the output's paths and shapes.
 """
 
 from collections.abc import Callable
@@ -245,8 +246,10 @@ def filter_jit(
     the abstract mesh), so [`eqshard.with_sharding_constraint`][] inside it needs
     no `mesh=`.
 
-    The specs are resolved at the first call with arguments of each structure
-    (and again under another mesh set), against those arguments: rules are
+    The specs are resolved at the first call with arguments of each structure,
+    shapes, dtypes and placements (and again under another mesh set, or for other
+    values of non-array leaves where a function or the output's rules read
+    them), against those arguments: rules are
     matched against each argument (paths start inside it), as
     [`eqshard.init_sharded`][] matches them against what it builds. Spec trees
     match by structure and path: one made from another build of a model (another
@@ -269,12 +272,14 @@ def filter_jit(
       argument's layout and a replicated loss. `None` leaves an output's layout to
       the compiler.
     - `donate`: as in `eqx.filter_jit`: `"all"` donates the arrays of every
-      argument (their buffers may hold the output, and they are deleted),
+      argument (their buffers may hold the output, and they are deleted; a
+      deleted array given again is refused, where XLA would crash),
       `"all-except-first"` of every argument but the first; both keep quiet
       about buffers no output could reuse, which `"warn"` and
       `"warn-except-first"` report. `"none"` (the default) donates nothing.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
-      `jax.set_mesh`, then to the mesh the arguments are placed on.
+      `jax.set_mesh`, then to the mesh the arguments are placed on. An
+      `AbstractMesh` serves only a function called inside another `jax.jit`.
 
     **Returns:**
 
@@ -287,9 +292,11 @@ def filter_jit(
     At the first call with a structure: `ValueError` naming the first path where a
     spec tree does not match the arguments or the output, every array whose spec
     cannot apply, an argument placed otherwise than its spec asks, an array
-    donated and given twice, or if no mesh is found for a `PartitionSpec`;
-    `TypeError` for keyword arguments, a spec leaf that is not a spec, or a
-    non-array leaf that cannot be hashed.
+    donated and given twice, two donated arrays over the same buffers, a deleted
+    array, a spec naming an axis the mesh lacks, or if no mesh is found for a
+    `PartitionSpec`; `TypeError` for keyword arguments, a spec leaf that is not a
+    spec, a non-array leaf that cannot be hashed, a `jax.ShapeDtypeStruct`
+    argument (use `lower`), or an `AbstractMesh` outside another `jit`.
 
     !!! Example
 

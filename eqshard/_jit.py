@@ -8,8 +8,10 @@ How a call stays cheap, and keeps its layout:
   `jax.jit` made at construction: no tree work in Python.
 - **Modules and other pytrees.** The arguments are flattened once; the tree
   structure and the leaf types pick a cached *layout* (which leaves are arrays,
-  which are donated, and the shardings of the arguments and the output, resolved
-  from the specs once, at the first call with that structure), and the non-array
+  which are donated, and the shardings of the arguments and the output). Where
+  the shardings are resolved from specs (`filter_jit`), the key also holds all
+  that the resolution reads: each array's shape, dtype and placement, and the
+  mesh set, devices included. The non-array
   leaves pick a cached `jax.jit` made for that layout, whose arguments are the
   flat tuples of array leaves. This is `eqx.filter_jit`'s filtering with less
   per-call work: no signature binding, no rebuilding of filtered trees, no
