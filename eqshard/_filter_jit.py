@@ -81,14 +81,21 @@ class _Specs:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.mesh = mesh
-        # Read by `JitFunction`: functions of the arguments, and rules or
-        # functions of the output (whose shapes static leaves may change), read
-        # the values of non-array leaves, so each value is resolved apart.
-        self.reads_statics = any(
-            _is_spec_fn(e) for e in jtu.tree_leaves(in_specs, is_leaf=_is_out_entry)
-        ) or any(
-            is_partition_rules(e) or _is_spec_fn(e)
-            for e in jtu.tree_leaves(out_specs, is_leaf=_is_out_entry)
+        # What the resolution reads, for `JitFunction`'s cache key (the less, the
+        # cheaper a call): rules and functions read shapes and dtypes; functions
+        # of the arguments, and rules or functions of the output (whose shapes
+        # static leaves may change), the values of non-array leaves; finding the
+        # mesh from the arguments, or an argument's layout in `out_specs`, where
+        # the arguments are placed.
+        ins = jtu.tree_leaves(in_specs, is_leaf=_is_out_entry)
+        outs = jtu.tree_leaves(out_specs, is_leaf=_is_out_entry)
+        computed = [e for e in ins + outs if is_partition_rules(e) or _is_spec_fn(e)]
+        self.reads_shapes = bool(computed)
+        self.reads_statics = any(map(_is_spec_fn, ins)) or any(
+            is_partition_rules(e) or _is_spec_fn(e) for e in outs
+        )
+        self.reads_placements = mesh is None or any(
+            isinstance(e, int) and not isinstance(e, bool) for e in outs
         )
 
     def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:

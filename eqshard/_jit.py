@@ -102,24 +102,28 @@ def _typed(value: Any) -> Any:
     return (type(value), value)
 
 
-# Types of placed JAX arrays (not tracers): filled in as they are first seen.
+# Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
+# any kind: filled in as they are first seen.
 _PLACED_TYPES: set[type] = set()
+_OTHER_TYPES: set[type] = set()
 
 
-def _leaf_signature(leaf: Any, statics: bool) -> Any:
+def _leaf_signature(leaf: Any, statics: bool, placements: bool) -> Any:
     """What resolving specs may read of one argument leaf: an array's shape,
-    dtype, weak type and placement; a non-array leaf's type, and its value
-    where `statics` (the specs are functions of the tree, or the output's)."""
+    dtype, weak type, and placement where `placements`; a non-array leaf's type,
+    and its value where `statics` (the specs are functions of the tree, or the
+    output's)."""
     kind = type(leaf)
     if isinstance(leaf, Tracer):
         return (kind, leaf.aval)
     if isinstance(leaf, jax.Array):
         _PLACED_TYPES.add(kind)
-        return (leaf.aval, leaf.sharding, leaf.committed)
+        return (leaf.aval, leaf.sharding, leaf.committed) if placements else leaf.aval
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return (kind, leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
     if isinstance(leaf, np.ndarray | np.generic):
         return (kind, leaf.shape, leaf.dtype)
+    _OTHER_TYPES.add(kind)
     return (kind, _typed(leaf)) if statics else kind
 
 
@@ -318,7 +322,10 @@ class JitFunction:
         self._donate_from = donate_from
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         # Whether resolving the specs reads the values of non-array leaves.
-        self._reads_statics = bool(getattr(resolve, "reads_statics", False))
+        # What resolving them reads (everything, unless the resolver says).
+        self._reads_shapes = bool(getattr(resolve, "reads_shapes", True))
+        self._reads_statics = bool(getattr(resolve, "reads_statics", True))
+        self._reads_placements = bool(getattr(resolve, "reads_placements", True))
         # Calls whose non-static arguments are all arrays skip the tree work: this
         # is possible when the shardings are known now and `in_specs` is one spec,
         # or one spec per argument.
@@ -574,15 +581,30 @@ class JitFunction:
         if self._resolve is None:  # the shardings are given: types pick the layout
             return (treedef, tuple(map(type, leaves)))
         # Specs are resolved again for anything their resolution reads: the mesh
-        # set, and each leaf's shape, dtype and placement (for placed arrays,
-        # the common case, inline).
+        # set, and each leaf's shape, dtype and placement, where read (for placed
+        # arrays, the common case, inline).
         placed, statics = _PLACED_TYPES, self._reads_statics
-        signature = [
-            (x.aval, x.sharding, x.committed)
-            if type(x) in placed
-            else _leaf_signature(x, statics)
-            for x in leaves
-        ]
+        others = () if statics else _OTHER_TYPES  # leaves whose type is all read
+        if self._reads_placements:
+            signature = [
+                (x.aval, x.sharding, x.committed)
+                if (kind := type(x)) in placed
+                else kind
+                if kind in others
+                else _leaf_signature(x, statics, True)
+                for x in leaves
+            ]
+        elif self._reads_shapes or statics:
+            signature = [
+                x.aval
+                if (kind := type(x)) in placed
+                else kind
+                if kind in others
+                else _leaf_signature(x, statics, False)
+                for x in leaves
+            ]
+        else:  # spec trees on a given mesh: the types, as without specs
+            signature = list(map(type, leaves))
         return (treedef, _mesh_key(), tuple(signature))
 
     def _new_layout(
