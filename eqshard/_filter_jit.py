@@ -1,11 +1,12 @@
 """`filter_jit`: `eqx.filter_jit` with spec trees for the inputs and outputs, and
 Equinox's donation options, on `_jit.JitFunction`.
 
-The specs are resolved at the first call with arguments of each structure, against
-those arguments (`_Specs`): `in_specs` through `resolve_specs` (rules matched
-inside each argument), `out_specs` too, where an integer stands for an argument's
-layout (its spec, or where its arrays are placed); rules and functions among the
-`out_specs` cost one trace of `fn` for the output's paths and shapes.
+The specs are resolved at the first call with arguments of each structure, shapes,
+dtypes and placements (and under each mesh set), against those arguments
+(`_Specs`): `in_specs` through `resolve_specs` (rules matched inside each
+argument), `out_specs` too, where an integer stands for an argument's layout (its
+spec, or where its arrays are placed); rules and functions among the `out_specs`
+cost one trace of `fn` for the output's paths and shapes.
 """
 
 from collections.abc import Callable
@@ -80,6 +81,22 @@ class _Specs:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.mesh = mesh
+        # What the resolution reads, for `JitFunction`'s cache key (the less, the
+        # cheaper a call): rules and functions read shapes and dtypes; functions
+        # of the arguments, and rules or functions of the output (whose shapes
+        # static leaves may change), the values of non-array leaves; finding the
+        # mesh from the arguments, or an argument's layout in `out_specs`, where
+        # the arguments are placed.
+        ins = jtu.tree_leaves(in_specs, is_leaf=_is_out_entry)
+        outs = jtu.tree_leaves(out_specs, is_leaf=_is_out_entry)
+        computed = [e for e in ins + outs if is_partition_rules(e) or _is_spec_fn(e)]
+        self.reads_shapes = bool(computed)
+        self.reads_statics = any(map(_is_spec_fn, ins)) or any(
+            is_partition_rules(e) or _is_spec_fn(e) for e in outs
+        )
+        self.reads_placements = mesh is None or any(
+            isinstance(e, int) and not isinstance(e, bool) for e in outs
+        )
 
     def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:
         """The mesh given, else the one set, else the one the arguments are on."""
@@ -136,6 +153,17 @@ class _Specs:
         self, args: tuple[Any, ...]
     ) -> tuple[PyTree, PyTree, Mesh | AbstractMesh | None]:
         leaves, treedef = jtu.tree_flatten(args)
+        if isinstance(self.mesh, AbstractMesh) and not any(
+            isinstance(leaf, Tracer) for leaf in leaves
+        ):
+            # Outside another trace, JAX needs devices to lower, compile or run.
+            raise TypeError(
+                f"eqshard.{_CALLER}: `mesh` is an `AbstractMesh` ({self.mesh}), "
+                "which has no devices: a concrete mesh is needed to lower, compile "
+                "or run the function. Pass a `Mesh` (e.g. `eqshard.create_mesh(...)`"
+                " or `jax.make_mesh(...)`); an `AbstractMesh` serves only for a "
+                "function called inside another `jax.jit`."
+            )
         mesh = self._mesh(leaves)
         error = self._count_error(len(args))
         if error is not None:
@@ -223,8 +251,10 @@ def filter_jit(
     the abstract mesh), so [`eqshard.with_sharding_constraint`][] inside it needs
     no `mesh=`.
 
-    The specs are resolved at the first call with arguments of each structure
-    (and again under another mesh set), against those arguments: rules are
+    The specs are resolved at the first call with arguments of each structure,
+    shapes, dtypes and placements (and again under another mesh set, or for other
+    values of non-array leaves where a function or the output's rules read
+    them), against those arguments: rules are
     matched against each argument (paths start inside it), as
     [`eqshard.init_sharded`][] matches them against what it builds. Spec trees
     match by structure and path: one made from another build of a model (another
@@ -247,12 +277,14 @@ def filter_jit(
       argument's layout and a replicated loss. `None` leaves an output's layout to
       the compiler.
     - `donate`: as in `eqx.filter_jit`: `"all"` donates the arrays of every
-      argument (their buffers may hold the output, and they are deleted),
+      argument (their buffers may hold the output, and they are deleted; a
+      deleted array given again is refused, where XLA would crash),
       `"all-except-first"` of every argument but the first; both keep quiet
       about buffers no output could reuse, which `"warn"` and
       `"warn-except-first"` report. `"none"` (the default) donates nothing.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
-      `jax.set_mesh`, then to the mesh the arguments are placed on.
+      `jax.set_mesh`, then to the mesh the arguments are placed on. An
+      `AbstractMesh` serves only a function called inside another `jax.jit`.
 
     **Returns:**
 
@@ -265,9 +297,11 @@ def filter_jit(
     At the first call with a structure: `ValueError` naming the first path where a
     spec tree does not match the arguments or the output, every array whose spec
     cannot apply, an argument placed otherwise than its spec asks, an array
-    donated and given twice, or if no mesh is found for a `PartitionSpec`;
-    `TypeError` for keyword arguments, a spec leaf that is not a spec, or a
-    non-array leaf that cannot be hashed.
+    donated and given twice, two donated arrays over the same buffers, a deleted
+    array, a spec naming an axis the mesh lacks, or if no mesh is found for a
+    `PartitionSpec`; `TypeError` for keyword arguments, a spec leaf that is not a
+    spec, a non-array leaf that cannot be hashed, a `jax.ShapeDtypeStruct`
+    argument (use `lower`), or an `AbstractMesh` outside another `jit`.
 
     !!! Example
 

@@ -8,8 +8,10 @@ How a call stays cheap, and keeps its layout:
   `jax.jit` made at construction: no tree work in Python.
 - **Modules and other pytrees.** The arguments are flattened once; the tree
   structure and the leaf types pick a cached *layout* (which leaves are arrays,
-  which are donated, and the shardings of the arguments and the output, resolved
-  from the specs once, at the first call with that structure), and the non-array
+  which are donated, and the shardings of the arguments and the output). Where
+  the shardings are resolved from specs (`filter_jit`), the key also holds all
+  that the resolution reads: each array's shape, dtype and placement, and the
+  mesh set, devices included. The non-array
   leaves pick a cached `jax.jit` made for that layout, whose arguments are the
   flat tuples of array leaves. This is `eqx.filter_jit`'s filtering with less
   per-call work: no signature binding, no rebuilding of filtered trees, no
@@ -33,6 +35,7 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import PyTree
 
@@ -47,9 +50,12 @@ from ._specs import (
 )
 from ._tree import (
     broadcast_prefix,
+    deleted_error,
     flatten_up_to,
     is_array,
+    is_deleted,
     path_str,
+    paths_text,
     repeated_arrays,
 )
 from ._typing import KeyPath, PyTreeDef
@@ -95,6 +101,53 @@ def _typed(value: Any) -> Any:
     if isinstance(value, tuple):
         return (type(value), tuple(map(_typed, value)))
     return (type(value), value)
+
+
+# Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
+# any kind: filled in as they are first seen.
+_PLACED_TYPES: set[type] = set()
+_OTHER_TYPES: set[type] = set()
+
+
+def _leaf_signature(leaf: Any, statics: bool, placements: bool) -> Any:
+    """What resolving specs may read of one argument leaf: an array's shape,
+    dtype, weak type, and placement where `placements`; a non-array leaf's type,
+    and its value where `statics` (the specs are functions of the tree, or the
+    output's)."""
+    kind = type(leaf)
+    if isinstance(leaf, Tracer):
+        return (kind, leaf.aval)
+    if isinstance(leaf, jax.Array):
+        _PLACED_TYPES.add(kind)
+        return (leaf.aval, leaf.sharding, leaf.committed) if placements else leaf.aval
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (kind, leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+    if isinstance(leaf, np.ndarray | np.generic):
+        return (kind, leaf.shape, leaf.dtype)
+    _OTHER_TYPES.add(kind)
+    return (kind, _typed(leaf)) if statics else kind
+
+
+def _mesh_key() -> Any:
+    """The mesh set by `jax.set_mesh`, with its devices where known (outside
+    `jit`): meshes of the same axes over other devices, or in another order,
+    resolve specs apart."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    try:
+        return (abstract, jax.sharding.get_mesh())
+    except ValueError:  # inside `jit`, where only the abstract mesh is known
+        return abstract
+
+
+def _first_buffer(leaf: jax.Array) -> int | None:
+    """Where the first addressable shard of a placed array lies in memory (two
+    arrays over the same buffers share it); `None` if there is none here."""
+    try:
+        return leaf.addressable_data(0).unsafe_buffer_pointer()
+    except (IndexError, RuntimeError):
+        return None
 
 
 class _Static:
@@ -165,6 +218,7 @@ class _Layout:
         "in_shardings",
         "out_shardings",
         "mesh",
+        "abstract_paths",
     )
 
     def __init__(
@@ -189,6 +243,12 @@ class _Layout:
         self.signature = (treedef, tuple(self.array_index))
         self.jitted: dict[tuple[Any, ...], Any] = {}
         self.in_shardings, self.out_shardings, self.mesh = shardings
+        # Arguments without data, which only `lower` and `compile` take.
+        self.abstract_paths = [
+            path
+            for path, leaf in zip(paths, leaves, strict=True)
+            if isinstance(leaf, jax.ShapeDtypeStruct)
+        ]
 
 
 # What resolves a layout's shardings from the first arguments of its structure:
@@ -262,6 +322,11 @@ class JitFunction:
         )
         self._donate_from = donate_from
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        # Whether resolving the specs reads the values of non-array leaves.
+        # What resolving them reads (everything, unless the resolver says).
+        self._reads_shapes = bool(getattr(resolve, "reads_shapes", True))
+        self._reads_statics = bool(getattr(resolve, "reads_statics", True))
+        self._reads_placements = bool(getattr(resolve, "reads_placements", True))
         # Calls whose non-static arguments are all arrays skip the tree work: this
         # is possible when the shardings are known now and `in_specs` is one spec,
         # or one spec per argument.
@@ -473,8 +538,8 @@ class JitFunction:
                 _DIRECT_TYPES.update(
                     type(x) for x in dynamic if not isinstance(x, jax.ShapeDtypeStruct)
                 )
-                if run and self._donated:
-                    self._refuse_donated_twice(
+                if run:
+                    self._check_run(
                         [(jtu.SequenceKey(i),) for i in range(len(dynamic))],
                         dynamic,
                         [i in self._donated for i in range(len(dynamic))],
@@ -487,9 +552,14 @@ class JitFunction:
                 return self._direct, args if static else dynamic, (None, typed)
         leaves, treedef = jtu.tree_flatten(dynamic)
         key = self._layout_key(treedef, leaves)
-        layout = self._layouts.get(key)
+        try:
+            layout = self._layouts.get(key)
+        except TypeError:  # a non-array leaf that the specs read is unhashable
+            raise self._unhashable_error(None, (), static_args, dynamic) from None
         if layout is None:
             layout = self._new_layout(dynamic, treedef, leaves, key)
+        if run and layout.abstract_paths:
+            raise self._abstract_error(layout.abstract_paths)
         statics = layout.get_static(leaves)
         jit_key = (statics, typed)
         try:
@@ -502,19 +572,41 @@ class JitFunction:
             )
         if run and layout.donated_index:
             donated = set(layout.donated_index)
-            self._refuse_donated_twice(
+            self._check_donation(
                 layout.paths, leaves, [i in donated for i in range(len(leaves))]
             )
         call_args = (layout.get_donated(leaves), layout.get_kept(leaves))
         return jitted, call_args, (layout.signature, jit_key)
 
     def _layout_key(self, treedef: PyTreeDef, leaves: list[Any]) -> tuple[Any, ...]:
-        key = (treedef, tuple(map(type, leaves)))
-        if self._resolve is not None:
-            # Specs resolved against the mesh set (if any) are resolved again
-            # under another.
-            key += (jax.sharding.get_abstract_mesh(),)
-        return key
+        if self._resolve is None:  # the shardings are given: types pick the layout
+            return (treedef, tuple(map(type, leaves)))
+        # Specs are resolved again for anything their resolution reads: the mesh
+        # set, and each leaf's shape, dtype and placement, where read (for placed
+        # arrays, the common case, inline).
+        placed, statics = _PLACED_TYPES, self._reads_statics
+        others = () if statics else _OTHER_TYPES  # leaves whose type is all read
+        if self._reads_placements:
+            signature = [
+                (x.aval, x.sharding, x.committed)
+                if (kind := type(x)) in placed
+                else kind
+                if kind in others
+                else _leaf_signature(x, statics, True)
+                for x in leaves
+            ]
+        elif self._reads_shapes or statics:
+            signature = [
+                x.aval
+                if (kind := type(x)) in placed
+                else kind
+                if kind in others
+                else _leaf_signature(x, statics, False)
+                for x in leaves
+            ]
+        else:  # spec trees on a given mesh: the types, as without specs
+            signature = list(map(type, leaves))
+        return (treedef, _mesh_key(), tuple(signature))
 
     def _new_layout(
         self,
@@ -533,11 +625,41 @@ class JitFunction:
         self._layouts[key] = layout
         return layout
 
-    def _refuse_donated_twice(
+    def _check_run(
         self, paths: Sequence[KeyPath], leaves: Sequence[Any], donated: Sequence[bool]
     ) -> None:
-        """Raises if an array that is donated also stands at another leaf: XLA
-        would use its buffer after giving it away (and crash the process)."""
+        """Raises for arguments a call cannot run with: arrays without data, and
+        donations that would crash the process."""
+        abstract = [
+            path
+            for path, leaf in zip(paths, leaves, strict=True)
+            if isinstance(leaf, jax.ShapeDtypeStruct)
+        ]
+        if abstract:
+            raise self._abstract_error(abstract)
+        if any(donated):
+            self._check_donation(paths, leaves, donated)
+
+    def _abstract_error(self, paths: Sequence[KeyPath]) -> TypeError:
+        return TypeError(
+            f"eqshard.{self._caller}: {self.__name__} is called with "
+            f"`jax.ShapeDtypeStruct` arguments at {paths_text(paths)}, which have "
+            "no data to run on. Pass arrays; for abstract arguments use "
+            f"`{self.__name__}.lower(...)` (or `.compile(...)`), or "
+            f"`eqshard.analyze_step`. {_ARGS_NOTE}"
+        )
+
+    def _check_donation(
+        self, paths: Sequence[KeyPath], leaves: Sequence[Any], donated: Sequence[bool]
+    ) -> None:
+        """Raises before a donation that XLA would crash the process on: a
+        deleted array (donated by an earlier call), one array at two leaves of
+        which one is donated, or two donated arrays over the same buffers."""
+        gone = [
+            path for path, leaf in zip(paths, leaves, strict=True) if is_deleted(leaf)
+        ]
+        if gone:
+            raise ValueError(f"{deleted_error(self._caller, gone)} {_ARGS_NOTE}")
         for first, again in repeated_arrays(leaves):
             if donated[first] or donated[again]:
                 raise ValueError(
@@ -547,25 +669,55 @@ class JitFunction:
                     "away and used in the same call. Pass a copy (`jnp.copy(x)`) at "
                     f"one of them, or do not donate that argument. {_ARGS_NOTE}"
                 )
+        # Only among the donated leaves (to keep calls cheap): two array objects
+        # over the same buffers (e.g. rebuilt from another's shards).
+        seen: dict[int, int] = {}
+        for i, leaf in enumerate(leaves):
+            if (
+                not donated[i]
+                or not isinstance(leaf, jax.Array)
+                or isinstance(leaf, Tracer)
+            ):
+                continue
+            buffer = _first_buffer(leaf)
+            if buffer is None:
+                continue
+            j = seen.setdefault(buffer, i)
+            if j != i and leaves[j] is not leaf:
+                raise ValueError(
+                    f"eqshard.{self._caller}: {self.__name__} is given two arrays at "
+                    f"'{path_str(paths[j])}' and '{path_str(paths[i])}' that share "
+                    f"their buffers, and {self._donate_text} donates both: one "
+                    "buffer cannot be given away twice. Pass a copy (`jnp.copy(x)`) "
+                    f"at one of them, or do not donate those arguments. {_ARGS_NOTE}"
+                )
 
     def _unhashable_error(
         self,
         layout: _Layout | None,
         statics: tuple[Any, ...],
         static_args: tuple[Any, ...],
+        dynamic: Any = None,
     ) -> TypeError:
         if layout is not None:
-            for i, value in zip(layout.static_index, statics, strict=True):
-                try:
-                    hash(value)
-                except TypeError:
-                    return TypeError(
-                        f"eqshard.{self._caller}: the argument leaf at "
-                        f"'{path_str(layout.paths[i])}' is {value!r} (a "
-                        f"{type(value).__name__}), which is neither an array nor "
-                        "hashable. Non-array leaves are compiled into the function, "
-                        "so they must be hashable: make it an array, or hashable."
-                    )
+            pairs = [(layout.paths[i], v) for i, v in zip(layout.static_index, statics)]
+        else:  # no layout yet: every non-array leaf of `dynamic`
+            pairs = [
+                (path, leaf)
+                for path, leaf in jtu.tree_flatten_with_path(dynamic)[0]
+                if not is_array(leaf)
+            ]
+        for path, value in pairs:
+            try:
+                hash(_typed(value))
+            except TypeError:
+                return TypeError(
+                    f"eqshard.{self._caller}: the argument leaf at "
+                    f"'{path_str(path)}' is {value!r} (a "
+                    f"{type(value).__name__}), which is neither an array nor "
+                    "hashable. Non-array leaves are compiled into the function, "
+                    "so they must be hashable: make it an array, or hashable."
+                )
         return TypeError(
             f"eqshard.{self._caller}: the static arguments {static_args!r} "
             f"(positions {self._static}) must be hashable."
@@ -595,21 +747,27 @@ class JitFunction:
             and self._get_dynamic is None
             and self._direct_count in (-1, len(args))
             and all(map(_DIRECT_TYPES.__contains__, map(type, args)))
-            # With donation, one array given twice takes the path that refuses it.
-            and (not self._donated or len(set(map(id, args))) == len(args))
+            # Donations are checked first, on the other path.
+            and not self._donated
         ):
-            try:
-                out, statics = direct(*host_private(args))
-            except ValueError as e:
-                self._diagnose(args, e)
-                raise
+            jitted, call_args = direct, args
         else:
             jitted, call_args, _ = self._dispatch(args, static=True)
-            try:
-                out, statics = jitted(*host_private(call_args))
-            except ValueError as e:
-                self._diagnose(args, e)
-                raise
+        try:
+            out, statics = jitted(*host_private(call_args))
+        except ValueError as e:
+            self._diagnose(args, e)
+            raise
+        except RuntimeError as e:  # JAX's "Array has been deleted", naming none
+            dynamic = args if self._get_dynamic is None else self._get_dynamic(args)
+            paths = [
+                p for p, x in jtu.tree_flatten_with_path(dynamic)[0] if is_deleted(x)
+            ]
+            if paths:
+                raise ValueError(
+                    f"{deleted_error(self._caller, paths)} {_ARGS_NOTE}"
+                ) from e
+            raise
         return out if statics is None else statics.rebuild(out)
 
     def _in_shardings_for(self, dynamic: tuple[Any, ...]) -> PyTree | None:

@@ -162,3 +162,139 @@ def test_filter_jit_errors_name_what_and_where(mesh):
         eqshard.filter_jit(lambda a, b: a + b, donate="all")(x := jnp.ones(3), x)
     with pytest.raises(ValueError, match=r"filter_jit: `donate` is 'first'; use"):
         eqshard.filter_jit(apply, donate="first")
+
+
+def _copy(x):
+    return x * 1
+
+
+def test_specs_are_resolved_again_for_other_shapes_placements_and_meshes(mesh):
+    # Regression (issue 33, item 4): specs were resolved once per tree structure,
+    # from the first call's arguments.
+    def shard_by_evenness(args):  # a callable `in_specs`: reads the shape
+        return (P("dp") if args[0].shape[0] % 2 == 0 else P(),)
+
+    by_shape = eqshard.filter_jit(
+        _copy, in_specs=shard_by_evenness, out_specs=0, mesh=mesh
+    )
+    assert by_shape(np.ones((4, 3), np.float32)).sharding.spec == P("dp")
+    odd = np.arange(9, dtype=np.float32).reshape(3, 3)
+    out = by_shape(odd)
+    assert out.sharding == NamedSharding(mesh, P())
+    np.testing.assert_array_equal(np.asarray(out), odd)
+    # An integer `out_specs`: the layout of this call's argument.
+    as_placed = eqshard.filter_jit(_copy, out_specs=0)
+    for spec in (P("dp"), P(None, "tp"), P()):
+        x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, spec))
+        assert as_placed(x).sharding == NamedSharding(mesh, spec)
+    # `auto_fsdp` picks the dimension of each shape (a transposed weight).
+    fsdp = eqshard.filter_jit(
+        _copy,
+        in_specs=([(".*", eqshard.auto_fsdp("dp", min_size=1))],),
+        out_specs=0,
+        mesh=mesh,
+    )
+    assert fsdp(np.ones((8, 3), np.float32)).sharding.spec == P("dp")
+    assert fsdp(np.ones((3, 8), np.float32)).sharding.spec == P(None, "dp")
+    # A mesh of the same axes over the devices in another order: set, or the
+    # one the arguments are on.
+    devices = np.array(jax.devices()[::-1]).reshape(2, 4)
+    reverse = jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=mesh.axis_types)
+    by_set_mesh = eqshard.filter_jit(_copy, in_specs=P("dp"), out_specs=P("dp"))
+    by_placement = eqshard.filter_jit(_copy, in_specs=P("dp"), out_specs=P("dp"))
+    for m in (mesh, reverse):
+        with jax.set_mesh(m):
+            out = by_set_mesh(odd[:2])
+        assert out.sharding == NamedSharding(m, P("dp"))
+        np.testing.assert_array_equal(np.asarray(out), odd[:2])
+        x = jax.device_put(odd[:2], NamedSharding(m, P("dp")))
+        assert by_placement(x).sharding == NamedSharding(m, P("dp"))
+
+
+def test_specs_that_read_static_leaves_are_resolved_per_value(mesh):
+    # Rules for the output read its shapes, which a static argument may change.
+    zeros = eqshard.filter_jit(
+        lambda x, n: x.sum() + jnp.zeros((n, 10 - n)),
+        out_specs=[(".*", eqshard.auto_fsdp("dp", min_size=1))],
+        mesh=mesh,
+    )
+    x = np.ones(3, np.float32)
+    assert zeros(x, 8).sharding == NamedSharding(mesh, P("dp"))  # (8, 2)
+    assert zeros(x, 2).sharding == NamedSharding(mesh, P(None, "dp"))  # (2, 8)
+
+
+_DONATION_CRASHES = """
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import NamedSharding, PartitionSpec as P
+import eqshard
+mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+a = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("dp")))
+b = jax.make_array_from_single_device_arrays(  # another array over a's buffers
+    a.shape, a.sharding, [s.data for s in a.addressable_shards]
+)
+both = eqshard.filter_jit(lambda x, y: (x + 1, y + 2), donate="all")
+try:
+    both(a, b)
+except ValueError as e:
+    print("SHARED:", e)
+step = eqshard.filter_jit(lambda x: x + 1, donate="all")
+step(a)
+try:
+    step(a)
+except ValueError as e:
+    print("DONATED:", e)
+print("SURVIVED")
+"""
+
+
+def test_donating_a_donated_array_or_one_buffer_twice_is_refused():
+    # Regression (issue 33, item 9): XLA crashes the process on both calls, so
+    # they run in a child process.
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _DONATION_CRASHES],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "SURVIVED"
+    (shared,) = [line for line in lines if line.startswith("SHARED:")]
+    assert "arrays at '0' and '1' that share their buffers" in shared
+    assert "donate='all'" in shared and "jnp.copy" in shared
+    (donated,) = [line for line in lines if line.startswith("DONATED:")]
+    assert "eqshard.filter_jit: the arrays at '0' have been deleted" in donated
+
+
+def test_filter_jit_refuses_abstract_arguments_meshes_and_unknown_axes(mesh):
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(TypeError, match=r"ShapeDtypeStruct` arguments at '1'.*lower"):
+        eqshard.filter_jit(jnp.add)(x, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    lowered = eqshard.filter_jit(jnp.add, mesh=mesh).lower(
+        x, jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    )
+    assert "add" in lowered.as_text()
+    abstract = eqshard.filter_jit(_copy, in_specs=P("dp"), mesh=mesh.abstract_mesh)
+    with pytest.raises(TypeError, match=r"`mesh` is an `AbstractMesh`.*concrete"):
+        abstract(x)
+    with pytest.raises(TypeError, match=r"`mesh` is an `AbstractMesh`.*concrete"):
+        abstract.lower(x)
+    with jax.set_mesh(mesh):  # inside another jit, the abstract mesh is enough
+        np.testing.assert_array_equal(jax.jit(lambda y: abstract(y) + 1)(x), x + 1)
+    with pytest.raises(ValueError, match=r"`in_specs` at '1/b' is P\('zz',\).*'dp'"):
+        eqshard.filter_jit(lambda *a: a, in_specs=(P(), {"b": P("zz")}), mesh=mesh)(
+            x, {"b": x}
+        )
+    with pytest.raises(ValueError, match=r"`out_specs` at '1' is P\('zz',\).*'tp'"):
+        eqshard.filter_jit(lambda y: (y, y), out_specs=(P(), P("zz")), mesh=mesh)(x)
+    gone = jnp.ones(3)
+    gone.delete()
+    with pytest.raises(ValueError, match=r"arrays at '1' have been deleted"):
+        eqshard.filter_jit(jnp.add)(jnp.ones(3), gone)
