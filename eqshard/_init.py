@@ -20,7 +20,6 @@ model.
 """
 
 import functools as ft
-import hashlib
 import inspect
 import typing
 from collections.abc import Callable, Hashable, Sequence
@@ -30,7 +29,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun, Literal
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -38,7 +37,7 @@ from ._derive import abstract_tree, restricted
 from ._host import converted, loss_error, lost_text
 from ._init_pieces import Plan, plan
 from ._mesh import concrete_mesh, find_mesh
-from ._programs import Programs
+from ._programs import program_key, Programs
 from ._spec_args import resolve_specs
 from ._specs import (
     abstract_mesh_error,
@@ -455,104 +454,13 @@ def clear_init_cache() -> None:
     _PROGRAMS.clear()
 
 
-# Parameters that running a program never reads: the rules for differentiating
-# a custom_jvp/custom_vjp function (its `call_jaxpr` is what runs). They are new
-# objects on every trace, so keying on them would compile every time.
-_NOT_RUN = {
-    "custom_jvp_call": frozenset({"jvp_jaxpr_fun"}),
-    "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
-}
-
-
-class _Keyer:
-    """The parts of `_program_key`: each value, parameter and jaxpr's key, and the
-    objects keyed by identity (`keep`). A class rather than closures, which would
-    refer to each other in a cycle holding `keep`'s arrays until the next garbage
-    collection."""
-
-    def __init__(self) -> None:
-        self.keep: list[Any] = []
-        self.seen: dict[int, Hashable] = {}
-
-    def value_key(self, value: Any) -> Hashable:
-        if isinstance(value, jax.Array):
-            self.keep.append(value)
-            return ("array", id(value))
-        if isinstance(value, np.ndarray | np.generic):
-            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-            return ("numpy", value.dtype.str, value.shape, digest)
-        return self.param_key(value)
-
-    def param_key(self, value: Any) -> Hashable:
-        if isinstance(value, ClosedJaxpr):
-            return (
-                self.jaxpr_key(value.jaxpr),
-                tuple(map(self.value_key, value.consts)),
-            )
-        if isinstance(value, Jaxpr):
-            return self.jaxpr_key(value)
-        if isinstance(value, tuple | list):
-            return (type(value).__name__, tuple(map(self.param_key, value)))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, self.param_key(v)) for k, v in value.items()))
-        try:
-            hash(value)
-        except TypeError:
-            self.keep.append(value)
-            return ("object", id(value))
-        return value
-
-    def jaxpr_key(self, jaxpr: Jaxpr) -> Hashable:
-        if id(jaxpr) not in self.seen:
-            self.seen[id(jaxpr)] = tuple(
-                (
-                    tuple(
-                        self.value_key(var.val)
-                        for var in eqn.invars
-                        if isinstance(var, Literal)
-                    ),
-                    tuple(
-                        (name, self.param_key(value))
-                        for name, value in eqn.params.items()
-                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
-                    ),
-                )
-                for eqn in jaxpr.eqns
-            ) + tuple(
-                self.value_key(var.val)
-                for var in jaxpr.outvars
-                if isinstance(var, Literal)
-            )
-        return self.seen[id(jaxpr)]
-
-
 def _program_key(
     closed: ClosedJaxpr, shardings: list[Any]
 ) -> tuple[Hashable, list[Any]]:
-    """What tells two traced programs apart, and the objects that must stay alive
-    while the key is used (those keyed by identity).
-
-    The key is the jaxpr's text (operations, data flow, types and scalar literal
-    values, nested programs included), every parameter by value (the printer
-    leaves some out or prints a callable by name), the values of the constants of
-    nested programs (NumPy arrays by content, since they can change in place; JAX
-    arrays, which cannot, by identity), the shardings and JAX's configuration.
-    The top-level NumPy constants are inputs of the kept program, so only their
-    types (in the text) are part of the key; its JAX array constants are keyed
-    by identity."""
-    keeper = _Keyer()
-    # JAX's configuration can change how the same jaxpr is lowered (e.g.
-    # `jax_threefry_partitionable`), and lowering is cached per nested jaxpr.
-    config = tuple(sorted((name, repr(v)) for name, v in jax.config.values.items()))
-    consts = tuple(None if _is_fed(c) else keeper.value_key(c) for c in closed.consts)
-    key = (
-        str(closed.jaxpr),
-        keeper.jaxpr_key(closed.jaxpr),
-        consts,
-        tuple(shardings),
-        config,
-    )
-    return key, keeper.keep
+    """`programs.program_key` of `closed` with `shardings`, its top-level NumPy
+    constants left out: they are inputs of the kept program, so only their
+    types (in the jaxpr's text) are part of the key."""
+    return program_key(closed, tuple(shardings), skip=_is_fed)
 
 
 @typecheck
