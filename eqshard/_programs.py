@@ -55,7 +55,7 @@ _NOT_RUN = {
 
 
 class _Keyer:
-    """The parts of `_program_key`: each value, parameter and jaxpr's key, and the
+    """The parts of `program_key`: each value, parameter and jaxpr's key, and the
     objects keyed by identity (`keep`). A class rather than closures, which would
     refer to each other in a cycle holding `keep`'s arrays until the next garbage
     collection."""
