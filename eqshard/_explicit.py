@@ -24,7 +24,7 @@ import functools as ft
 import os
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -71,6 +71,73 @@ def _no_out_spec_error(paths: list[KeyPath]) -> ValueError:
     )
 
 
+def _closed_over_error(
+    fn: Any, auto: frozenset[str], mesh: Mesh | AbstractMesh, error: Exception
+) -> ValueError:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    found = []
+    code = getattr(fn, "__code__", None)
+    reads: list[tuple[str, Any]] = []  # the closure's cells, and globals named
+    if code is not None:
+        reads += zip(code.co_freevars, fn.__closure__ or ())
+        space = getattr(fn, "__globals__", {})
+        reads += [(n, _Cell(space[n])) for n in code.co_names if n in space]
+    for var, cell in reads:
+        try:
+            leaves = jtu.tree_leaves_with_path(cell.cell_contents)
+        except Exception:  # an empty cell, or a value JAX cannot flatten
+            continue
+        paths = [
+            path_str(path)
+            for path, leaf in leaves
+            if eqx.is_array(leaf) and _typed_on(leaf, auto)
+        ]
+        if paths == [""]:  # an array itself
+            found.append(f"`{var}`")
+        elif paths:
+            shown = ", ".join(f"'{p}'" for p in paths[:5])
+            more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+            found.append(f"`{var}` (its arrays at {shown}{more})")
+    what = (
+        f"`{name}` reads arrays typed on them, not as arguments: {'; '.join(found)}"
+        if found
+        else f"`{name}` reads an array typed on them that it does not take as an "
+        "argument (a variable it closes over, or a global)"
+    )
+    return ValueError(
+        f"eqshard.{_CALLER}: inside `fn` the Explicit axes "
+        f"{tuple(sorted(auto))} of mesh {mesh_repr(mesh)} are Auto, and only the "
+        f"arrays passed as arguments are moved onto them; {what}, which JAX "
+        "cannot mix with them. Pass those arrays as arguments, e.g. "
+        "`eqshard.auto_axes(lambda model, x: model(x), out_specs=...)(model, x)`, "
+        "or pass the model itself as `fn` (`eqshard.auto_axes(model, "
+        f"out_specs=...)(x)`), whose arrays are moved too. JAX says: {error}"
+    )
+
+
+class _Cell(NamedTuple):
+    """A global's value, read as a closure's cell is."""
+
+    cell_contents: Any
+
+
+def _typed_on(x: Any, auto: frozenset[str]) -> bool:
+    """Whether `x`'s type places it on a mesh with Explicit axes among `auto`."""
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except Exception:  # no sharding in its type
+        return False
+    return any(
+        a in auto and t == AxisType.Explicit
+        for a, t in zip(mesh.axis_names, mesh.axis_types)
+    )
+
+
+# JAX's message for an operation mixing arrays typed on another mesh (the
+# Explicit one) with the Auto axes `auto_axes` sets.
+_MIXED_MESHES = "should match the aval mesh"
+
+
 def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
     """The spec in `x`'s type without the axes in `auto` (which become Auto, where
     a type names no axis)."""
@@ -109,7 +176,10 @@ def auto_axes(
 
     **Arguments:**
 
-    - `fn`: the function, such as `lambda model, x: jax.vmap(model)(x)`.
+    - `fn`: the function, such as `lambda model, x: jax.vmap(model)(x)`, or a
+      module (or a `functools.partial`): its arrays are moved onto the Auto axes
+      as the arguments' are. Arrays it closes over are not: pass them as
+      arguments.
     - `out_specs`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
       all of it), partition rules, or a function of the abstract output, with
       [`eqshard.AxisNames`][] allowed, as for
@@ -127,8 +197,10 @@ def auto_axes(
 
     At the call: `ValueError` if there is no mesh, if `axes` names an axis the
     mesh lacks, if `mesh` is not the mesh set with `jax.set_mesh`, if an array
-    output has no spec, or as [`eqshard.with_sharding_constraint`][] with
-    `on_invalid="raise"` for specs that cannot apply (naming each path).
+    output has no spec, if `fn` reads arrays typed on the axes made Auto that it
+    does not take as arguments (naming the variables it closes over), or as
+    [`eqshard.with_sharding_constraint`][] with `on_invalid="raise"` for specs
+    that cannot apply (naming each path).
 
     !!! Example
 
@@ -172,15 +244,21 @@ def auto_axes(
                 stack.enter_context(jax.sharding.use_abstract_mesh(base))
             inner = base.update_axis_types(dict.fromkeys(auto, AxisType.Auto))
             with jax.sharding.use_abstract_mesh(inner):
-                args, kwargs = jtu.tree_map(
+                # A module (or partial) given as `fn` holds arrays: moved too.
+                call, args, kwargs = jtu.tree_map(
                     lambda x: (
                         jax.sharding.reshard(x, _typed_spec(x, auto))
                         if eqx.is_array(x)
                         else x
                     ),
-                    (args, kwargs),
+                    (fn, args, kwargs),
                 )
-                out = fn(*args, **kwargs)
+                try:
+                    out = call(*args, **kwargs)
+                except ValueError as error:
+                    if _MIXED_MESHES not in str(error):
+                        raise
+                    raise _closed_over_error(fn, auto, on, error) from error
             specs = resolve_specs(
                 out_specs, out, caller=_CALLER, argname="out_specs", mesh=on
             )

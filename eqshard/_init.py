@@ -8,7 +8,8 @@ computes only its own shards of every array; only arrays leave it, and they are
 put back into the abstract model. Where pieces of the program repeat (the blocks
 of a list), it runs in pieces instead, each distinct piece compiled once
 (`_init_pieces.py`). NumPy data among the arguments, or read by `fn`, is checked
-first as `shard` checks host data (`_narrowed`): JAX would narrow it to 32 bits
+first as `shard` checks host data (`_narrowed` before the trace; `_captured_losses`
+after it, for the NumPy data the trace captured): JAX would narrow it to 32 bits
 while tracing, out of sight.
 
 The compiled program is kept (`_PROGRAMS`) under what was traced: the jaxpr with
@@ -30,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -38,7 +39,7 @@ from ._derive import abstract_tree, restricted
 from ._host import converted, host_private, loss_error, lost_text
 from ._init_pieces import Plan, plan
 from ._mesh import concrete_mesh, find_mesh
-from ._programs import Programs
+from ._programs import program_key, Programs
 from ._spec_args import resolve_specs
 from ._specs import (
     abstract_mesh_error,
@@ -161,8 +162,11 @@ def sharded_init(
     `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
     every array's `NamedSharding`."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
-    args, kwargs = _narrowed(fn, args, kwargs, caller=caller)
+    args, kwargs = _narrowed(args, kwargs, caller=caller)
     closed, dynamic, shapes, outputs = _trace(fn, args, kwargs)
+    lost = _captured_losses(fn, closed)
+    if lost:
+        raise loss_error(caller, lost, fix=_NARROWED_FIX)
     spec_tree = resolve_specs(specs, shapes, caller=caller, mesh=mesh)
     # Built arrays need a layout: no `P.UNCONSTRAINED`, as for `shard`.
     check = ft.partial(check_placeable, check_spec_on_mesh)
@@ -234,18 +238,12 @@ def sharded_init(
 
 
 def _narrowed(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    *,
-    caller: str,
+    args: Sequence[Any], kwargs: dict[str, Any], *, caller: str
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments with their NumPy data as JAX takes it (`_host.converted`:
     64-bit narrowed to 32 bits while `jax_enable_x64` is off), after checking
-    that this loses no value, there and in the NumPy data `fn` closes over (which
-    JAX narrows while tracing, out of sight). Data that would change (an int64
-    beyond int32, a float64 becoming inf) is refused, naming where it is, as
-    `shard` refuses it."""
+    that this loses no value. Data that would change (an int64 beyond int32, a
+    float64 becoming inf) is refused, naming where it is, as `shard` refuses it."""
     lost: list[tuple[KeyPath, np.dtype, np.dtype, str, bool]] = []
 
     def checked(root: str, tree: Any) -> Any:
@@ -266,8 +264,6 @@ def _narrowed(
 
     args = tuple(checked(f"args[{n}]", arg) for n, arg in enumerate(args))
     kwargs = {name: checked(name, value) for name, value in kwargs.items()}
-    for name, value in _closed_over(fn):
-        checked(name, value)
     if lost:
         raise loss_error(caller, lost, fix=_NARROWED_FIX)
     return args, kwargs
@@ -278,6 +274,69 @@ _NARROWED_FIX = (
     "enable it first (`jax.config.update('jax_enable_x64', True)`), or give `fn` "
     "this data in a dtype that holds its values (float32 for floats up to 3.4e38)."
 )
+
+
+def _host_consts(closed: ClosedJaxpr) -> list[np.ndarray]:
+    """The NumPy data a trace captured: the constants of its program and of the
+    programs nested in it."""
+    found: list[np.ndarray] = []
+
+    def params(value: Any) -> None:
+        if isinstance(value, ClosedJaxpr):
+            found.extend(c for c in value.consts if _is_fed(c))
+            jaxpr(value.jaxpr)
+        elif isinstance(value, Jaxpr):
+            jaxpr(value)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                params(item)
+
+    def jaxpr(program: Jaxpr) -> None:
+        for eqn in program.eqns:
+            for value in eqn.params.values():
+                params(value)
+
+    params(closed)
+    return found
+
+
+def _digest(data: np.ndarray) -> Hashable:
+    data = np.asarray(data)
+    return (data.shape, data.dtype.str, hashlib.sha256(data.tobytes()).hexdigest())
+
+
+def _captured_losses(
+    fn: Callable[..., Any], closed: ClosedJaxpr
+) -> list[tuple[KeyPath, np.dtype, np.dtype, str, bool]]:
+    """The NumPy data that `fn` reads (`_closed_over`), that its trace (`closed`)
+    captured as a constant, and that JAX narrowed with a loss while tracing (out
+    of sight), as `_host.loss_error` lists it. Only data the trace captured is
+    reported: a value `fn` reads counts if, narrowed, it is one of the trace's
+    constants. Nothing is looked for if the trace captured no NumPy data, and a
+    value that cannot be looked into (JAX cannot flatten it) is skipped."""
+    captured = {_digest(c) for c in _host_consts(closed) if c.dtype.kind in "biufc"}
+    if not captured:
+        return []
+    lost: list[tuple[KeyPath, np.dtype, np.dtype, str, bool]] = []
+    try:
+        read = _closed_over(fn)
+    except Exception:  # the check cannot run: the build goes on
+        return []
+    for name, value in read:
+        try:
+            leaves = jtu.tree_leaves_with_path(value)
+        except Exception:  # not data (e.g. a cache whose keys cannot be sorted)
+            continue
+        for path, leaf in leaves:
+            if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "biufc":
+                narrowed, loss = converted(np.asarray(leaf), None)
+                if loss is not None and _digest(narrowed) in captured:
+                    where = (jtu.GetAttrKey(name), *path)
+                    lost.append(
+                        (where, leaf.dtype, narrowed.dtype, lost_text(loss), False)
+                    )
+    return lost
+
 
 # Modules whose functions are not searched for the NumPy data they close over.
 _LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "eqshard", "optax", "builtins")
@@ -455,104 +514,13 @@ def clear_init_cache() -> None:
     _PROGRAMS.clear()
 
 
-# Parameters that running a program never reads: the rules for differentiating
-# a custom_jvp/custom_vjp function (its `call_jaxpr` is what runs). They are new
-# objects on every trace, so keying on them would compile every time.
-_NOT_RUN = {
-    "custom_jvp_call": frozenset({"jvp_jaxpr_fun"}),
-    "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
-}
-
-
-class _Keyer:
-    """The parts of `_program_key`: each value, parameter and jaxpr's key, and the
-    objects keyed by identity (`keep`). A class rather than closures, which would
-    refer to each other in a cycle holding `keep`'s arrays until the next garbage
-    collection."""
-
-    def __init__(self) -> None:
-        self.keep: list[Any] = []
-        self.seen: dict[int, Hashable] = {}
-
-    def value_key(self, value: Any) -> Hashable:
-        if isinstance(value, jax.Array):
-            self.keep.append(value)
-            return ("array", id(value))
-        if isinstance(value, np.ndarray | np.generic):
-            digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-            return ("numpy", value.dtype.str, value.shape, digest)
-        return self.param_key(value)
-
-    def param_key(self, value: Any) -> Hashable:
-        if isinstance(value, ClosedJaxpr):
-            return (
-                self.jaxpr_key(value.jaxpr),
-                tuple(map(self.value_key, value.consts)),
-            )
-        if isinstance(value, Jaxpr):
-            return self.jaxpr_key(value)
-        if isinstance(value, tuple | list):
-            return (type(value).__name__, tuple(map(self.param_key, value)))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, self.param_key(v)) for k, v in value.items()))
-        try:
-            hash(value)
-        except TypeError:
-            self.keep.append(value)
-            return ("object", id(value))
-        return value
-
-    def jaxpr_key(self, jaxpr: Jaxpr) -> Hashable:
-        if id(jaxpr) not in self.seen:
-            self.seen[id(jaxpr)] = tuple(
-                (
-                    tuple(
-                        self.value_key(var.val)
-                        for var in eqn.invars
-                        if isinstance(var, Literal)
-                    ),
-                    tuple(
-                        (name, self.param_key(value))
-                        for name, value in eqn.params.items()
-                        if name not in _NOT_RUN.get(eqn.primitive.name, ())
-                    ),
-                )
-                for eqn in jaxpr.eqns
-            ) + tuple(
-                self.value_key(var.val)
-                for var in jaxpr.outvars
-                if isinstance(var, Literal)
-            )
-        return self.seen[id(jaxpr)]
-
-
 def _program_key(
     closed: ClosedJaxpr, shardings: list[Any]
 ) -> tuple[Hashable, list[Any]]:
-    """What tells two traced programs apart, and the objects that must stay alive
-    while the key is used (those keyed by identity).
-
-    The key is the jaxpr's text (operations, data flow, types and scalar literal
-    values, nested programs included), every parameter by value (the printer
-    leaves some out or prints a callable by name), the values of the constants of
-    nested programs (NumPy arrays by content, since they can change in place; JAX
-    arrays, which cannot, by identity), the shardings and JAX's configuration.
-    The top-level NumPy constants are inputs of the kept program, so only their
-    types (in the text) are part of the key; its JAX array constants are keyed
-    by identity."""
-    keeper = _Keyer()
-    # JAX's configuration can change how the same jaxpr is lowered (e.g.
-    # `jax_threefry_partitionable`), and lowering is cached per nested jaxpr.
-    config = tuple(sorted((name, repr(v)) for name, v in jax.config.values.items()))
-    consts = tuple(None if _is_fed(c) else keeper.value_key(c) for c in closed.consts)
-    key = (
-        str(closed.jaxpr),
-        keeper.jaxpr_key(closed.jaxpr),
-        consts,
-        tuple(shardings),
-        config,
-    )
-    return key, keeper.keep
+    """`programs.program_key` of `closed` with `shardings`, its top-level NumPy
+    constants left out: they are inputs of the kept program, so only their
+    types (in the jaxpr's text) are part of the key."""
+    return program_key(closed, tuple(shardings), skip=_is_fed)
 
 
 @typecheck
@@ -581,9 +549,19 @@ def init_sharded(
     program, read on every call.
     [`eqshard.clear_init_cache`][] forgets the kept programs.
 
-    The values are exactly those of the jitted constructor,
-    `eqx.filter_jit(fn)(*args, **kwargs)`, bit for bit, whatever the shardings:
-    the same operations compute them, split across the devices. Where pieces of
+    The values are those of the jitted constructor,
+    `eqx.filter_jit(fn)(*args, **kwargs)`: the same operations compute them,
+    split across the devices. They are equal bit for bit, whatever the
+    shardings, wherever each element is computed from its own inputs: random
+    draws and elementwise operations on them (scaling, adding a bias), which is
+    how layers initialise. A reduction over a dimension its spec splits (`w -
+    w.mean(0)` with `P('dp', 'tp')`, a product contracting a split dimension)
+    adds partial results from several devices, in another order than one
+    device does, so it may differ in its last bits, by at most the rounding of
+    a sum in another order: `2 * (n - 1) * eps * sum(abs(x))` for a sum of `n`
+    terms `x` (`eps` the dtype's machine epsilon), in practice a few ulp (for
+    that example, up to 2.4e-7 in some of the elements of a (64, 512) normal
+    draw). Compare such values to a tolerance. Where pieces of
     the program repeat (a list of blocks: the same arrays drawn with other keys),
     each distinct piece is compiled once and run for each block with its keys,
     so that the compile time does not grow with the number of blocks. Eager construction
@@ -631,11 +609,12 @@ def init_sharded(
       path that differs), if specs cannot apply (naming every such leaf, its shape
       and spec, and the nearest spec that fits), if rules match no path
       (see [`eqshard.match_partition_rules`][]), if no mesh is given or set
-      where one is needed, or if NumPy data among the arguments or read by `fn`
+      where one is needed, or if NumPy data among the arguments, or read by `fn`
       (its closure's variables, the globals it names, a `functools.partial`'s
-      arguments) would change as JAX narrows it while `jax_enable_x64` is off
-      (int64 beyond int32, float64 beyond float32's range), naming where it is,
-      as [`eqshard.shard`][] refuses it; data that fits is narrowed as JAX does.
+      arguments) and captured by its trace, would change as JAX narrows it
+      while `jax_enable_x64` is off (int64 beyond int32, float64 beyond
+      float32's range), naming where it is, as [`eqshard.shard`][] refuses it;
+      data that fits is narrowed as JAX does.
     - `TypeError` naming a leaf of the spec tree that is not a spec, or if `mesh`
       is abstract.
 

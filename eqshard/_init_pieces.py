@@ -29,7 +29,9 @@ with other keys. So the traced program is cut up:
    shards.
 
 A piece computes its outputs from the same keys with the same equations as the
-whole program does, so the values are the jitted constructor's, bit for bit.
+whole program does, in the same shardings, so its values are the whole
+program's (see `init_sharded` for when those are the jitted constructor's bit
+for bit).
 """
 
 import concurrent.futures
@@ -121,14 +123,17 @@ _WORKERS = min(4, os.cpu_count() or 1)
 
 class Plan:
     """How to run a traced program in pieces: `run(consts, flat)` gives its
-    outputs, the flat list the whole program would return."""
+    outputs, the flat list the whole program would return. `consts` are the
+    program's constants with `None` for each one fed on every run."""
 
     def __init__(
         self,
+        consts: list[Any],
         keys: Callable[..., list[Any]],
         calls: list[tuple[Any, list[int], list[int]]],
         outputs: int,
     ):
+        self._consts = consts
         self._keys = keys
         self._calls = calls
         self._outputs = outputs
@@ -152,7 +157,9 @@ class Plan:
         """The outputs, from the program's constants to feed (`consts`) and its
         inputs (`flat`). Under a trace (`init_sharded` inside `jax.jit`), the
         programs are traced in turn, not compiled here."""
-        values = [*consts, *flat]
+        fed = iter(consts)
+        values = [next(fed) if c is None else c for c in self._consts]
+        values += flat
         values += self._keys(*values)
         out: list[Any] = [None] * self._outputs
 
@@ -302,7 +309,8 @@ def plan(
                 )
             )
     keys = ft.partial(_run_keys, key_eqns, sources, list(key_outputs))
-    return Plan(keys, calls, len(jaxpr.outvars))
+    fixed = [None if is_fed(c) else c for c in closed.consts]
+    return Plan(fixed, keys, calls, len(jaxpr.outvars))
 
 
 # What a program costs to compile, in pieces: on CPU, about 0.35 s for a program

@@ -11,15 +11,18 @@ How a call goes:
    apply is reported in one error: specs that do not divide the array, axes the
    mesh (or its manual part) lacks, layouts that cannot be read, arrays on
    another mesh, and on Explicit axes a spec other than the array's own layout.
-3. **Keep.** One `jax.jit` per `fn`, mesh, resolved specs and options, the
-   static parts its static argument (by type and value): a second call with the
-   same structure traces and compiles nothing, eagerly too (an eager
-   `jax.shard_map` compiles at every call).
-4. **Trace.** Inside that `jit`, `fn` is traced once under `jax.shard_map` only
-   to read the per-device shapes of its outputs, against which `out_specs` are
-   resolved and checked; then once for real. The non-array outputs leave the
-   program in its output's structure (as in `eqx.filter_jit`), so they come back
-   as `fn` returned them.
+3. **Trace.** `fn` is traced under `jax.shard_map` with every output replicated
+   (`_trace`): that reads the per-device shapes of its outputs, against which
+   `out_specs` are resolved and checked, and its non-array outputs, which come
+   back as `fn` returned them (as in `eqx.filter_jit`).
+4. **Keep.** The program (a `jax.jit`, which traces `fn` once more when it is
+   made) is kept under what that trace read (`_programs.program_key`: the jaxpr
+   with the values of closed-over variables and globals, NumPy data by
+   content) with the mesh, specs, options, rules and static arguments: a call
+   whose trace is one already compiled compiles nothing, eagerly too (an eager
+   `jax.shard_map` compiles at every call), and a value `fn` reads that has
+   changed gives another program, never a stale result. So every call traces
+   `fn` once; under `jax.jit` that is once per trace of the enclosing function.
 """
 
 import functools as ft
@@ -31,13 +34,14 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._host import host_private
-from ._logical import AxisNames, get_logical_axis_rules
+from ._logical import AxisNames, get_logical_axis_rules, LogicalRules, normalize_rules
 from ._mesh import find_mesh, mesh_repr, same_mesh
-from ._programs import Programs
+from ._programs import program_key, Programs
 from ._spec_args import resolve_specs
 from ._specs import (
     check_leaves,
@@ -48,7 +52,7 @@ from ._specs import (
     spec_error_message,
 )
 from ._tree import abstract_leaf_error, is_array, listing, path_str, paths_text
-from ._typing import KeyPath, typecheck
+from ._typing import AxisRulesArg, KeyPath, typecheck
 
 
 _CALLER = "shard_map"
@@ -100,18 +104,12 @@ def _meshes_error(meshes: list[Mesh | AbstractMesh]) -> ValueError:
     )
 
 
-def _fn_error(fn: Any) -> TypeError:
-    arrays = [path for path, leaf in jtu.tree_leaves_with_path(fn) if is_array(leaf)]
-    if arrays:
-        return TypeError(
-            f"eqshard.{_CALLER}: `fn` holds arrays (at {paths_text(arrays)}), which "
-            "would be baked into the program without specs. Pass them as "
-            "arguments, e.g. `eqshard.shard_map(lambda model, x: model(x), ...)"
-            "(model, x)`."
-        )
+def _fn_error(arrays: list[KeyPath]) -> TypeError:
     return TypeError(
-        f"eqshard.{_CALLER}: `fn` ({fn!r}) cannot be hashed, so its program cannot "
-        "be kept; pass a function, or a module that holds no arrays."
+        f"eqshard.{_CALLER}: `fn` holds arrays (at {paths_text(arrays)}), which "
+        "would be baked into the program without specs. Pass them as "
+        "arguments, e.g. `eqshard.shard_map(lambda model, x: model(x), ...)"
+        "(model, x)`."
     )
 
 
@@ -187,6 +185,17 @@ def _explicit_error(found: list[tuple[KeyPath, Any, Any]], mesh: Any) -> ValueEr
             "`jax.sharding.reshard` inside.",
             limit=None,
         )
+    )
+
+
+def _no_rules_error(argname: str, found: list[tuple[KeyPath, Any]]) -> ValueError:
+    listed = ", ".join(f"{names!r} at '{path_str(path)}'" for path, names in found)
+    return ValueError(
+        f"eqshard.{_CALLER}: `{argname}` has logical axis names ({listed}), but no "
+        "logical axis rules are given or set, so they would resolve to no mesh "
+        "axis (a replicated P(None, ...)). Pass `axis_rules=` (e.g. "
+        "`axis_rules=[('batch', 'dp')]`), or set rules with "
+        "`eqshard.set_logical_axis_rules` or `with eqshard.logical_axis_rules(...)`."
     )
 
 
@@ -293,6 +302,49 @@ def _map_mesh(
     return found[0]
 
 
+def _logical_pairs(
+    specs: Any,
+    tree: Any,
+    *,
+    argname: str,
+    mesh: Mesh | AbstractMesh,
+    rules: LogicalRules,
+    per_item: bool = False,
+) -> list[tuple[KeyPath, Any]]:
+    """`leaf_specs` of `specs` (a spec tree or prefix, rules, or a function)
+    resolved for `tree`, `AxisNames` resolved by `rules`: refused while there are
+    no rules, since every name would then resolve to no axis (in the specs as
+    given, where rules' values are, and as resolved, where a function's are)."""
+    resolved = resolve_specs(
+        specs,
+        tree,
+        caller=_CALLER,
+        argname=argname,
+        mesh=mesh,
+        axis_rules=rules,
+        per_item=per_item,
+    )
+    if not rules:
+        for given in (specs, resolved):
+            found = [
+                (path, leaf)
+                for path, leaf in jtu.tree_leaves_with_path(
+                    given, is_leaf=lambda x: isinstance(x, AxisNames)
+                )
+                if isinstance(leaf, AxisNames) and any(n is not None for n in leaf)
+            ]
+            if found:
+                raise _no_rules_error(argname, found)
+    return leaf_specs(
+        resolved,
+        tree,
+        caller=_CALLER,
+        logical=True,
+        axis_rules=rules,
+        argname=argname,
+    )
+
+
 def _leafpaths_text(tree: Any) -> list[KeyPath]:
     """The paths of the leaves of `tree`, for messages (found again only then)."""
     return [path for path, _ in jtu.tree_leaves_with_path(tree)]
@@ -305,6 +357,7 @@ def _in_specs(
     layouts: list[Any],
     mesh: Mesh | AbstractMesh,
     manual: frozenset[str],
+    rules: LogicalRules,
 ) -> tuple[PartitionSpec, ...]:
     """One spec per array of `args`, checked against it; raises the errors above,
     each listing every array it concerns. `layouts` are those of `_layout`."""
@@ -312,11 +365,8 @@ def _in_specs(
         given: list[Any] = [None] * len(leaves)
         paths: list[KeyPath] | None = None
     else:
-        resolved = resolve_specs(
-            in_specs, args, caller=_CALLER, argname="in_specs", mesh=mesh, per_item=True
-        )
-        pairs = leaf_specs(
-            resolved, args, caller=_CALLER, logical=True, argname="in_specs"
+        pairs = _logical_pairs(
+            in_specs, args, argname="in_specs", mesh=mesh, rules=rules, per_item=True
         )
         paths = [path for path, _ in pairs]
         given = [spec for _, spec in pairs]
@@ -375,14 +425,15 @@ def _in_specs(
 
 
 def _out_specs(
-    out_specs: Any, blocks: Any, mesh: Mesh | AbstractMesh, manual: frozenset[str]
+    out_specs: Any,
+    blocks: Any,
+    mesh: Mesh | AbstractMesh,
+    manual: frozenset[str],
+    rules: LogicalRules,
 ) -> list[PartitionSpec]:
     """One spec per array output, given each device's `blocks` of the outputs."""
-    resolved = resolve_specs(
-        out_specs, blocks, caller=_CALLER, argname="out_specs", mesh=mesh
-    )
-    pairs = leaf_specs(
-        resolved, blocks, caller=_CALLER, logical=True, argname="out_specs"
+    pairs = _logical_pairs(
+        out_specs, blocks, argname="out_specs", mesh=mesh, rules=rules
     )
     leaves = jtu.tree_leaves(blocks)
     missing, elsewhere = [], []
@@ -416,12 +467,6 @@ def _out_specs(
 # The program, kept.
 
 
-class _Static(eqx.Module):
-    """A value carried in the structure of a `jit`'s output, not in its leaves."""
-
-    value: Any = eqx.field(static=True)
-
-
 class _Map(NamedTuple):
     """What a program of the map is made of."""
 
@@ -431,93 +476,120 @@ class _Map(NamedTuple):
     out_specs: PyTree  # as given: resolved against the output's blocks
     options: dict[str, Any]  # for `jax.shard_map`
     manual: frozenset[str]
+    rules: LogicalRules  # for `AxisNames`
+    # The arguments' structure and non-array leaves (`None` for every array),
+    # and their types.
+    static: tuple[Any, tuple[Any, ...], tuple[type, ...]]
 
 
-def _make_program(config: _Map) -> Any:
-    """`jax.jit(run, static_argnums=1)`: `run(arrays, static)` maps `fn` over the
-    arguments made of `arrays` (the arguments with `None` for every non-array)
-    and `static` (their structure and non-array leaves, `None` for every array),
-    and returns the output's arrays (`None` elsewhere) and the rest as `_Static`.
-    JAX gets the trees as they are, so its own messages name their paths."""
-    fn, mesh, in_specs, out_specs, options, manual = config
+def _body(config: _Map, rest: dict[str, Any]) -> Callable[..., Any]:
+    """`fn` on one device's blocks: takes the arguments' arrays (`None` for every
+    non-array), returns the output's arrays (`None` elsewhere), and leaves the
+    output's non-array part in `rest["out"]`."""
+    fn = config.fn
+    treedef, static_leaves, _ = config.static
 
-    def run(arrays: tuple[Any, ...], static: tuple[Any, ...]) -> Any:
-        treedef, static_leaves, _ = static
-        given = iter(in_specs)
-        specs = jtu.tree_unflatten(
-            treedef, [next(given) if s is None else None for s in static_leaves]
+    def body(*local: Any) -> Any:
+        leaves = treedef.flatten_up_to(local)
+        args = jtu.tree_unflatten(
+            treedef,
+            [x if s is None else s for x, s in zip(leaves, static_leaves, strict=True)],
         )
-        rest: dict[str, Any] = {}  # the output's non-array part, from the trace
+        arrays, rest["out"] = eqx.partition(fn(*args), is_array)
+        return arrays
 
-        def body(*local: Any) -> Any:
-            leaves = treedef.flatten_up_to(local)
-            args = jtu.tree_unflatten(
-                treedef,
-                [
-                    x if s is None else s
-                    for x, s in zip(leaves, static_leaves, strict=True)
-                ],
-            )
-            arrays, rest["out"] = eqx.partition(fn(*args), is_array)
-            return arrays
-
-        body.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        body.__qualname__ = getattr(fn, "__qualname__", body.__name__)
-        # One trace for the shapes of the outputs' blocks (`P()` concatenates
-        # nothing), so that `out_specs` are checked before JAX sees them.
-        shapes = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=PartitionSpec(),
-            **{**options, "check_vma": False},
-        )
-        blocks = eqx.combine(jax.eval_shape(shapes, *arrays), rest["out"])
-        out_def = jtu.tree_structure(eqx.filter(blocks, is_array))
-        out_flat = _out_specs(out_specs, blocks, mesh, manual)
-        mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=jtu.tree_unflatten(out_def, out_flat),
-            **options,
-        )
-        return mapped(*arrays), _Static(rest["out"])
-
-    return jax.jit(run, static_argnums=1)
+    body.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    body.__qualname__ = getattr(fn, "__qualname__", body.__name__)
+    return body
 
 
-_PROGRAMS: Programs[Any] = Programs()
-
-
-def _program(config: _Map) -> Any:
-    """The kept program for `config`, made at the first call. `out_specs` are
-    resolved inside it, so the key holds them as given (and the logical-rules
-    context that resolves their `AxisNames`)."""
-    fn, mesh, in_specs, out_specs, options, _ = config
-    out_leaves, out_def = jtu.tree_flatten(
-        out_specs, is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames)
+def _spec_tree(config: _Map) -> Any:
+    """The in_specs of `jax.shard_map`: the arguments with their arrays' specs,
+    `None` for every non-array."""
+    treedef, static_leaves, _ = config.static
+    given = iter(config.in_specs)
+    return jtu.tree_unflatten(
+        treedef, [next(given) if s is None else None for s in static_leaves]
     )
-    key = (
-        fn,
-        mesh,
-        in_specs,
+
+
+def _trace(config: _Map, arrays: tuple[Any, ...]) -> tuple[ClosedJaxpr, Any]:
+    """`fn` traced once under `jax.shard_map`, every output replicated (`P()`
+    concatenates nothing): the program, with everything the trace read (closed
+    over values, globals), and each device's blocks of the outputs, the non-array
+    part as `fn` returned it. `out_specs` are checked against the blocks before
+    JAX sees them."""
+    rest: dict[str, Any] = {}
+    shapes = jax.shard_map(
+        _body(config, rest),
+        mesh=config.mesh,
+        in_specs=_spec_tree(config),
+        out_specs=PartitionSpec(),
+        **{**config.options, "check_vma": False},
+    )
+    closed, out_shapes = jax.make_jaxpr(shapes, return_shape=True)(*arrays)
+    return closed, eqx.combine(out_shapes, rest["out"])
+
+
+def _make_program(config: _Map, blocks: Any) -> Any:
+    """`jax.jit(run)`: `run(arrays)` maps `fn` over the arguments made of `arrays`
+    (the arguments with `None` for every non-array) and the static part of
+    `config`, and returns the output's arrays (`None` elsewhere); `blocks` are
+    each device's blocks of the outputs (`_trace`), against which `out_specs`
+    are resolved and checked. JAX gets the trees as they are, so its own
+    messages name their paths."""
+
+    def run(arrays: tuple[Any, ...]) -> Any:
+        out_def = jtu.tree_structure(eqx.filter(blocks, is_array))
+        out_flat = _out_specs(
+            config.out_specs, blocks, config.mesh, config.manual, config.rules
+        )
+        mapped = jax.shard_map(
+            _body(config, {}),
+            mesh=config.mesh,
+            in_specs=_spec_tree(config),
+            out_specs=jtu.tree_unflatten(out_def, out_flat),
+            **config.options,
+        )
+        return mapped(*arrays)
+
+    return jax.jit(run)
+
+
+_PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
+
+
+def _program(config: _Map, closed: ClosedJaxpr, blocks: Any) -> Any:
+    """The program for `config`, whose trace is `closed`: kept under what was
+    traced (`program_key`: the jaxpr with the values `fn` read, its closure's and
+    globals' included) and what else the program depends on, so that calling
+    again compiles nothing, and a value `fn` reads that has changed gives another
+    program, never a stale result. A trace that read a traced value (`fn` closing
+    over an array of an enclosing `jit`) gives a program for this call only."""
+    if any(isinstance(c, Tracer) for c in closed.consts):
+        return _make_program(config, blocks)
+    out_leaves, out_def = jtu.tree_flatten(
+        config.out_specs,
+        is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames),
+    )
+    extra = (
+        config.mesh,
+        config.in_specs,
         out_def,
         tuple(out_leaves),
-        tuple(sorted(options.items())),
-        get_logical_axis_rules(),
+        tuple(sorted(config.options.items())),
+        config.rules,
+        config.static,
+        jtu.tree_structure(blocks),
     )
+    key, keep = program_key(closed, extra)
     try:
         hash(key)
     except TypeError:
-        try:
-            hash(fn)
-        except TypeError:
-            raise _fn_error(fn) from None
         # A leaf of `out_specs` that cannot be hashed (a rule's value, or no spec
         # at all, which the trace reports): a program for this call only.
-        return _make_program(config)
-    return _PROGRAMS.get(key, lambda: _make_program(config))
+        return _make_program(config, blocks)
+    return _PROGRAMS.get(key, lambda: (_make_program(config, blocks), keep))[0]
 
 
 @typecheck
@@ -527,6 +599,7 @@ def shard_map(
     out_specs: PyTree,
     in_specs: PyTree = None,
     mesh: Mesh | AbstractMesh | None = None,
+    axis_rules: AxisRulesArg | None = None,
     **jax_options: Any,
 ) -> Callable[..., Any]:
     """`jax.shard_map` over any pytree: `fn` runs once per device, on that device's
@@ -540,11 +613,14 @@ def shard_map(
     eagerly and inside `jax.jit`/`eqx.filter_jit`, on Auto and Explicit axes.
 
     Specs are resolved and checked before anything is traced, and every array
-    whose spec cannot apply is named in one error. The program is kept: calling
-    again with arguments of the same structure, shapes and non-array values (by
-    type and value, as `eqx.filter_jit` holds them static) traces and compiles
-    nothing, eagerly too. The first call traces `fn` twice: once to read the
-    shapes of its outputs, against which `out_specs` are checked.
+    whose spec cannot apply is named in one error. The program is kept under
+    what tracing `fn` read: calling again with arguments of the same structure,
+    shapes and non-array values (by type and value, as `eqx.filter_jit` holds
+    them static) compiles nothing, eagerly too, while a value `fn` reads that has
+    changed (a closure's variable, a global, NumPy data changed in place) is
+    read again, as an eager `jax.shard_map` reads it. Each call traces `fn` once
+    (the first twice: once more for the program); for the least overhead per
+    step, call it inside `jax.jit`, which traces once.
 
     **Arguments:**
 
@@ -552,8 +628,9 @@ def shard_map(
     - `out_specs`: a spec tree for `fn`'s output or a prefix of it (`P('dp')` for
       all of it; `None` only where it returns no array), partition rules matched
       against the output, a function of the abstract output (see
-      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]. An
-      axis a spec leaves out promises that the output is the same along it.
+      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]
+      (resolved by `axis_rules`). An axis a spec leaves out promises that the
+      output is the same along it.
     - `in_specs`: the same for the tuple of arguments, e.g. `(model_specs,
       P('dp'))`; rules are matched against each argument (paths start inside
       it), also as one entry of such a tuple. `None` at an array, and the
@@ -565,6 +642,9 @@ def shard_map(
       `in_specs=None`, which makes every input static.
     - `mesh`: the mesh; defaults to the one set by `jax.set_mesh`, else the one
       the arguments are placed on.
+    - `axis_rules`: logical axis rules for the `AxisNames` in `in_specs` and
+      `out_specs`; defaults to the rules set by [`eqshard.logical_axis_rules`][]
+      or [`eqshard.set_logical_axis_rules`][] when the map is called.
     - `**jax_options`: passed to `jax.shard_map`: `axis_names` (the manual axes;
       default all), `check_vma`.
 
@@ -583,9 +663,11 @@ def shard_map(
       than the array's rank; naming the nearest spec that fits), if a layout
       cannot be read (an array on no mesh, or traced on Auto axes), if arrays
       are on another mesh, if on Explicit axes `in_specs` differ from the
-      arrays' layouts, or if no mesh is given, set or found.
+      arrays' layouts, if no mesh is given, set or found, or if specs hold
+      `AxisNames` while no logical axis rules are given or set (naming where).
     - `TypeError` for keyword arguments, unknown options, a spec leaf that is not
-      a spec, `fn` holding arrays, or non-array arguments that cannot be hashed.
+      a spec, `fn` holding arrays, non-array arguments that cannot be hashed, or
+      bad `axis_rules`.
 
     !!! Example
 
@@ -605,6 +687,9 @@ def shard_map(
     if unknown:
         raise _options_error(unknown)
     options = dict(jax_options)
+    given_rules = (
+        None if axis_rules is None else normalize_rules(axis_rules, caller=_CALLER)
+    )
     if "axis_names" in options:
         options["axis_names"] = frozenset(options["axis_names"])
 
@@ -612,6 +697,9 @@ def shard_map(
     def mapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise _kwargs_error(sorted(kwargs))
+        held = [p for p, leaf in jtu.tree_leaves_with_path(fn) if is_array(leaf)]
+        if held:
+            raise _fn_error(held)
         leaves, treedef = jtu.tree_flatten(args)
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
             structs = [
@@ -623,7 +711,8 @@ def shard_map(
         layouts = [_layout(leaf) if is_array(leaf) else None for leaf in leaves]
         on = _map_mesh(mesh, in_specs, layouts)
         manual = options.get("axis_names") or frozenset(on.axis_names)
-        specs = _in_specs(in_specs, args, leaves, layouts, on, manual)
+        rules = get_logical_axis_rules() if given_rules is None else given_rules
+        specs = _in_specs(in_specs, args, leaves, layouts, on, manual, rules)
         static_leaves = tuple(None if is_array(leaf) else leaf for leaf in leaves)
         static = (treedef, static_leaves, tuple(map(type, static_leaves)))
         try:
@@ -633,8 +722,9 @@ def shard_map(
         arrays = jtu.tree_unflatten(
             treedef, [leaf if is_array(leaf) else None for leaf in leaves]
         )
-        program = _program(_Map(fn, on, specs, out_specs, options, manual))
-        out, rest = program(host_private(arrays), static)
-        return eqx.combine(out, rest.value)
+        config = _Map(fn, on, specs, out_specs, options, manual, rules, static)
+        closed, blocks = _trace(config, arrays)
+        out = _program(config, closed, blocks)(host_private(arrays))
+        return eqx.combine(out, eqx.filter(blocks, is_array, inverse=True))
 
     return mapped

@@ -457,3 +457,48 @@ def test_the_train_end_to_end_page_in_both_modes(monkeypatch, tmp_path):
     _assert_typed_as(state, planned, explicit["mesh"])
     eqshard.check_layout(auto["state"], auto["rules"], auto["mesh"])
     assert explicit["same"] == auto["same"] and all(explicit["same"])
+
+
+_HEAD = None  # a global that `_global_head` reads, set by the test
+
+
+def _global_head(x):
+    return jax.vmap(_HEAD)(x)
+
+
+def test_auto_axes_with_a_model_read_from_outside(explicit_mesh):
+    # Inside `fn` the axes are Auto, and only arguments are moved onto them: a
+    # module given as `fn` is (its arrays too), a model `fn` closes over (or a
+    # global) is not, and that is eqshard's error naming it, not JAX's.
+    global _HEAD
+    head = eqx.nn.Linear(16, 4, key=jax.random.key(1))
+    x = np.arange(128.0, dtype=np.float32).reshape(8, 16)
+    expected = x @ np.asarray(head.weight).T + np.asarray(head.bias)
+    rules = [("weight", P(None, "tp")), ("bias", P())]
+    head = eqshard.shard(head, rules, explicit_mesh)
+    xs = eqshard.shard(x, P("dp", "tp"), explicit_mesh)
+    forward = eqshard.auto_axes(
+        eqx.filter_vmap(head), out_specs=P("dp"), mesh=explicit_mesh
+    )
+    y = forward(xs)
+    assert jax.typeof(y).sharding.spec == P("dp", None)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5)
+
+    def closing_over(x):
+        return jax.vmap(head)(x)
+
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)^eqshard.auto_axes: .*closing_over` reads arrays typed on them, "
+        r"not as arguments: `head` \(its arrays at 'weight', 'bias'\).*"
+        r"Pass those arrays as arguments",
+    ):
+        eqshard.auto_axes(closing_over, out_specs=P("dp"), mesh=explicit_mesh)(xs)
+    _HEAD = head
+    try:
+        with pytest.raises(ValueError, match=r"(?s)`_global_head` reads .*`_HEAD`"):
+            jax.jit(
+                eqshard.auto_axes(_global_head, out_specs=P("dp"), mesh=explicit_mesh)
+            )(xs)
+    finally:
+        _HEAD = None

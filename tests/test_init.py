@@ -4,10 +4,12 @@ import pathlib
 import sys
 from collections.abc import Callable
 
+import beartype
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -551,3 +553,89 @@ def test_64_bit_numpy_data_that_would_change_is_refused(mesh):
     assert built["t"]["big"].dtype == np.int32 and built["s"].dtype == np.float32
     np.testing.assert_array_equal(built["t"]["big"], [5, -6])
     np.testing.assert_array_equal(built["s"], [1.5])
+
+
+# ------------------------------------------------- constructors as written
+
+
+@jaxtyping.jaxtyped(typechecker=beartype.beartype)
+def _checked_normal(key: jax.Array, rows: int) -> jaxtyping.Float[jax.Array, "n 8"]:
+    return jax.random.normal(key, (rows, 8))
+
+
+@beartype.beartype
+def _checked_table() -> np.ndarray:
+    return _BEYOND_INT32
+
+
+def test_beartype_checked_code_in_the_constructor(mesh):
+    # Equinox's recommended `jaxtyped(typechecker=beartype)`: the check for NumPy
+    # data looks only at what the trace captured, never into beartype's caches.
+    class Checked(eqx.Module):
+        w: jax.Array
+
+        def __init__(self, key):
+            self.w = _checked_normal(key, 16) * 2
+
+    key = jax.random.key(3)
+    built = eqshard.init_sharded(Checked, key, specs=P("dp", "tp"), mesh=mesh)
+    want = eqx.filter_jit(Checked)(key)
+    np.testing.assert_array_equal(_bits(built.w), _bits(want.w))
+    assert built.w.sharding.spec == P("dp", "tp")
+
+    # Captured NumPy data that would change is still refused, found by its value
+    # among what `fn` reads, with a `@beartype` helper among them.
+    def captures(key):
+        return _checked_table() + jax.random.randint(key, (2,), 0, 1)
+
+    with pytest.raises(ValueError, match=r"'_BEYOND_INT32 \(read by _checked_table"):
+        eqshard.init_sharded(captures, jax.random.key(0), specs=P(), mesh=mesh)
+
+
+def test_in_pieces_with_closed_over_jax_arrays(mesh):
+    # Repeated blocks (built in pieces) reading JAX arrays they close over: an
+    # offset added to every block, and the key itself, split inside.
+    offset = jnp.arange(8.0)
+    key = jax.random.key(5)
+
+    class Block(eqx.Module):
+        w: jax.Array
+
+        def __init__(self, key):
+            self.w = jax.random.normal(key, (8, 8)) + offset
+
+    def blocks():
+        return [Block(k) for k in jax.random.split(key, 6)]
+
+    run, *_ = sharded_init(blocks, (), {}, specs=P("dp", "tp"), mesh=mesh)
+    assert isinstance(getattr(run, "__self__", None), Plan)
+    built = eqshard.init_sharded(blocks, specs=P("dp", "tp"), mesh=mesh)
+    want = eqx.filter_jit(blocks)()
+    for got, expected in zip(built, want, strict=True):
+        np.testing.assert_array_equal(_bits(got.w), _bits(expected.w))
+        assert got.w.sharding == NamedSharding(mesh, P("dp", "tp"))
+
+
+# Where the jitted constructor's values hold bit for bit, and where to a tolerance.
+
+
+def _centred(key):
+    w = jax.random.normal(key, (64, 512))
+    return {"w": w * 0.5 + 1.0, "centred": w - w.mean(0)}
+
+
+def test_bit_for_bit_but_for_reductions_over_a_split_axis(mesh):
+    key = jax.random.key(0)
+    built = eqshard.init_sharded(_centred, key, specs=P("dp", "tp"), mesh=mesh)
+    want = eqx.filter_jit(_centred)(key)
+    # Draws and elementwise operations on them: exact, whatever the shardings.
+    np.testing.assert_array_equal(_bits(built["w"]), _bits(want["w"]))
+    # A mean over dimension 0, which P('dp', 'tp') splits: each device sums its
+    # rows, then the partial sums are added, in another order than one device's
+    # sum. Within the stated bound, 2 (n - 1) eps sum(|x|) for each sum of n
+    # terms (divided by n for the mean), and the rounding of the difference.
+    w = np.asarray(jax.random.normal(key, (64, 512)))
+    eps, n = np.finfo(np.float32).eps, w.shape[0]
+    bound = 2 * (n - 1) * eps * np.abs(w).sum(0) / n + eps * np.abs(w - w.mean(0))
+    got, expected = np.asarray(built["centred"]), np.asarray(want["centred"])
+    assert (np.abs(got - expected) <= bound).all()

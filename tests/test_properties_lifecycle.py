@@ -8,6 +8,8 @@
 #   bit, placed as asked, everything else as eager construction makes it; or an
 #   eqshard error names a path. Building again with a new key compiles nothing,
 #   and a closure value changed in between is read again.
+# - eager `shard_map` calls with a closure's variable and NumPy data changed in
+#   between: each call computes with the values of its time.
 # - `plan_training` against `shard`: the parameter bytes it plans on each device
 #   are the bytes of the shards `shard` places there, read from
 #   `addressable_shards`, for random trees of every dtype and random specs.
@@ -197,6 +199,30 @@ def test_init_sharded_is_the_jitted_constructor_or_an_eqshard_error(
     if scales[0] == scales[1]:
         assert compiles.count == 0
     _check_built(again, fn, other, specs, mesh)
+
+
+@_FEWER
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from([0.5, 2.0, -3.0]), st.sampled_from([0.0, 1.0])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_eager_shard_map_reads_what_fn_reads_at_every_call(mesh, steps):
+    # A closure's variable and NumPy data changed in place between eager calls:
+    # each call gives what fn computes now, as an eager `jax.shard_map` does.
+    scale = [1.0]
+    table = np.zeros(1, np.float32)
+
+    def fn(x):
+        return x * scale[0] + table
+
+    mapped = eqshard.shard_map(fn, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
+    x = np.arange(8.0, dtype=np.float32)
+    for value, offset in steps:
+        scale[0], table[:] = value, offset
+        np.testing.assert_array_equal(np.asarray(mapped(x)), x * value + offset)
 
 
 # ---------------------------------------------------------------------------------

@@ -328,7 +328,9 @@ def test_static_arguments_are_told_apart_by_type(mesh):
         assert mapped(x, 2).dtype == jnp.int32
         assert mapped(x, 2.0).dtype == jnp.float32
         assert mapped(x, 2).dtype == jnp.int32
-    assert seen == [int, int, float, float]  # one trace for shapes, one for real
+    # Every call traces `fn` once, to key the program on what it read; the
+    # first call of each type traces again for the program itself.
+    assert seen == [int, int, float, float, int]
 
 
 def test_prefix_rules_and_logical_specs_give_the_same_result(mesh):
@@ -436,3 +438,65 @@ def test_gradients_flow_through(mesh):
     sin = eqshard.shard_map(jnp.sin, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
     grad = jax.grad(lambda x: sin(x).sum())(x)
     np.testing.assert_allclose(np.asarray(grad), np.cos(np.arange(8.0)), rtol=1e-6)
+
+
+def test_an_eager_call_reads_what_fn_closes_over_again(mesh):
+    scale = 2.0
+    table = np.ones(1, np.float32)  # added to each block
+
+    def f(x):
+        return x * scale + table
+
+    mapped = eqshard.shard_map(f, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
+    x = jnp.arange(8.0)
+    np.testing.assert_array_equal(np.asarray(mapped(x)), np.arange(8.0) * 2 + 1)
+    scale = 5.0  # as an eager `jax.shard_map` would, the new value is read
+    np.testing.assert_array_equal(np.asarray(mapped(x)), np.arange(8.0) * 5 + 1)
+    table[:] = 3.0  # NumPy data changed in place too
+    np.testing.assert_array_equal(np.asarray(mapped(x)), np.arange(8.0) * 5 + 3)
+    scale, table[:] = 2.0, 1.0  # a program made before: nothing compiles
+    with Compiles() as compiles:
+        again = mapped(x)
+    assert compiles.count == 0
+    np.testing.assert_array_equal(np.asarray(again), np.arange(8.0) * 2 + 1)
+
+
+def test_logical_names_without_rules_are_refused(mesh):
+    x = jnp.arange(8.0)
+    double = eqshard.shard_map(
+        lambda x: {"y": x * 2},
+        in_specs=(eqshard.AxisNames("batch"),),
+        out_specs={"y": eqshard.AxisNames("batch")},
+        mesh=mesh,
+    )
+    assert eqshard.get_logical_axis_rules() == ()
+    # Without rules every name would resolve to no axis: P(None), silently.
+    with pytest.raises(
+        ValueError,
+        match=r"`in_specs` has logical axis names \(AxisNames\('batch'\) at '0'\)"
+        r".*`axis_rules=`.*set_logical_axis_rules",
+    ):
+        double(x)
+    with pytest.raises(ValueError, match=r"`out_specs` .*AxisNames.* at 'y'"):
+        eqshard.shard_map(
+            lambda x: {"y": x * 2},
+            in_specs=P("dp"),
+            out_specs={"y": eqshard.AxisNames("batch")},
+            mesh=mesh,
+        )(x)
+    # Given or set, the rules resolve them.
+    with_rules = eqshard.shard_map(
+        lambda x: {"y": x * 2},
+        in_specs=(eqshard.AxisNames("batch"),),
+        out_specs={"y": eqshard.AxisNames("batch")},
+        mesh=mesh,
+        axis_rules=[("batch", "dp")],
+    )
+    for out in (with_rules(x), _with_rules(double, x)):
+        assert out["y"].sharding.spec == P("dp")
+        np.testing.assert_array_equal(np.asarray(out["y"]), 2 * np.arange(8.0))
+
+
+def _with_rules(mapped, x):
+    with eqshard.logical_axis_rules([("batch", "dp")]):
+        return mapped(x)
