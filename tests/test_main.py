@@ -231,6 +231,7 @@ def test_output_cut_short_by_the_reader():
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert child.stdout is not None
     assert child.stdout.readline().startswith("eqshard ")
     child.stdout.close()
     stderr = child.communicate(timeout=300)[1]
@@ -254,7 +255,9 @@ def test_readme_commands():
 
 
 def test_readme_example_runs(tmp_path):
-    example = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)[1]
+    found = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)
+    assert found is not None
+    example = found[1]
     result = subprocess.run(
         [sys.executable, "-c", example],
         capture_output=True,

@@ -660,7 +660,7 @@ def _child_keys_and_buffers():
     specs = {"k": P("dp"), "w": P("dp", "tp")}
     placed = eqshard.shard(tree, specs, mesh)
     out["key_sharding"] = placed["k"].sharding == NamedSharding(mesh, P("dp"))
-    out["key_is_key"] = jax.dtypes.issubdtype(placed["k"].dtype, jax.dtypes.prng_key)
+    out["key_is_key"] = jnp.issubdtype(placed["k"].dtype, jax.dtypes.prng_key)
     gathered = eqshard.gather(placed)
     # A key comes to host as an eqshard.HostKey of its data.
     out["gathered_key_data"] = gathered["k"].data
