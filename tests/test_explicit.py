@@ -446,6 +446,7 @@ def _run_page(explicit, monkeypatch, tmp_path):
     return namespace
 
 
+@pytest.mark.slow
 def test_the_train_end_to_end_page_in_both_modes(monkeypatch, tmp_path):
     auto = _run_page(False, monkeypatch, tmp_path)
     explicit = _run_page(True, monkeypatch, tmp_path)

@@ -429,6 +429,7 @@ def _assert_same_build(got, want):
             assert type(a) is type(b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, impl",
     [("gpt", "threefry2x32"), ("esm2", "threefry2x32"), ("mixed_lm", "rbg")],
@@ -464,6 +465,7 @@ def _blocks(depth, width):
     return make
 
 
+@pytest.mark.slow
 def test_in_pieces_compiles_as_much_for_any_depth(mesh):
     # Each distinct piece compiles once, however many blocks use it: at any depth,
     # a build compiles the plan's programs (its keys' operations are compiled by

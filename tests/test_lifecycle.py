@@ -117,6 +117,7 @@ def _bits(x):
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_whole_life(name, tmp_path):
     # RNG keys of XLA's own generator: constructors compile in half the time.

@@ -7,6 +7,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
 from probes import aligned
@@ -180,6 +181,7 @@ def _child_shard_and_gather():
     return out
 
 
+@pytest.mark.slow
 def test_shard_and_gather_across_two_processes():
     results = run_processes(_child_shard_and_gather)
     d = np.arange(6.0, dtype=np.float32).reshape(2, 3)
@@ -402,6 +404,7 @@ def _child_partitioner(x, y, w, b):
     return out
 
 
+@pytest.mark.slow
 def test_partitioner_across_two_processes():
     x, y, w, b = _problem()
     results = run_processes(_child_partitioner, args=(x, y, w, b))
@@ -483,6 +486,7 @@ def _child_four_processes(x, y, w, b):
     return out
 
 
+@pytest.mark.slow
 def test_four_processes_of_two_devices():
     x, y, w, b = _problem()
     results = run_processes(
@@ -575,6 +579,7 @@ def _child_gather_alone():
     return out
 
 
+@pytest.mark.slow
 def test_gather_alone_raises_instead_of_hanging():
     results = run_processes(_child_gather_alone, timeout=120)
     for r in results:
@@ -619,6 +624,7 @@ def _child_full_value_check():
     return out
 
 
+@pytest.mark.slow
 def test_full_value_check_finds_what_the_sample_misses():
     results = run_processes(_child_full_value_check)
     for p, r in enumerate(results):
@@ -696,6 +702,7 @@ def _child_keys_and_buffers():
     return out
 
 
+@pytest.mark.slow
 def test_keys_and_buffers_across_two_processes():
     results = run_processes(_child_keys_and_buffers)
     expected_keys = np.asarray(
@@ -799,6 +806,7 @@ def _child_save_safetensors(directory):
     return out
 
 
+@pytest.mark.slow
 def test_save_safetensors_alone_or_failing_raises_everywhere(tmp_path):
     results = run_processes(_child_save_safetensors, args=(str(tmp_path),), timeout=120)
     path = str(tmp_path / "m.safetensors")

@@ -106,6 +106,7 @@ def _loss(model, x, y):
     return jnp.mean((h @ model.w2 - y) ** 2)
 
 
+@pytest.mark.slow
 def test_training_step_matches_unsharded(partitioner, mesh42):
     seen = {}
 

@@ -154,6 +154,7 @@ def test_rows_match_an_independent_count(model_type, rules, which, mesh, line_me
         assert set(row.axes) <= set(mesh.axis_names) and row.axes
 
 
+@pytest.mark.slow
 def test_scan_trip_counts_multiply(mesh):
     totals, looped = [], []
     for layers in (2, 4, 6):
@@ -449,6 +450,7 @@ def test_bytes_by_path_kind_and_axes_add_up(mesh):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_demo_step_is_attributed(mesh):
     # The step of `python -m eqshard`'s demo, with its built-in rules, on the
     # command's default mesh (dp:2, tp:4): every collective in the report, and at
