@@ -208,7 +208,13 @@ def _describe_target(fn: Callable[..., Any]) -> dict[str, str]:
     found = module
     for part in qualname.split(".") if isinstance(qualname, str) else ():
         found = getattr(found, part, None)
-    if found is not fn or path is None or module_name == "__main__":
+    if (
+        found is not fn
+        or path is None
+        or not isinstance(module_name, str)
+        or not isinstance(qualname, str)
+        or module_name == "__main__"
+    ):
         raise ValueError(
             f"run_processes: fn must be a module-level function of an importable "
             f"module file, since each child process imports it by path; got {fn!r} "
@@ -520,7 +526,7 @@ def _child_main(spec_path: str, process_id: int, result_path: str) -> None:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[spec["module_name"]] = module
         module_spec.loader.exec_module(module)
-        fn = module
+        fn: Any = module
         for part in spec["qualname"].split("."):
             fn = getattr(fn, part)
 

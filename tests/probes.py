@@ -28,7 +28,7 @@ class Compiles:
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 
-    def _listen(self, event, duration, **kwargs):
+    def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             self.count += 1
 

@@ -110,9 +110,11 @@ def test_explain_says_what_it_chose_and_why():
     )
     rows = {row.path: row for row in report.rows}
     assert rows["w"].spec == P(None, "fsdp")
-    assert "dimension 1 (size 11008) is the largest" in rows["w"].note
-    assert rows["norm"].spec == P() and "4,096 elements < min_size" in rows["norm"].note
-    assert rows["odd"].spec == P() and "no free dimension" in rows["odd"].note
+    assert "dimension 1 (size 11008) is the largest" in (rows["w"].note or "")
+    assert rows["norm"].spec == P() and "4,096 elements < min_size" in (
+        rows["norm"].note or ""
+    )
+    assert rows["odd"].spec == P() and "no free dimension" in (rows["odd"].note or "")
     assert "dimension 1 (size 11008)" in report.table()
     assert "auto_fsdp('fsdp', min_size=10000)" in report.table()
 
@@ -210,12 +212,12 @@ def test_the_mesh_given_to_the_matching_gives_the_sizes():
     specs = eqshard.match_partition_rules(rules, tree, mesh=mesh)
     assert specs == {"w": P(None, "fsdp")}
     row = eqshard.explain_partition_rules(rules, tree, mesh=mesh).rows[0]
-    assert row.spec == P(None, "fsdp") and "dimension 1 (size 8)" in row.note
+    assert row.spec == P(None, "fsdp") and "dimension 1 (size 8)" in (row.note or "")
     # A mesh given to the value itself is its own: here 'fsdp' of size 3, which
     # shards dimension 0 (6), a spec that cannot apply on the matching's mesh.
     own = eqshard.auto_fsdp("fsdp", min_size=0, mesh=AbstractMesh((3,), ("fsdp",)))
     row = eqshard.explain_partition_rules([(".*", own)], tree, mesh=mesh).rows[0]
-    assert row.spec == P("fsdp") and "not divisible" in row.problem
+    assert row.spec == P("fsdp") and "not divisible" in (row.problem or "")
 
 
 def test_init_sharded_gives_its_mesh_to_auto_fsdp(mesh):

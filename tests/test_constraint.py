@@ -183,7 +183,10 @@ def test_auto_mesh_under_an_explicit_set_mesh_gets_eqshards_error(mesh, explicit
 def test_constraint_on_invalid_is_checked_by_eqshard(mesh):
     with pytest.raises(ValueError, match="^eqshard.with_sharding_constraint: `on_inv"):
         eqshard.with_sharding_constraint(
-            jnp.ones(8), P(), mesh=mesh, on_invalid="bogus"
+            jnp.ones(8),
+            P(),
+            mesh=mesh,
+            on_invalid="bogus",  # pyright: ignore[reportArgumentType]  # on purpose
         )
 
 

@@ -107,7 +107,8 @@ def test_root_names_are_the_everyday_path():
         assert set(namespace.__all__).isdisjoint(eqshard.__all__)
 
 
-# Renamed keywords: logical axis rules are `axis_rules=` everywhere.
+# Renamed keywords: logical axis rules are `axis_rules=` everywhere. The old
+# keywords are not in the signatures, so pyright is told to let these calls be.
 
 RULES = [("batch", "dp"), ("mlp", "tp")]
 
@@ -124,32 +125,32 @@ def _renamed(caller: str, old: str = "rules") -> str:
 def test_old_rules_keyword_of_the_logical_functions_warns_and_works(mesh):
     names = eqshard.AxisNames("batch", "mlp")
     with pytest.warns(DeprecationWarning, match=_renamed("logical_to_mesh_axes")):
-        assert eqshard.logical_to_mesh_axes(names, rules=RULES) == P("dp", "tp")
+        assert eqshard.logical_to_mesh_axes(names, rules=RULES) == P("dp", "tp")  # pyright: ignore[reportCallIssue]
     with pytest.warns(DeprecationWarning, match=_renamed("logical_to_mesh_specs")):
-        specs = eqshard.logical_to_mesh_specs({"w": names}, rules=RULES)
+        specs = eqshard.logical_to_mesh_specs({"w": names}, rules=RULES)  # pyright: ignore[reportCallIssue]
     assert specs == {"w": P("dp", "tp")}
     with pytest.warns(DeprecationWarning, match=_renamed("logical_axis_rules")):
-        with eqshard.logical_axis_rules(rules=RULES):
+        with eqshard.logical_axis_rules(rules=RULES):  # pyright: ignore[reportCallIssue]
             assert eqshard.get_logical_axis_rules() == tuple(RULES)
     with pytest.warns(DeprecationWarning, match=_renamed("set_logical_axis_rules")):
-        eqshard.set_logical_axis_rules(rules=RULES)
+        eqshard.set_logical_axis_rules(rules=RULES)  # pyright: ignore[reportCallIssue]
     assert eqshard.get_logical_axis_rules() == tuple(RULES)
     eqshard.set_logical_axis_rules(())
     x = jnp.arange(32.0).reshape(4, 8)
     with pytest.warns(DeprecationWarning, match=_renamed("with_sharding_constraint")):
-        out = eqshard.with_sharding_constraint(x, names, mesh=mesh, rules=RULES)
+        out = eqshard.with_sharding_constraint(x, names, mesh=mesh, rules=RULES)  # pyright: ignore[reportCallIssue]
     assert out.sharding.spec == P("dp", "tp")
 
 
 def test_old_and_new_keyword_together_is_an_error():
     with pytest.raises(TypeError, match=r"got both `rules` and `axis_rules`"):
-        eqshard.logical_to_mesh_axes(("batch",), rules=RULES, axis_rules=RULES)
+        eqshard.logical_to_mesh_axes(("batch",), rules=RULES, axis_rules=RULES)  # pyright: ignore[reportCallIssue]
 
 
 def test_partitioner_logical_axis_rules_is_axis_rules(mesh):
     old = _renamed("t5x.Partitioner", "logical_axis_rules")
     with pytest.warns(DeprecationWarning, match=old):
-        partitioner = eqshard.t5x.Partitioner(mesh=mesh, logical_axis_rules=RULES)
+        partitioner = eqshard.t5x.Partitioner(mesh=mesh, logical_axis_rules=RULES)  # pyright: ignore[reportCallIssue]
     assert partitioner.axis_rules == tuple(RULES)
     assert partitioner.data_partition_spec == P("dp")
     with pytest.warns(
@@ -159,7 +160,8 @@ def test_partitioner_logical_axis_rules_is_axis_rules(mesh):
         assert partitioner.logical_axis_rules == tuple(RULES)
 
 
-# One vocabulary for "what to do when something does not fit": `on_invalid`.
+# One vocabulary for "what to do when something does not fit": `on_invalid`. The
+# old keywords are not in the signatures (pyright is told to let those calls be).
 
 
 def _spelled(caller: str, old: str, new: str) -> str:
@@ -174,26 +176,26 @@ def test_old_keywords_and_literals_of_on_invalid_warn_and_work(mesh):
     with pytest.warns(
         DeprecationWarning, match=_spelled(caller, old, '`on_invalid="ignore"`')
     ):
-        assert eqshard.match_partition_rules(rules, tree, strict=False) == replicated
+        assert eqshard.match_partition_rules(rules, tree, strict=False) == replicated  # pyright: ignore[reportCallIssue]
     old = "`strict=True`"
     with pytest.warns(
         DeprecationWarning, match=_spelled(caller, old, '`on_invalid="raise"`')
     ):
         with pytest.raises(ValueError, match="'b'"):
-            eqshard.match_partition_rules(rules, tree, strict=True)
+            eqshard.match_partition_rules(rules, tree, strict=True)  # pyright: ignore[reportCallIssue]
     params = {"w": jnp.ones((8, 8))}
     state = {"mu": params, "extra": jnp.ones(512)}  # 2 KiB, follows no parameter
     old, new = '`on_unmatched="replicate"`', '`on_invalid="ignore"`'
     with pytest.warns(DeprecationWarning, match=_spelled("derive_specs", old, new)):
-        out = eqshard.derive_specs(state, params, P("tp"), on_unmatched="replicate")
+        out = eqshard.derive_specs(state, params, P("tp"), on_unmatched="replicate")  # pyright: ignore[reportCallIssue]
     assert out == {"mu": {"w": P("tp")}, "extra": P()}
     old, new = '`on_unmatched="error"`', '`on_invalid="raise"`'
     with pytest.warns(DeprecationWarning, match=_spelled("derive_specs", old, new)):
         with pytest.raises(ValueError, match="'extra'"):
-            eqshard.derive_specs(state, params, P("tp"), on_unmatched="error")
+            eqshard.derive_specs(state, params, P("tp"), on_unmatched="error")  # pyright: ignore[reportCallIssue]
     old, new = "the keyword `on_change`", "`on_invalid`"
     with pytest.warns(DeprecationWarning, match=_spelled("restrict_specs", old, new)):
-        assert eqshard.restrict_specs(P("sp"), mesh, on_change="ignore") == P()
+        assert eqshard.restrict_specs(P("sp"), mesh, on_change="ignore") == P()  # pyright: ignore[reportCallIssue]
     for caller, fn in [
         ("analyze_sharding_strategy", eqshard.analyze_sharding_strategy),
         ("plan_training", eqshard.plan_training),

@@ -347,7 +347,8 @@ def test_restrict_specs_raise_and_bad_arguments(mesh):
     with pytest.raises(ValueError, match=r"'a/0'.*'sp' is not a mesh axis"):
         eqshard.restrict_specs({"a": [P("sp")]}, mesh, on_invalid="raise")
     with pytest.raises(ValueError, match="on_invalid"):
-        eqshard.restrict_specs(P(), mesh, on_invalid="loud")
+        # Wrong on purpose:
+        eqshard.restrict_specs(P(), mesh, on_invalid="loud")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="'a'"):
         eqshard.restrict_specs({"a": "dp"}, mesh)
     with pytest.raises(ValueError, match="'a'"):

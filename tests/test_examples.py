@@ -33,7 +33,7 @@ def _child_env() -> dict[str, str]:
 @pytest.mark.parametrize(
     "name, success",
     [
-        ("train_step.py", "train_step example: OK"),
+        pytest.param("train_step.py", "train_step example: OK", marks=pytest.mark.slow),
         ("checkpoint.py", "checkpoint example: OK"),
         ("llama.py", "llama example: OK"),
     ],

@@ -6,6 +6,7 @@
 import contextlib
 import pathlib
 import re
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -439,12 +440,13 @@ def _run_page(explicit, monkeypatch, tmp_path):
         monkeypatch.setattr(jax, "make_mesh", explicit_mesh)
         context = jax.set_mesh(explicit_mesh((2, 4), ("dp", "tp")))
     monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__main__"}
+    namespace: dict[str, Any] = {"__name__": "__main__"}
     with context:
         exec(compile(code, str(PAGE), "exec"), namespace)
     return namespace
 
 
+@pytest.mark.slow
 def test_the_train_end_to_end_page_in_both_modes(monkeypatch, tmp_path):
     auto = _run_page(False, monkeypatch, tmp_path)
     explicit = _run_page(True, monkeypatch, tmp_path)

@@ -7,6 +7,8 @@
 
 import inspect
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +25,10 @@ from eqshard._hlo import (
 )
 
 
-def _compile(fn, *structs, out=None):
-    return jax.jit(fn, out_shardings=out).lower(*structs).compile().as_text()
+def _compile(fn, *structs, out=None) -> str:
+    text = jax.jit(fn, out_shardings=out).lower(*structs).compile().as_text()
+    assert text is not None  # typed `str | None`: None where a backend has no text
+    return text
 
 
 def _struct(mesh, shape, *spec, dtype=jnp.float32):
@@ -56,20 +60,24 @@ def _mlp_step(w1, w2, x):
     return w1 - g1, w2 - g2, value
 
 
+# The axes a case's collectives may be over: a list, or a function of the line.
+_Axes = list[tuple[str, ...]] | Callable[[str], list[tuple[str, ...]]]
+
+
 def test_replica_groups_of_each_spelling_are_the_devices_along_the_axes(mesh):
     # Sums over mesh axes, in several layouts: each group must read as the
     # devices that differ only along the axes summed over. XLA spells simple sums
     # with Shardy's `mesh[...]`, and the combined reductions of a training step
     # as iota or explicit lists: there the partial sums of the activations
     # (shape (4, 32)) are over 'tp', the weights' gradients over 'dp'.
-    def by_shape(line):
+    def by_shape(line: str) -> list[tuple[str, ...]]:
         if "f32[4,32]" in line:
             return [("tp",)]
         if "f32[8,16]" in line or "f32[6,32]" in line:
             return [("dp",)]
         return [("dp",), ("tp",)]
 
-    cases = [
+    cases: list[tuple[Callable[..., Any], list[list[Any]], P | None, _Axes]] = [
         (lambda a: a.sum(1), [[(8, 8), None, "tp"]], P(), [("tp",)]),
         (lambda a: a.sum(0), [[(8, 8), "dp", None]], P(), [("dp",)]),
         (lambda a: a.sum(1), [[(8, 8), "dp", "tp"]], P("dp"), [("tp",)]),

@@ -122,7 +122,7 @@ def test_a_spec_longer_than_the_rank_is_reported(mesh):
 def test_many_mismatches_show_the_first_and_keep_all_on_the_error(mesh):
     single = jnp.zeros(2)  # on one device, not on the mesh
     tree = {"layers": [single] * 1000}
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(eqshard.LayoutError) as info:
         eqshard.check_layout(tree, P(), mesh)
     message = str(info.value)
     listed = [line for line in message.splitlines() if line.startswith("  - ")]

@@ -117,6 +117,7 @@ def _bits(x):
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_whole_life(name, tmp_path):
     # RNG keys of XLA's own generator: constructors compile in half the time.
@@ -172,6 +173,7 @@ def test_a_whole_life(name, tmp_path):
         if eqshard.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
     ]
     assert plan.params.total_parameters == sum(sizes)
+    assert plan.grads is not None and plan.opt_state is not None
     assert plan.grads.total_parameters == sum(trained)
     assert plan.opt_state.total_parameters == 2 * sum(trained) + 1
     if name == "flows":

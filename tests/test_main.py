@@ -51,6 +51,7 @@ def default_run() -> subprocess.CompletedProcess:
     return _run()
 
 
+@pytest.mark.slow
 def test_default_run_prints_the_plan(default_run):
     out = default_run.stdout
     assert default_run.returncode == 0, default_run.stderr
@@ -65,6 +66,7 @@ def test_default_run_prints_the_plan(default_run):
     assert _total_parameters(out) == 2 * 256 * 64 + 2 * (12 * 64**2 + 13 * 64) + 128
 
 
+@pytest.mark.slow
 def test_default_run_trains_round_trips_and_summarises(default_run):
     out, err = default_run.stdout, default_run.stderr
     assert default_run.returncode == 0, err
@@ -84,6 +86,7 @@ def test_default_run_trains_round_trips_and_summarises(default_run):
     assert re.search(r"^  total +\d+\.\d{3} s", summary, re.M)
 
 
+@pytest.mark.slow
 def test_default_run_reports_its_training_step(default_run):
     out = default_run.stdout
     report = out[out.index("the training step, compiled (eqshard.analyze_step):") :]
@@ -231,6 +234,7 @@ def test_output_cut_short_by_the_reader():
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert child.stdout is not None
     assert child.stdout.readline().startswith("eqshard ")
     child.stdout.close()
     stderr = child.communicate(timeout=300)[1]
@@ -253,8 +257,11 @@ def test_readme_commands():
     assert "set -euo pipefail" in ci
 
 
+@pytest.mark.slow
 def test_readme_example_runs(tmp_path):
-    example = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)[1]
+    found = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)
+    assert found is not None
+    example = found[1]
     result = subprocess.run(
         [sys.executable, "-c", example],
         capture_output=True,
@@ -353,6 +360,7 @@ def test_model_plans_parameters_gradients_and_optimizer_state(optimizer, state_f
     assert re.search(r"^  devices 0-7 +[█░]{32} ", out, re.M)
 
 
+@pytest.mark.slow
 def test_model_that_does_not_fit_exits_with_status_1():
     fits = _run_model("--device-memory", "2MiB", "--param-dtype", "bfloat16")
     assert fits.returncode == 0, fits.stderr
@@ -381,6 +389,7 @@ def _abstract_bytes_per_device(rules_file, mesh_shape, names) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_fit_proposes_rules_that_fit(tmp_path):
     # Replicated, the tiny model needs 1.6 MiB a device with AdamW: over budget.
     assert _run_model("--mesh", "dp:8", "--device-memory", "512KiB").returncode == 1
@@ -440,6 +449,7 @@ def test_fit_that_cannot_fit_says_so_and_exits_1():
     assert "no rules fit" in result.stdout and "DOES NOT FIT" in result.stdout
 
 
+@pytest.mark.slow
 def test_missing_optax_is_a_clear_error():
     code = (
         "import sys; sys.modules['optax'] = None; "  # as if optax were not installed
@@ -568,6 +578,7 @@ def training():
 """
 
 
+@pytest.mark.slow
 def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     # Replicated, the parameters and AdamW's state are ~100 KiB a device, but the
     # activations of a batch of 1024 rows a device do not fit in 1 MiB.

@@ -313,6 +313,7 @@ def test_mesh_axis_size_and_names(mesh24):
 def test_axis_size_and_index_inside_shard_map(mesh24):
     def body(x):
         inside = eqshard.current_mesh()
+        assert inside is not None
         assert inside.axis_types == (AxisType.Manual, AxisType.Manual)
         sizes = (eqshard.axis_size("dp"), eqshard.axis_size(("tp", "dp")))
         assert sizes == (2, 8)

@@ -191,7 +191,8 @@ def test_wrap_function_with_rng_takes_a_numpy_key():
 
 def test_wrap_function_with_rng_rejects_a_seed():
     with pytest.raises(TypeError, match="key"):
-        eqshard.compat.wrap_function_with_rng(0)
+        # A seed, on purpose:
+        eqshard.compat.wrap_function_with_rng(0)  # pyright: ignore[reportArgumentType]
 
 
 # ---------------------------------------------------------------------------------

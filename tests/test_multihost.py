@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
 from probes import aligned
@@ -181,6 +182,7 @@ def _child_shard_and_gather():
     return out
 
 
+@pytest.mark.slow
 def test_shard_and_gather_across_two_processes():
     results = run_processes(_child_shard_and_gather)
     d = np.arange(6.0, dtype=np.float32).reshape(2, 3)
@@ -403,6 +405,7 @@ def _child_partitioner(x, y, w, b):
     return out
 
 
+@pytest.mark.slow
 def test_partitioner_across_two_processes():
     x, y, w, b = _problem()
     results = run_processes(_child_partitioner, args=(x, y, w, b))
@@ -484,6 +487,7 @@ def _child_four_processes(x, y, w, b):
     return out
 
 
+@pytest.mark.slow
 def test_four_processes_of_two_devices():
     x, y, w, b = _problem()
     results = run_processes(
@@ -587,6 +591,7 @@ def _child_gather_alone():
     return out
 
 
+@pytest.mark.slow
 def test_gather_or_shard_alone_raises_instead_of_hanging():
     results = run_processes(_child_gather_alone, timeout=120)
     for r in results:
@@ -637,6 +642,7 @@ def _child_full_value_check():
     return out
 
 
+@pytest.mark.slow
 def test_full_value_check_finds_what_the_sample_misses():
     results = run_processes(_child_full_value_check)
     for p, r in enumerate(results):
@@ -678,7 +684,7 @@ def _child_keys_and_buffers():
     specs = {"k": P("dp"), "w": P("dp", "tp")}
     placed = eqshard.shard(tree, specs, mesh)
     out["key_sharding"] = placed["k"].sharding == NamedSharding(mesh, P("dp"))
-    out["key_is_key"] = jax.dtypes.issubdtype(placed["k"].dtype, jax.dtypes.prng_key)
+    out["key_is_key"] = jnp.issubdtype(placed["k"].dtype, jax.dtypes.prng_key)
     gathered = eqshard.gather(placed)
     # A key comes to host as an eqshard.HostKey of its data.
     out["gathered_key_data"] = gathered["k"].data
@@ -714,6 +720,7 @@ def _child_keys_and_buffers():
     return out
 
 
+@pytest.mark.slow
 def test_keys_and_buffers_across_two_processes():
     results = run_processes(_child_keys_and_buffers)
     expected_keys = np.asarray(
@@ -819,6 +826,7 @@ def _child_save_safetensors(directory):
     return out
 
 
+@pytest.mark.slow
 def test_save_safetensors_alone_or_failing_raises_everywhere(tmp_path):
     results = run_processes(_child_save_safetensors, args=(str(tmp_path),), timeout=120)
     path = str(tmp_path / "m.safetensors")

@@ -100,6 +100,7 @@ def _child_topology_and_collectives(scale):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_processes, devices_per_process", [(2, 4), (4, 2)])
 def test_processes_see_one_global_system(num_processes, devices_per_process):
     import eqshard  # noqa: F401  (here, so only this test needs eqshard to import)
@@ -182,6 +183,7 @@ def _child_block_in_process_1():
     return "process 0 then waits for process 1 in jax.distributed.shutdown"
 
 
+@pytest.mark.slow
 def test_a_hanging_launch_times_out_with_stacks_and_leaves_no_process():
     with pytest.raises(MultiProcessTimeoutError) as excinfo:
         run_processes(_child_block_in_process_1, devices_per_process=1, timeout=15)

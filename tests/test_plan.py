@@ -140,6 +140,7 @@ def test_bf16_parameters_with_f32_moments(mesh):
     )
     assert plan.bytes_per_device == (per_device,) * 8
     assert plan.headroom == 10_000 - per_device and plan.fits
+    assert plan.opt_state is not None
     assert {row.dtype for row in plan.opt_state.rows} == {"float32", "int32"}
     tight = eqshard.plan_training(params, specs, mesh, device_memory="1KiB")
     assert not tight.fits and tight.headroom == 1024 - 2 * 2 * (w_piece + 32) * 2
@@ -155,6 +156,7 @@ def test_adafactor_factored_moments_follow_their_parameter(mesh):
         optimizer=optax.adafactor(1e-3),
         gradients=False,
     )
+    assert plan.opt_state is not None
     rows = {row.path: row for row in plan.opt_state.rows}
     v_row = next(row for path, row in rows.items() if "v_row" in path)
     v_col = next(row for path, row in rows.items() if "v_col" in path)
@@ -210,7 +212,7 @@ def test_show_draws_with_rich_and_falls_back_to_text(mesh, monkeypatch):
 def test_64_bit_parameters_are_planned_as_placed(mesh, form):
     # With x64 off, JAX places float64 data as float32: the parameters, their
     # gradients and the optimizer state all hold 4-byte elements.
-    assert not jax.config.jax_enable_x64
+    assert not jax.enable_x64.value
     host = {"w": np.ones((64, 32)), "n": np.ones(32), "i": np.arange(8)}
     params = host
     if form == "abstract":
@@ -223,7 +225,8 @@ def test_64_bit_parameters_are_planned_as_placed(mesh, form):
     assert placed["w"].dtype == jnp.float32 and placed["i"].dtype == jnp.int32
     trainable = {"w": placed["w"], "n": placed["n"]}
     trainable_specs = {"w": specs["w"], "n": P()}
-    moments = optax.ScaleByAdamState(P(), trainable_specs, trainable_specs)
+    # Adam's state with specs where its arrays are:
+    moments = optax.ScaleByAdamState(P(), trainable_specs, trainable_specs)  # pyright: ignore[reportArgumentType]
     state = eqshard.shard(
         jax.jit(optimizer.init)(trainable), (moments, optax.EmptyState()), mesh
     )
@@ -275,10 +278,12 @@ def test_plan_trains_only_what_the_filter_selects():
             model, P(), mesh, optimizer=optax.adam(1e-3), trainable=trainable
         )
         assert plan.params.bytes_per_device[0] == head + frozen
+        assert plan.grads is not None and plan.opt_state is not None
         assert plan.grads.bytes_per_device[0] == head
         # Adam: mu and nu for the head, and a step count.
         assert plan.opt_state.bytes_per_device[0] == 2 * head + 4
     everything = eqshard.plan_training(model, P(), mesh, optimizer=optax.adam(1e-3))
+    assert everything.grads is not None
     assert everything.grads.bytes_per_device[0] == head + frozen
     not_bool = eqx.tree_at(lambda m: m.head, only_head, replace="yes")
     with pytest.raises(TypeError, match=r"`trainable` has 'yes' at 'head/weight'"):

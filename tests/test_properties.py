@@ -261,7 +261,9 @@ def _paths(tree: Any) -> set[str]:
 
     for path, _ in jtu.tree_flatten_with_path(tree, is_leaf=ends)[0]:
         for k in range(1, len(path) + 1):
-            out.add(eqshard.tree_path_to_string(path[:k], sep="/"))
+            name = eqshard.tree_path_to_string(path[:k], sep="/")
+            assert isinstance(name, str)  # a separator gives a string
+            out.add(name)
     return out
 
 

@@ -39,7 +39,7 @@ import eqshard
 pytest.importorskip("orbax.checkpoint")
 
 # A save and a restore take ~0.1 s each: a fifth of the profile's examples.
-EXAMPLES = max(20, settings.default.max_examples // 5)
+EXAMPLES = max(20, settings().max_examples // 5)
 
 
 def _refused(error: Exception, tree) -> str:

@@ -160,8 +160,9 @@ def _check_built(model: Any, fn: Any, key: jax.Array, specs: Any, mesh: Any) -> 
         assert leaf.dtype == expected.dtype and leaf.shape == expected.shape
         assert _data(leaf).tobytes() == _data(expected).tobytes(), (leaf, expected)
         if isinstance(spec, NamedSharding | P):
-            sharding = spec if isinstance(spec, NamedSharding) else None
-            sharding = sharding or NamedSharding(mesh, spec)
+            sharding = (
+                spec if isinstance(spec, NamedSharding) else NamedSharding(mesh, spec)
+            )
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf, spec)
         else:  # replicated on the mesh of the program
             assert leaf.sharding.is_fully_replicated

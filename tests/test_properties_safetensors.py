@@ -52,7 +52,9 @@ def _paths(tree: Any) -> set[str]:
     for path, _ in jtu.tree_flatten_with_path(tree, is_leaf=ends)[0]:
         for k in range(1, len(path) + 1):
             for sep in ("/", "."):
-                out.add(eqshard.tree_path_to_string(path[:k], sep=sep))
+                name = eqshard.tree_path_to_string(path[:k], sep=sep)
+                assert isinstance(name, str)  # a separator gives a string
+                out.add(name)
     return out
 
 

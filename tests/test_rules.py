@@ -1,6 +1,7 @@
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -12,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
+from eqshard._rules import _PatternPartitionSpec
 
 
 def _is_array(x):
@@ -323,7 +325,7 @@ def test_explain_rows_and_dead_rules():
         spec=P("dp", "tp"),
         problem=None,
     )
-    assert rows["attn/b"].rule == 1 and "rank 1" in rows["attn/b"].problem
+    assert rows["attn/b"].rule == 1 and "rank 1" in (rows["attn/b"].problem or "")
     assert rows["count"].reason == "scalar" and rows["count"].spec == P()
     assert rows["tiny"].reason == "below_min_size" and rows["tiny"].spec == P()
     assert rows["embed"].reason == "unmatched" and rows["embed"].spec is None
@@ -395,6 +397,7 @@ def test_pattern_based_spec(path, expected):
 
 def test_pattern_based_spec_default_and_rules_attribute():
     fn = eqshard.compat.create_pattern_based_partition_spec("attn->dp,.*->tp")
+    assert isinstance(fn, _PatternPartitionSpec)  # its type, for the `rules` attribute
     assert fn.rules == (("attn", P("dp")), (".*", P("tp")))
     tree = {"attn": np.ones((2, 2)), "b": np.ones(3)}
     assert eqshard.match_partition_rules(fn.rules, tree) == {
@@ -455,6 +458,7 @@ def test_one_spec_syntax(text, expected):
     from eqshard._cli._main import parse_rules
 
     pattern = eqshard.compat.create_pattern_based_partition_spec(f"x->{text},y->tp")
+    assert isinstance(pattern, _PatternPartitionSpec)
     assert pattern.rules == (("x", expected), ("y", P("tp")))
     assert parse_rules(f"x -> {text}\n", "r") == [("x", expected)]
     if " " not in text.strip():
@@ -523,6 +527,7 @@ def test_weight_decay_mask_with_optax_adamw():
     state = optimizer.init(params)
     grads = jax.tree.map(jnp.zeros_like, params)
     updates, _ = optimizer.update(grads, state, params)
+    updates = cast(dict[str, jax.Array], updates)  # optax types it as any ArrayTree
     # Zero gradients: Adam's part is 0, decay adds -lr * wd * param where masked in.
     np.testing.assert_allclose(updates["w"], np.full(2, -0.05), rtol=1e-6)
     np.testing.assert_array_equal(updates["b"], np.zeros(2))
@@ -561,7 +566,7 @@ def test_rules_checked_against_a_mesh_before_shard():
     report = eqshard.explain_partition_rules(rules, tree, mesh=mesh.abstract_mesh)
     assert [row.path for row in report.problems] == ["embed"]
     assert "dimension 0 (size 33) is not divisible by 'tp' (size 4)" in (
-        report.problems[0].problem
+        report.problems[0].problem or ""
     )
     # What shard would say, for comparison: the same leaf refused.
     with pytest.raises(ValueError, match="embed"):

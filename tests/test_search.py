@@ -158,6 +158,7 @@ def flat_specs(specs):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_layout_whose_activations_do_not_fit_is_rejected(activations, mesh):
     (params, _, _), result = activations
     replicated = by_name(result)["replicated"]
@@ -184,6 +185,7 @@ def test_a_layout_whose_activations_do_not_fit_is_rejected(activations, mesh):
     assert str(result).index("replicated") > str(result).index(best.name)
 
 
+@pytest.mark.slow
 def test_your_candidates_are_ranked_with_the_built_in_ones(activations):
     _, result = activations
     found = by_name(result)
@@ -202,6 +204,7 @@ def test_your_candidates_are_ranked_with_the_built_in_ones(activations):
     assert peaks == sorted(peaks)
 
 
+@pytest.mark.slow
 def test_the_step_is_compiled_as_a_training_step(activations):
     _, result = activations
     best = result.best
@@ -223,6 +226,7 @@ def test_the_step_is_compiled_as_a_training_step(activations):
     assert result.data_axes == ("dp",)
 
 
+@pytest.mark.slow
 def test_the_result_reads_as_the_other_reports(activations):
     _, result = activations
     text = str(result)
@@ -246,6 +250,7 @@ def test_the_result_reads_as_the_other_reports(activations):
     assert "\n" not in repr(candidate)
 
 
+@pytest.mark.slow
 def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
     activations, stacked, mesh, monkeypatch
 ):
@@ -269,6 +274,7 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_candidate_splits_the_layer_axis_of_a_stacked_model(stacked):
     _, result = stacked
     assert len(result.candidates) >= 4
@@ -298,6 +304,7 @@ def _read_back(candidate, params, mesh):
     return specs, report, from_file, file_report
 
 
+@pytest.mark.slow
 def test_the_rules_read_back_with_no_dead_rule(stacked, activations, mesh):
     for (params, _, _), result in (stacked, activations):
         for candidate in result.candidates:
@@ -311,6 +318,7 @@ def test_the_rules_read_back_with_no_dead_rule(stacked, activations, mesh):
             assert not re.search(r"at 0x|object at", candidate.rules_text())
 
 
+@pytest.mark.slow
 def test_the_search_is_repeatable_and_says_when_nothing_fits(line_mesh):
     args = arguments(Unrolled, line_mesh, 64, P("x"))
     first, second = (

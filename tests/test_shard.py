@@ -36,7 +36,8 @@ def _block():
 
 
 def _block_specs():
-    return Block(P("dp", "tp"), P("tp"), P(), None, None, "block")
+    # A spec tree: a Block with specs, or None, where its fields' values are.
+    return Block(P("dp", "tp"), P("tp"), P(), None, None, "block")  # pyright: ignore[reportArgumentType]
 
 
 def test_shard_module_keeps_everything_but_arrays(mesh):
@@ -682,7 +683,8 @@ def test_check_values_must_be_sample_or_full(mesh):
         ValueError,
         match='eqshard.shard: `check_values` is .all.; use "sample" or "full"',
     ):
-        eqshard.shard({"x": x}, P("tp"), mesh, check_values="all")
+        # Wrong on purpose:
+        eqshard.shard({"x": x}, P("tp"), mesh, check_values="all")  # pyright: ignore[reportArgumentType]
     # One process: nothing to compare, either way.
     placed = eqshard.shard({"x": x}, P("tp"), mesh, check_values="full")
     np.testing.assert_array_equal(np.asarray(placed["x"]), x)

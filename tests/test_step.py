@@ -154,6 +154,7 @@ def test_rows_match_an_independent_count(model_type, rules, which, mesh, line_me
         assert set(row.axes) <= set(mesh.axis_names) and row.axes
 
 
+@pytest.mark.slow
 def test_scan_trip_counts_multiply(mesh):
     totals, looped = [], []
     for layers in (2, 4, 6):
@@ -520,6 +521,7 @@ def test_bytes_by_path_kind_and_axes_add_up(mesh):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_demo_step_is_attributed(mesh):
     # The step of `python -m eqshard`'s demo, with its built-in rules, on the
     # command's default mesh (dp:2, tp:4): every collective in the report, and at
@@ -535,19 +537,20 @@ def test_the_demo_step_is_attributed(mesh):
     tokens = jax.ShapeDtypeStruct((8, config.seq + 1), jnp.int32)
     tokens = eqshard.abstract(tokens, P("dp"), mesh)
 
-    @eqx.filter_jit
-    def train_step(model, tokens):
+    def step(model, tokens):
         tokens = eqshard.with_sharding_constraint(tokens, P("dp"))
         model = eqshard.with_sharding_constraint(model, specs)
         value, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
         model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
         return eqshard.with_sharding_constraint(model, specs), value
 
+    train_step = eqx.filter_jit(step)
+
     # The same program by hand, over the arrays of the abstract model.
     arrays, static = eqx.partition(model, eqshard.is_array)
 
     def by_hand(arrays, tokens):
-        out = train_step.__wrapped__(eqx.combine(arrays, static), tokens)
+        out = step(eqx.combine(arrays, static), tokens)
         return eqx.filter(out, eqx.is_array)
 
     with jax.set_mesh(mesh):

@@ -99,7 +99,7 @@ def test_large_device_resident_trees_move_and_gather_bit_exact(mesh, split):
 def test_int64_keeps_the_callers_x64_context(mesh, resident):
     # With x64 off globally and on in this thread's context, a copy made on
     # another thread would narrow int64 to int32 (2**40 * k becomes 0).
-    assert not jax.config.jax_enable_x64
+    assert not jax.enable_x64.value
     with jax.enable_x64(True):
         tree = {k: v * 2**40 for k, v in _tree(np.int64).items()}
         source = jax.device_put(tree, jax.devices()[0]) if resident else tree
