@@ -288,6 +288,29 @@ def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:
     return out
 
 
+def _append(
+    computation: Computation,
+    line: str,
+    shapes: dict[str, tuple[ShapeTree, list[ArrayShape]]],
+    *,
+    caller: str,
+) -> None:
+    """Adds the instruction of `line` to `computation`."""
+    try:
+        instruction = parse_instruction(line, shapes)
+    except ValueError as e:
+        raise text_error(caller, str(e), line) from None
+    position = len(computation.instructions)
+    computation.instructions.append(instruction)
+    computation.index[instruction.name] = position
+    if line.strip().startswith("ROOT "):
+        computation.root = position
+    if instruction.opcode == "parameter":
+        number = int(instruction.literal)
+        computation.params.extend([-1] * (number + 1 - len(computation.params)))
+        computation.params[number] = position
+
+
 def parse(text: str, *, caller: str) -> Module:
     """The module of `compiled.as_text()`; raises `HloTextError` on a line it
     cannot read."""
@@ -306,21 +329,8 @@ def parse(text: str, *, caller: str) -> Module:
                 computations[current.name] = current
                 current = None
                 continue
-            if not stripped:
-                continue
-            try:
-                instruction = parse_instruction(line, shapes)
-            except ValueError as e:
-                raise text_error(caller, str(e), line) from None
-            position = len(current.instructions)
-            current.instructions.append(instruction)
-            current.index[instruction.name] = position
-            if stripped.startswith("ROOT "):
-                current.root = position
-            if instruction.opcode == "parameter":
-                number = int(instruction.literal)
-                current.params.extend([-1] * (number + 1 - len(current.params)))
-                current.params[number] = position
+            if stripped:
+                _append(current, line, shapes, caller=caller)
             continue
         if not stripped:
             section = None
