@@ -44,7 +44,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
 from ._explicit import explained
-from ._hlo import Collective, Program, text_error
+from ._hlo_flow import Collective, Program
+from ._hlo_text import text_error
 from ._mesh import mesh_repr
 from ._step_report import (
     CollectivePart,
