@@ -66,13 +66,11 @@ from ._mesh import (
     mesh_axis_size as mesh_axis_size,
 )
 from ._plan import plan_training as plan_training, TrainingPlan as TrainingPlan
-from ._rules import (
+from ._rules import match_partition_rules as match_partition_rules
+from ._rules_report import (
     explain_partition_rules as explain_partition_rules,
-    match_partition_rules as match_partition_rules,
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
-    Stacked as Stacked,
-    stacked as stacked,
 )
 from ._search import search_layout as search_layout
 from ._search_report import (
@@ -82,6 +80,7 @@ from ._search_report import (
 from ._shard import named_shardings as named_shardings, shard as shard
 from ._shard_map import shard_map as shard_map
 from ._specs import ShardingProblem as ShardingProblem
+from ._stacked import Stacked as Stacked, stacked as stacked
 from ._step import analyze_step as analyze_step
 from ._step_report import StepReport as StepReport
 from ._tree import (

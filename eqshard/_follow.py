@@ -5,18 +5,19 @@ An array follows the parameter whose path ends its own path (optax's
 `mu/blocks/up/weight` ends with `blocks/up/weight`) and whose shape is its shape,
 or its shape with one dimension reduced away (Adafactor's factored moments).
 `derive_specs` applies it to a state and its parameters, `match_partition_rules`
-to the items of a tree built together (`(model, opt_state)`), and plans to the
-state they make abstractly.
+to the items of a tree built together (`(model, opt_state)`: `followers_of_items`,
+here), and plans to the state they make abstractly.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
-from ._tree import path_name
+from ._tree import is_array, path_name
 from ._typing import KeyPath
 
 
@@ -135,3 +136,71 @@ def is_placeholder(shape: tuple[int, ...], dtype: Any) -> bool:
     # Typed PRNG keys' dtypes have an itemsize that NumPy cannot read.
     itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
     return math.prod(shape) * itemsize < _SMALL_BYTES
+
+
+# ---------------------------------------------------------------- trees built together
+
+
+class ItemFollower(NamedTuple):
+    """An array that follows another of a tree built together: the index of the
+    one it follows, the dimension it has reduced away (`None`: the same shape),
+    and whether it fits it (else it is a placeholder, replicated)."""
+
+    leader: int
+    dim: int | None
+    fits: bool
+
+
+def followers_of_items(
+    tree: PyTree, path_leaves: list[tuple[Any, Any]]
+) -> dict[int, ItemFollower]:
+    """The arrays of a tuple or list of trees built together, such as
+    `(model, opt_state)`, that follow an array of another of its items, as
+    [`eqshard.derive_specs`][] follows parameters: their path within their item
+    ends with the other's path within its item (and is longer), and their shape
+    is its shape or has one dimension reduced away; at such a path, an array
+    of another shape smaller than 1 KiB (Adafactor's placeholders) is
+    replicated. Keyed by leaf index, followed arrays first."""
+    if type(tree) not in (tuple, list) or len(tree) < 2:
+        return {}
+    items: list[dict[KeyPath, tuple[int, tuple[int, ...]]]] = [{} for _ in tree]
+    for i, (path, leaf) in enumerate(path_leaves):
+        if is_array(leaf):
+            items[path[0].idx][tuple(path[1:])] = (i, tuple(map(int, leaf.shape)))
+    found: dict[int, ItemFollower] = {}
+    for k, item in enumerate(items):
+        others: dict[KeyPath, tuple[int, tuple[int, ...]]] = {}
+        for j in reversed(range(len(items))):  # the first item wins a tie
+            if j != k:
+                others.update(items[j])
+        shapes = {key: shape for key, (_, shape) in others.items()}
+        for key, (i, shape) in item.items():
+            if not shape:
+                continue  # scalars are replicated
+            follow = followed(key, shape, shapes.get, first=1)
+            if follow is None:
+                continue
+            index = others[follow.path][0]
+            if follow.fits:
+                found[i] = ItemFollower(index, follow.dim, True)
+            elif is_placeholder(shape, path_leaves[i][1].dtype):
+                found[i] = ItemFollower(index, None, False)
+    return dict(sorted(found.items(), key=lambda kv: len(path_leaves[kv[0]][0])))
+
+
+def item_follower_spec(follow: ItemFollower, specs: Sequence[Any]) -> Any:
+    """The spec of an array that follows another (`specs`: by leaf index)."""
+    if not follow.fits:
+        return PartitionSpec()
+    return without_dim(specs[follow.leader], follow.dim)
+
+
+def item_follower_note(follow: ItemFollower, names: Sequence[str | None]) -> str:
+    """What `eqshard.explain_partition_rules` says of an array that follows
+    another (`names`: path strings by leaf index)."""
+    name = repr(names[follow.leader])
+    if not follow.fits:
+        return f"a placeholder under 1 KiB at the path of {name}: replicated"
+    if follow.dim is None:
+        return f"follows {name}"
+    return f"follows {name}, dimension {follow.dim} reduced away"

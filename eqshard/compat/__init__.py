@@ -17,10 +17,6 @@ from .._mesh import (
     get_mesh_axis_names as get_mesh_axis_names,
     names_in_current_mesh as names_in_current_mesh,
 )
-from .._rules import (
-    create_pattern_based_partition_spec as create_pattern_based_partition_spec,
-    get_weight_decay_mask as get_weight_decay_mask,
-)
 from .._tree import get_names_from_partition_spec as get_names_from_partition_spec
 from ._misc import (
     get_metrics as get_metrics,
@@ -29,6 +25,10 @@ from ._misc import (
     RngFunction as RngFunction,
     round_up_to_multiple as round_up_to_multiple,
     wrap_function_with_rng as wrap_function_with_rng,
+)
+from ._patterns import (
+    create_pattern_based_partition_spec as create_pattern_based_partition_spec,
+    get_weight_decay_mask as get_weight_decay_mask,
 )
 
 
