@@ -195,7 +195,7 @@ def _memory(device_memory: Any) -> int:
 
 
 def _bandwidth(
-    bandwidth: Mapping[str, int | float] | None, mesh: Mesh
+    bandwidth: Mapping[str, Int | float | np.floating] | None, mesh: Mesh
 ) -> dict[str, float]:
     weights = {str(axis): 1.0 for axis in mesh.axis_names}
     for axis, value in (bandwidth or {}).items():
@@ -278,7 +278,7 @@ def search_layout(
     device_memory: Int | float | str,
     candidates: Any = None,
     builtin: bool = True,
-    bandwidth: Mapping[str, int | float] | None = None,
+    bandwidth: Mapping[str, Int | float | np.floating] | None = None,
     max_candidates: Int | None = None,
     time_budget: int | float | None = None,
     progress: bool = True,

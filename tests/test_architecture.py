@@ -31,7 +31,8 @@ NAME = "eqshard"
 WINGS: tuple[tuple[str, ...], ...] = (
     ("base",),
     ("_spectree",),
-    ("_move", "_transforms"),
+    ("_move",),
+    ("_transforms",),
     ("_build", "_readers", "_checkpoint"),
     ("_step",),
     ("_search",),
@@ -76,7 +77,9 @@ FLAT: dict[str, str] = {
     "_plan": "_readers",
     "_step": "_step",
     "_step_report": "_step",
-    "_hlo": "_step",
+    "_hlo_text": "_step",
+    "_hlo_graph": "_step",
+    "_hlo_flow": "_step",
     "_search": "_search",
     "_search_step": "_search",
     "_search_report": "_search",
@@ -99,7 +102,6 @@ ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset(
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
     {
-        "eqshard._hlo",
         "eqshard._init",
         "eqshard._inspect",
         "eqshard._jit",
@@ -109,6 +111,7 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
         "eqshard._shard",
         "eqshard._shard_map",
         "eqshard._step",
+        "eqshard._step_report",
         "eqshard._tree",
     }
 )
@@ -116,7 +119,6 @@ ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
         "eqshard._checkpoint._restore.restore",
         "eqshard._cli._main._parser",
-        "eqshard._hlo.Program._graph",
         "eqshard._init.sharded_init",
         "eqshard._init_pieces.plan",
         "eqshard._inspect.analyze_pairs",

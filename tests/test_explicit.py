@@ -461,7 +461,7 @@ def test_the_train_end_to_end_page_in_both_modes(monkeypatch, tmp_path):
     assert explicit["same"] == auto["same"] and all(explicit["same"])
 
 
-_HEAD = None  # a global that `_global_head` reads, set by the test
+_HEAD: Any = None  # a global that `_global_head` reads, set by the test
 
 
 def _global_head(x):

@@ -13,8 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqshard._hlo_flow import Program
 
 
-def _compile(fn, *structs, out=None):
-    return jax.jit(fn, out_shardings=out).lower(*structs).compile().as_text()
+def _compile(fn, *structs, out=None) -> str:
+    text = jax.jit(fn, out_shardings=out).lower(*structs).compile().as_text()
+    assert text is not None  # typed `str | None`: None where a backend has no text
+    return text
 
 
 def _struct(mesh, shape, *spec, dtype=jnp.float32):

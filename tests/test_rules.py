@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._rules import _PatternPartitionSpec
+from eqshard.compat._patterns import _PatternPartitionSpec
 
 
 def _is_array(x):
