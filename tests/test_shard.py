@@ -742,5 +742,7 @@ def test_filter_jit_on_an_abstract_mesh_names_an_unknown_axis(mesh):
     f = eqshard.filter_jit(
         lambda x: x, in_specs=({"w": P("model")},), mesh=mesh.abstract_mesh
     )
+    # An abstract mesh serves a function called inside another jit.
     with pytest.raises(ValueError, match=r"filter_jit: `in_specs` at '0/w'.*'model'"):
-        f({"w": np.ones((8, 8), np.float32)})
+        with jax.set_mesh(mesh):
+            jax.jit(f)({"w": np.ones((8, 8), np.float32)})
