@@ -11,43 +11,55 @@ from importlib.metadata import version as _version
 from typing import Any as _Any
 
 from . import compat as compat, t5x as t5x
-from ._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
+from ._build._init import (
+    clear_init_cache as clear_init_cache,
+    init_sharded as init_sharded,
+)
 from ._checkpoint import (
     load_safetensors as load_safetensors,
     restore as restore,
     save as save,
     save_safetensors as save_safetensors,
 )
-from ._constraint import (
-    corrected_spec as corrected_spec,
-    with_sharding_constraint as with_sharding_constraint,
-)
 from ._deprecated import moved as _moved
-from ._derive import (
-    abstract as abstract,
-    derive_specs as derive_specs,
-    restrict_specs as restrict_specs,
-    stack_specs as stack_specs,
+from ._keys import HostKey as HostKey
+from ._mesh import (
+    axis_index as axis_index,
+    axis_size as axis_size,
+    create_hybrid_mesh as create_hybrid_mesh,
+    create_mesh as create_mesh,
+    current_mesh as current_mesh,
+    mesh_axis_size as mesh_axis_size,
 )
-from ._explicit import auto_axes as auto_axes
-from ._filter_jit import filter_jit as filter_jit
-from ._gather import gather as gather, iter_gather as iter_gather
-from ._init import clear_init_cache as clear_init_cache, init_sharded as init_sharded
-from ._inspect import (
+from ._move._gather import gather as gather, iter_gather as iter_gather
+from ._move._shard import named_shardings as named_shardings, shard as shard
+from ._readers._inspect import (
     analyze_sharding_strategy as analyze_sharding_strategy,
     extract_shardings as extract_shardings,
     get_partition_spec as get_partition_spec,
     ShardingReport as ShardingReport,
     ShardingRow as ShardingRow,
 )
-from ._keys import HostKey as HostKey
-from ._layout import (
+from ._readers._layout import (
     check_layout as check_layout,
     LayoutError as LayoutError,
     LayoutMismatch as LayoutMismatch,
     LayoutReport as LayoutReport,
 )
-from ._logical import (
+from ._readers._plan import plan_training as plan_training, TrainingPlan as TrainingPlan
+from ._search._search import search_layout as search_layout
+from ._search._search_report import (
+    LayoutCandidate as LayoutCandidate,
+    LayoutSearch as LayoutSearch,
+)
+from ._spectree._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
+from ._spectree._derive import (
+    abstract as abstract,
+    derive_specs as derive_specs,
+    restrict_specs as restrict_specs,
+    stack_specs as stack_specs,
+)
+from ._spectree._logical import (
     AxisNames as AxisNames,
     composite_axis_rules as composite_axis_rules,
     declared_axis_names as declared_axis_names,
@@ -57,32 +69,23 @@ from ._logical import (
     logical_to_mesh_specs as logical_to_mesh_specs,
     set_logical_axis_rules as set_logical_axis_rules,
 )
-from ._mesh import (
-    axis_index as axis_index,
-    axis_size as axis_size,
-    create_hybrid_mesh as create_hybrid_mesh,
-    create_mesh as create_mesh,
-    current_mesh as current_mesh,
-    mesh_axis_size as mesh_axis_size,
-)
-from ._plan import plan_training as plan_training, TrainingPlan as TrainingPlan
-from ._rules import match_partition_rules as match_partition_rules
-from ._rules_report import (
+from ._spectree._rules import match_partition_rules as match_partition_rules
+from ._spectree._rules_report import (
     explain_partition_rules as explain_partition_rules,
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
-from ._search import search_layout as search_layout
-from ._search_report import (
-    LayoutCandidate as LayoutCandidate,
-    LayoutSearch as LayoutSearch,
+from ._spectree._specs import ShardingProblem as ShardingProblem
+from ._spectree._stacked import Stacked as Stacked, stacked as stacked
+from ._step._step import analyze_step as analyze_step
+from ._step._step_report import StepReport as StepReport
+from ._transforms._constraint import (
+    corrected_spec as corrected_spec,
+    with_sharding_constraint as with_sharding_constraint,
 )
-from ._shard import named_shardings as named_shardings, shard as shard
-from ._shard_map import shard_map as shard_map
-from ._specs import ShardingProblem as ShardingProblem
-from ._stacked import Stacked as Stacked, stacked as stacked
-from ._step import analyze_step as analyze_step
-from ._step_report import StepReport as StepReport
+from ._transforms._explicit import auto_axes as auto_axes
+from ._transforms._filter_jit import filter_jit as filter_jit
+from ._transforms._shard_map import shard_map as shard_map
 from ._tree import (
     flatten_tree as flatten_tree,
     is_array as is_array,

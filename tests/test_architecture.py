@@ -46,46 +46,7 @@ WINGS: tuple[tuple[str, ...], ...] = (
 BASE = frozenset({"_typing", "_tree", "_mesh", "_keys", "_report", "_deprecated"})
 
 # BEGIN FLAT: modules still at the root that belong to a wing (the move empties it).
-FLAT: dict[str, str] = {
-    "_logical": "_spectree",
-    "_specs": "_spectree",
-    "_rules": "_spectree",
-    "_rules_report": "_spectree",
-    "_rules_syntax": "_spectree",
-    "_stacked": "_spectree",
-    "_auto": "_spectree",
-    "_spec_args": "_spectree",
-    "_derive": "_spectree",
-    "_follow": "_spectree",
-    "_host": "_move",
-    "_gather": "_move",
-    "_shard": "_move",
-    "_resident": "_move",
-    "_multiprocess": "_move",
-    "_process_blocks": "_move",
-    "_threads": "_move",
-    "_jit": "_transforms",
-    "_filter_jit": "_transforms",
-    "_shard_map": "_transforms",
-    "_constraint": "_transforms",
-    "_explicit": "_transforms",
-    "_programs": "_transforms",
-    "_init": "_build",
-    "_init_pieces": "_build",
-    "_inspect": "_readers",
-    "_layout": "_readers",
-    "_plan": "_readers",
-    "_step": "_step",
-    "_step_report": "_step",
-    "_hlo_text": "_step",
-    "_hlo_graph": "_step",
-    "_hlo_flow": "_step",
-    "_search": "_search",
-    "_search_step": "_search",
-    "_search_report": "_search",
-    "_candidates": "_search",
-    "_uses": "_search",
-}
+FLAT: dict[str, str] = {}
 # END FLAT
 
 MAX_MODULE_LINES = 600
@@ -96,22 +57,22 @@ ALLOWED_CYCLES: tuple[frozenset[str], ...] = ()
 # restore_target goes to the checkpoint wing.
 ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset(
     {
-        ("eqshard._checkpoint._restore", "eqshard._init"),
+        ("eqshard._checkpoint._restore", "eqshard._build._init"),
     }
 )
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
     {
-        "eqshard._init",
-        "eqshard._inspect",
-        "eqshard._jit",
-        "eqshard._logical",
+        "eqshard._build._init",
+        "eqshard._readers._inspect",
+        "eqshard._transforms._jit",
+        "eqshard._spectree._logical",
         "eqshard._mesh",
-        "eqshard._multiprocess",
-        "eqshard._shard",
-        "eqshard._shard_map",
-        "eqshard._step",
-        "eqshard._step_report",
+        "eqshard._move._multiprocess",
+        "eqshard._move._shard",
+        "eqshard._transforms._shard_map",
+        "eqshard._step._step",
+        "eqshard._step._step_report",
         "eqshard._tree",
     }
 )
@@ -119,12 +80,12 @@ ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
         "eqshard._checkpoint._restore.restore",
         "eqshard._cli._main._parser",
-        "eqshard._init.sharded_init",
-        "eqshard._init_pieces.plan",
-        "eqshard._inspect.analyze_pairs",
-        "eqshard._multiprocess._disagreement_message",
-        "eqshard._search.search_layout",
-        "eqshard._step._analyze",
+        "eqshard._build._init.sharded_init",
+        "eqshard._build._init_pieces.plan",
+        "eqshard._readers._inspect.analyze_pairs",
+        "eqshard._move._multiprocess._disagreement_message",
+        "eqshard._search._search.search_layout",
+        "eqshard._step._step._analyze",
         "eqshard.t5x._partitioner.Partitioner.__init__",
     }
 )

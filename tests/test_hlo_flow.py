@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqshard._hlo_flow import Program
+from eqshard._step._hlo_flow import Program
 
 
 def _compile(fn, *structs, out=None) -> str:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqshard._hlo_flow import Program
-from eqshard._hlo_text import (
+from eqshard._step._hlo_flow import Program
+from eqshard._step._hlo_text import (
     HloTextError,
     parse,
     parse_instruction,

@@ -111,7 +111,7 @@ def test_eager_shard_map_reads_no_host_buffer_after_it_returns(mesh, busy):
 
 
 def test_host_private_copies_plain_numpy_only():
-    from eqshard._host import host_private
+    from eqshard._move._host import host_private
 
     masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
     plain = np.ones(3, np.float32)

@@ -17,8 +17,8 @@ from models import CASES
 from probes import Compiles
 
 import eqshard
-from eqshard._init import sharded_init
-from eqshard._init_pieces import Plan
+from eqshard._build._init import sharded_init
+from eqshard._build._init_pieces import Plan
 
 
 class Model(eqx.Module):

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._inspect import format_bytes
+from eqshard._readers._inspect import format_bytes
 
 
 f32, bf16 = jnp.float32, jnp.bfloat16

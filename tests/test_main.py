@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqshard
-from eqshard._inspect import format_bytes
+from eqshard._readers._inspect import format_bytes
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

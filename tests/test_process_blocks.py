@@ -4,7 +4,7 @@ stand-in devices; every expected block worked out by hand from the owners."""
 import pytest
 from fakes import host_mesh
 
-from eqshard._process_blocks import (
+from eqshard._move._process_blocks import (
     blocks_by_process,
     not_one_slice,
     one_slice_each,

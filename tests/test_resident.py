@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from probes import Compiles
 
-from eqshard._host import Lost
-from eqshard._resident import move_blocks, move_in_programs, route
+from eqshard._move._host import Lost
+from eqshard._move._resident import move_blocks, move_in_programs, route
 
 
 _VALUES = [

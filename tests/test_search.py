@@ -24,9 +24,9 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from probes import Compiles
 
 import eqshard
-from eqshard._candidates import Param, tensor_pairs
 from eqshard._cli._main import parse_rules
-from eqshard._uses import Use
+from eqshard._search._candidates import Param, tensor_pairs
+from eqshard._search._uses import Use
 
 
 D = 32
@@ -173,7 +173,7 @@ def test_a_layout_whose_activations_do_not_fit_is_rejected(activations, mesh):
     assert plan.fits and plan.max_bytes_per_device < BUDGET / 4
     # ...but its compiled step does not, and the search says by how much.
     assert not replicated.fits and replicated.memory.peak_bytes > BUDGET
-    over = eqshard._inspect.format_bytes(replicated.memory.peak_bytes - BUDGET)
+    over = eqshard._readers._inspect.format_bytes(replicated.memory.peak_bytes - BUDGET)
     assert f"over the budget of 1.5 MiB by {over}" in replicated.why
     best = result.best
     assert best is not None and best.fits and best.memory.peak_bytes <= BUDGET
@@ -256,7 +256,7 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
 ):
     # The search compiles at XLA's backend optimisation level 0, which changes
     # the machine code only: the reports are those of the default compile.
-    from eqshard import _search_step
+    from eqshard._search import _search_step
 
     for fn, ((params, state, x), result) in (
         (step, activations),
@@ -340,7 +340,7 @@ def test_the_search_is_repeatable_and_says_when_nothing_fits(line_mesh):
     smallest = first.candidates[0]
     peak = smallest.memory.peak_bytes
     assert peak == min(c.memory.peak_bytes for c in first.candidates)
-    fmt = eqshard._inspect.format_bytes
+    fmt = eqshard._readers._inspect.format_bytes
     assert (
         f"nothing fits: the smallest peak is {fmt(peak)} ({smallest.name}), "
         f"{fmt(peak - 1024)} over the budget" in str(first)
@@ -401,7 +401,7 @@ def test_max_candidates_time_budget_and_a_batch_without_shardings(mesh):
 
 
 def test_the_progress_bar_draws_on_a_terminal_only(monkeypatch):
-    from eqshard._search import _Progress
+    from eqshard._search._search import _Progress
 
     def drawn(enabled):
         # A real pseudo-terminal, drained while the bar draws on it.

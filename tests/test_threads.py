@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._threads import spread, SPREAD_FROM
+from eqshard._move._threads import spread, SPREAD_FROM
 
 
 def _tree(dtype, count=4):

@@ -35,20 +35,20 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._derive import abstract_tree, restricted
-from ._host import converted, host_private, loss_error, lost_text
-from ._init_pieces import Plan, plan
-from ._mesh import concrete_mesh, find_mesh
-from ._programs import program_key, Programs
-from ._spec_args import resolve_specs
-from ._specs import (
+from .._mesh import concrete_mesh, find_mesh
+from .._move._host import converted, host_private, loss_error, lost_text
+from .._spectree._derive import abstract_tree, restricted
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import (
     abstract_mesh_error,
     check_placeable,
     check_spec_on_mesh,
     leaf_specs,
 )
-from ._tree import is_array, path_str, paths_text
-from ._typing import KeyPath, typecheck
+from .._transforms._programs import program_key, Programs
+from .._tree import is_array, path_str, paths_text
+from .._typing import KeyPath, typecheck
+from ._init_pieces import Plan, plan
 
 
 _CALLER = "init_sharded"

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._host import aligned_empty
+from .._move._host import aligned_empty
 from ._disk import Held
 from ._targets import import_optional
 

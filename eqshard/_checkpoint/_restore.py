@@ -16,16 +16,16 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._derive import abstract_tree
-from .._host import converted, leaf_casts, loss_error, Lost, lost_text
-from .._init import needs_arguments, restore_target
+from .._build._init import needs_arguments, restore_target
 from .._keys import is_key
-from .._multiprocess import check_timeout, fail_together, meet
-from .._specs import (
+from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
+from .._move._multiprocess import check_timeout, fail_together, meet
+from .._move._threads import in_cpu_memory
+from .._spectree._derive import abstract_tree
+from .._spectree._specs import (
     check_placeable,
     check_spec_on_mesh,
 )
-from .._threads import in_cpu_memory
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._blocks import read_blocks
 from ._disk import (

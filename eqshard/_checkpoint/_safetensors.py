@@ -52,12 +52,17 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._derive import abstract_tree
-from .._gather import iter_gather
-from .._host import converted, leaf_casts, loss_error, Lost, lost_text, more_lost
 from .._keys import is_key, key_impl_name
-from .._multiprocess import check_timeout, fail_together, is_global, wait_for_processes
-from .._spec_args import resolve_specs
+from .._move._gather import iter_gather
+from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text, more_lost
+from .._move._multiprocess import (
+    check_timeout,
+    fail_together,
+    is_global,
+    wait_for_processes,
+)
+from .._spectree._derive import abstract_tree
+from .._spectree._spec_args import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
 from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from .._host import unplaceable
 from .._keys import is_key
-from .._multiprocess import check_timeout, fail_together, meet
+from .._move._host import unplaceable
+from .._move._multiprocess import check_timeout, fail_together, meet
 from .._tree import (
     DELETED,
     is_deleted,

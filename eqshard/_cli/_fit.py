@@ -37,12 +37,12 @@ from jaxtyping import PyTree
 
 import eqshard
 
-from .._auto import auto_fsdp
-from .._candidates import rules_text
 from .._mesh import mesh_repr
-from .._plan import TrainingPlan
+from .._readers._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
-from .._rules import match_partition_rules
+from .._search._candidates import rules_text
+from .._spectree._auto import auto_fsdp
+from .._spectree._rules import match_partition_rules
 from .._tree import is_array
 from ._demo import Config, timed, Timer
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import eqshard
 
 from .._mesh import mesh_repr
-from .._rules_syntax import parse_rule, SPEC_SYNTAX
+from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
 from ._demo import (
     builtin_rules,
     config_for_size,

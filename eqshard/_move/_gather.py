@@ -18,17 +18,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._host import host_ready, leaf_casts, loss_error
-from ._keys import HostKey, is_key, key_data, key_impl_name
-from ._multiprocess import (
-    check_timeout,
-    host_value,
-    is_global,
-    needs_collective,
-    wait_for_processes,
-)
-from ._threads import split_above, spread
-from ._tree import (
+from .._keys import HostKey, is_key, key_data, key_impl_name
+from .._tree import (
     abstract_leaf_error,
     collision_message,
     deleted_error,
@@ -37,7 +28,16 @@ from ._tree import (
     path_name,
     path_str,
 )
-from ._typing import KeyPath, PyTreeDef, typecheck
+from .._typing import KeyPath, PyTreeDef, typecheck
+from ._host import host_ready, leaf_casts, loss_error
+from ._multiprocess import (
+    check_timeout,
+    host_value,
+    is_global,
+    needs_collective,
+    wait_for_processes,
+)
+from ._threads import split_above, spread
 
 
 def _uncached(array: jax.Array) -> jax.Array:

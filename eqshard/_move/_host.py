@@ -61,8 +61,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
-from ._typing import KeyPath
+from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
+from .._typing import KeyPath
 
 
 # ---------------------------------------------------------------------------------

@@ -51,8 +51,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._keys import is_key, key_data
-from ._mesh import find_mesh, mesh_repr
+from .._keys import is_key, key_data
+from .._mesh import find_mesh, mesh_repr
+from .._spectree._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
+from .._tree import is_array, path_str, paths_text
+from .._typing import CheckValues, KeyPath
 from ._process_blocks import (
     blocks_by_process,
     not_one_slice,
@@ -60,9 +63,6 @@ from ._process_blocks import (
     spanning_axes,
     why_no_order,
 )
-from ._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
-from ._tree import is_array, path_str, paths_text
-from ._typing import CheckValues, KeyPath
 
 
 # ---------------------------------------------------------------------------------

@@ -48,10 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from .._keys import is_key
+from .._tree import placed_dtype
 from ._host import aligned_empty, cast_lost, has_dense_block, Lost, more_lost
-from ._keys import is_key
 from ._threads import in_cpu_memory, movable, native, spread, SPREAD_UNIT
-from ._tree import placed_dtype
 
 
 Route = Literal["blocks", "host", "program"]

@@ -48,6 +48,37 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
+from .._mesh import concrete_mesh
+from .._spectree._spec_args import resolve_like, resolve_specs
+from .._spectree._specs import (
+    abstract_mesh_error,
+    bad_spec_leaf_message,
+    check_leaves,
+    check_placeable,
+    check_spec,
+    check_spec_on_mesh,
+    is_spec_leaf,
+    leaf_specs,
+    named_sharding,
+    spec_error_message,
+)
+from .._tree import (
+    abstract_leaf_error,
+    deleted_error,
+    is_array,
+    is_deleted,
+    listing,
+    path_str,
+)
+from .._typing import (
+    check_choice,
+    CHECK_VALUES,
+    CheckValues,
+    KeyPath,
+    PyTreeDef,
+    typecheck,
+)
 from ._gather import fetch
 from ._host import (
     borrowed,
@@ -61,8 +92,6 @@ from ._host import (
     takes_in_place,
     unplaceable,
 )
-from ._keys import is_key, key_data, key_impl_name, wrap_host_keys
-from ._mesh import concrete_mesh
 from ._multiprocess import (
     agreed_alone,
     check_timeout,
@@ -73,36 +102,7 @@ from ._multiprocess import (
     start_agreement,
 )
 from ._resident import move_blocks, move_in_programs, Route, route
-from ._spec_args import resolve_like, resolve_specs
-from ._specs import (
-    abstract_mesh_error,
-    bad_spec_leaf_message,
-    check_leaves,
-    check_placeable,
-    check_spec,
-    check_spec_on_mesh,
-    is_spec_leaf,
-    leaf_specs,
-    named_sharding,
-    spec_error_message,
-)
 from ._threads import device_put as spread_device_put
-from ._tree import (
-    abstract_leaf_error,
-    deleted_error,
-    is_array,
-    is_deleted,
-    listing,
-    path_str,
-)
-from ._typing import (
-    check_choice,
-    CHECK_VALUES,
-    CheckValues,
-    KeyPath,
-    PyTreeDef,
-    typecheck,
-)
 
 
 # ---------------------------------------------------------------------------------

@@ -25,19 +25,19 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
-from ._deprecated import renamed_attribute, renamed_literals
-from ._mesh import find_mesh, mesh_repr, require_mesh, same_mesh
-from ._report import format_bytes, Report, text_table
-from ._spec_args import resolve_specs
-from ._specs import (
+from .._deprecated import renamed_attribute, renamed_literals
+from .._mesh import find_mesh, mesh_repr, require_mesh, same_mesh
+from .._report import format_bytes, Report, text_table
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import (
     check_leaf,
     entry_axes,
     leaf_specs,
     ShardingProblem,
     spec_error_message,
 )
-from ._tree import is_array, path_str, placed_dtype
-from ._typing import (
+from .._tree import is_array, path_str, placed_dtype
+from .._typing import (
     check_choice,
     KeyPath,
     ON_INVALID,

@@ -21,12 +21,12 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._mesh import find_mesh, mesh_repr, same_mesh
-from ._report import Report
-from ._spec_args import resolve_specs
-from ._specs import check_spec, entry_axes, leaf_specs
-from ._tree import DELETED, is_array, is_deleted, path_str
-from ._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
+from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._report import Report
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import check_spec, entry_axes, leaf_specs
+from .._tree import DELETED, is_array, is_deleted, path_str
+from .._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
 
 
 def _memory_kind(sharding: Any) -> str | None:

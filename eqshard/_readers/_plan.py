@@ -20,21 +20,21 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from ._deprecated import renamed_literals
-from ._follow import follow_spec, replicated_like
-from ._inspect import analyze_pairs, own_shardings, ShardingReport, ShardingRow
-from ._mesh import mesh_repr
-from ._report import format_bytes, parse_bytes, Report
-from ._spec_args import resolve_specs
-from ._specs import leaf_specs, ShardingProblem, spec_error_message
-from ._tree import broadcast_prefix, is_array, path_str, placed_dtype
-from ._typing import (
+from .._deprecated import renamed_literals
+from .._mesh import mesh_repr
+from .._report import format_bytes, parse_bytes, Report
+from .._spectree._follow import follow_spec, replicated_like
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
+from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
+from .._typing import (
     check_choice,
     KeyPath,
     ON_INVALID,
     OnInvalid,
     typecheck,
 )
+from ._inspect import analyze_pairs, own_shardings, ShardingReport, ShardingRow
 
 
 def _is_trainable(leaf: Any) -> bool:

@@ -44,11 +44,11 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from ._auto import auto_fsdp
-from ._rules import match_partition_rules, rule_spec
-from ._rules_report import explain_partition_rules
-from ._specs import entry_axes
-from ._tree import is_array, path_name
+from .._spectree._auto import auto_fsdp
+from .._spectree._rules import match_partition_rules, rule_spec
+from .._spectree._rules_report import explain_partition_rules
+from .._spectree._specs import entry_axes
+from .._tree import is_array, path_name
 from ._uses import Use
 
 

@@ -34,6 +34,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._mesh import require_mesh
+from .._readers._plan import parse_bytes
+from .._report import format_bytes
+from .._spectree._rules import match_partition_rules
+from .._step._step_report import StepReport
+from .._tree import is_array
+from .._typing import Int, typecheck
 from ._candidates import (
     normalized,
     parameters,
@@ -42,15 +49,8 @@ from ._candidates import (
     strategy_rules,
     tensor_pairs,
 )
-from ._mesh import require_mesh
-from ._plan import parse_bytes
-from ._report import format_bytes
-from ._rules import match_partition_rules
 from ._search_report import LayoutCandidate, LayoutSearch
 from ._search_step import CALLER, function_name, search_error, Step
-from ._step_report import StepReport
-from ._tree import is_array
-from ._typing import Int, typecheck
 
 
 def _abstract_mesh_error(mesh: AbstractMesh) -> ValueError:

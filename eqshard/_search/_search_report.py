@@ -16,10 +16,10 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from ._auto import AutoFSDP
-from ._logical import AxisNames
-from ._report import format_bytes, Report, text_table
-from ._step_report import StepMemory, StepReport
+from .._report import format_bytes, Report, text_table
+from .._spectree._auto import AutoFSDP
+from .._spectree._logical import AxisNames
+from .._step._step_report import StepMemory, StepReport
 
 
 _FORMAT = 1  # the version of `to_json`'s format

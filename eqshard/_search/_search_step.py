@@ -34,12 +34,12 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._derive import abstract_tree, derive_specs, follow_spec
-from ._mesh import same_mesh
-from ._specs import entry_axes
-from ._step import analysis_report
-from ._step_report import StepReport
-from ._tree import is_array, path_name
+from .._mesh import same_mesh
+from .._spectree._derive import abstract_tree, derive_specs, follow_spec
+from .._spectree._specs import entry_axes
+from .._step._step import analysis_report
+from .._step._step_report import StepReport
+from .._tree import is_array, path_name
 from ._uses import parameter_uses, Use
 
 

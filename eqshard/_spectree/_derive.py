@@ -16,10 +16,20 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._deprecated import renamed_keywords
+from .._deprecated import renamed_keywords
+from .._mesh import mesh_repr, require_mesh
+from .._tree import is_array, listing, path_str
+from .._typing import (
+    check_choice,
+    KeyPath,
+    ON_INVALID,
+    OnInvalid,
+    StackAxis,
+    typecheck,
+    warn,
+)
 from ._follow import follow_spec, is_placeholder, replicated_like
 from ._logical import AxisNames
-from ._mesh import mesh_repr, require_mesh
 from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
@@ -33,16 +43,6 @@ from ._specs import (
     spec_entry,
     spec_error_message,
     SpecCheck,
-)
-from ._tree import is_array, listing, path_str
-from ._typing import (
-    check_choice,
-    KeyPath,
-    ON_INVALID,
-    OnInvalid,
-    StackAxis,
-    typecheck,
-    warn,
 )
 
 

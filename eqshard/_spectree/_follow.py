@@ -17,8 +17,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._tree import is_array, path_name
-from ._typing import KeyPath
+from .._tree import is_array, path_name
+from .._typing import KeyPath
 
 
 # A leaf smaller than this that follows no parameter (a step count, Adafactor's

@@ -20,9 +20,9 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._deprecated import renamed_keywords
-from ._tree import is_array, path_str
-from ._typing import AxisRulesArg, Int, KeyPath, sequence_fix, typecheck
+from .._deprecated import renamed_keywords
+from .._tree import is_array, path_str
+from .._typing import AxisRulesArg, Int, KeyPath, sequence_fix, typecheck
 
 
 # What a rule maps a logical name to: one mesh axis, several (the dimension is

@@ -25,15 +25,10 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from ._auto import AutoFSDP
-from ._deprecated import renamed_keywords
-from ._follow import followers_of_items, item_follower_spec, ItemFollower
-from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
-from ._mesh import mesh_repr
-from ._specs import check_spec
-from ._stacked import Stacked
-from ._tree import is_array, path_name
-from ._typing import (
+from .._deprecated import renamed_keywords
+from .._mesh import mesh_repr
+from .._tree import is_array, path_name
+from .._typing import (
     check_choice,
     Int,
     ON_INVALID,
@@ -44,6 +39,11 @@ from ._typing import (
     typecheck,
     warn,
 )
+from ._auto import AutoFSDP
+from ._follow import followers_of_items, item_follower_spec, ItemFollower
+from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
+from ._specs import check_spec
+from ._stacked import Stacked
 
 
 # `(regex, PartitionSpec)` pairs. Annotated loosely on purpose: beartype checks one

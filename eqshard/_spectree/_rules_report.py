@@ -15,8 +15,9 @@ from typing import Any, Literal
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._report import Report, text_table
+from .._typing import Int, typecheck
 from ._follow import item_follower_note, item_follower_spec
-from ._report import Report, text_table
 from ._rules import (
     compile_rules,
     match_leaves,
@@ -25,7 +26,6 @@ from ._rules import (
     RuleValue,
     strict_spec,
 )
-from ._typing import Int, typecheck
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,11 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
+from .._tree import flatten_up_to, is_array, path_str
 from ._auto import AutoFSDP
 from ._logical import AxisNames, LogicalRules
 from ._rules import rules_to_specs
 from ._specs import is_spec_leaf
-from ._tree import flatten_up_to, is_array, path_str
 
 
 def is_partition_rules(specs: Any) -> bool:

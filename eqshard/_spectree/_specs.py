@@ -17,10 +17,10 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._mesh import mesh_repr
+from .._tree import broadcast_prefix, is_array, path_str, paths_text
+from .._typing import KeyPath, SpecLeaf
 from ._logical import axis_names_resolver, AxisNames, normalize_rules
-from ._mesh import mesh_repr
-from ._tree import broadcast_prefix, is_array, path_str, paths_text
-from ._typing import KeyPath, SpecLeaf
 
 
 def is_spec_leaf(x: Any) -> bool:

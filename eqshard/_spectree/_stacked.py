@@ -11,8 +11,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from .._typing import typecheck
 from ._logical import AxisNames
-from ._typing import typecheck
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,10 +43,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
-from ._explicit import explained
+from .._mesh import mesh_repr
+from .._transforms._explicit import explained
+from .._tree import is_array, path_name
+from .._typing import typecheck
 from ._hlo_flow import Collective, Program
 from ._hlo_text import text_error
-from ._mesh import mesh_repr
 from ._step_report import (
     CollectivePart,
     CollectiveRow,
@@ -56,8 +58,6 @@ from ._step_report import (
     StepReport,
     StepWarning,
 )
-from ._tree import is_array, path_name
-from ._typing import typecheck
 
 
 _CALLER = "analyze_step"

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from ._report import format_bytes, parse_bytes, plain, Report, text_table
+from .._report import format_bytes, parse_bytes, plain, Report, text_table
 
 
 _FORMAT = 1  # the version of `to_json`'s format
@@ -229,15 +229,15 @@ class StepReport(Report):
     - `function`: the step's name.
     - `mesh`: the mesh's `(axis, size)` pairs (empty for a single device).
     - `arguments`, `outputs`: one
-      [`StepLeaf`][eqshard._step_report.StepLeaf] per array, with the sharding
+      [`StepLeaf`][eqshard._step._step_report.StepLeaf] per array, with the sharding
       the program uses (`out/...` for outputs).
-    - `memory`: a [`StepMemory`][eqshard._step_report.StepMemory]: per-device
+    - `memory`: a [`StepMemory`][eqshard._step._step_report.StepMemory]: per-device
       bytes and `fits()`.
-    - `collectives`: one [`CollectiveRow`][eqshard._step_report.CollectiveRow]
+    - `collectives`: one [`CollectiveRow`][eqshard._step._step_report.CollectiveRow]
       per collective instruction, in program order.
-    - `moved`: the [`MovedInput`][eqshard._step_report.MovedInput]s JAX moves
+    - `moved`: the [`MovedInput`][eqshard._step._step_report.MovedInput]s JAX moves
       at every call.
-    - `warnings`: XLA's [`StepWarning`][eqshard._step_report.StepWarning]s of
+    - `warnings`: XLA's [`StepWarning`][eqshard._step._step_report.StepWarning]s of
       this compile.
     """
 

@@ -15,11 +15,11 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._deprecated import renamed_keywords
-from ._logical import normalize_rules
-from ._mesh import find_mesh, mesh_repr
-from ._spec_args import resolve_specs
-from ._specs import (
+from .._deprecated import renamed_keywords
+from .._mesh import find_mesh, mesh_repr
+from .._spectree._logical import normalize_rules
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import (
     check_leaf,
     check_spec,
     entry_axes,
@@ -27,14 +27,14 @@ from ._specs import (
     ShardingProblem,
     spec_error_message,
 )
-from ._tree import (
+from .._tree import (
     abstract_leaf_error,
     deleted_error,
     is_array,
     is_deleted,
     path_str,
 )
-from ._typing import (
+from .._typing import (
     AxisRulesArg,
     check_choice,
     KeyPath,

@@ -32,12 +32,12 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._mesh import mesh_repr, require_mesh, same_mesh
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import leaf_specs
+from .._tree import path_str
+from .._typing import KeyPath, typecheck
 from ._constraint import with_sharding_constraint
-from ._mesh import mesh_repr, require_mesh, same_mesh
-from ._spec_args import resolve_specs
-from ._specs import leaf_specs
-from ._tree import path_str
-from ._typing import KeyPath, typecheck
 
 
 _CALLER = "auto_axes"

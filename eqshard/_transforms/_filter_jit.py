@@ -19,12 +19,17 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._spectree._spec_args import is_partition_rules, resolve_specs
+from .._spectree._specs import (
+    bad_spec_leaf_message,
+    is_spec_leaf,
+    leaf_specs,
+    named_sharding,
+)
+from .._tree import path_str
+from .._typing import check_choice, KeyPath, typecheck
 from ._jit import JitFunction
-from ._mesh import find_mesh, mesh_repr, same_mesh
-from ._spec_args import is_partition_rules, resolve_specs
-from ._specs import bad_spec_leaf_message, is_spec_leaf, leaf_specs, named_sharding
-from ._tree import path_str
-from ._typing import check_choice, KeyPath, typecheck
 
 
 _CALLER = "filter_jit"

@@ -39,16 +39,15 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from ._explicit import explained
-from ._host import host_private
-from ._logical import LogicalRules, RulesContext
-from ._mesh import mesh_repr
-from ._specs import (
+from .._mesh import mesh_repr
+from .._move._host import host_private
+from .._spectree._logical import LogicalRules, RulesContext
+from .._spectree._specs import (
     check_leaves,
     is_spec_leaf,
     spec_error_message,
 )
-from ._tree import (
+from .._tree import (
     broadcast_prefix,
     deleted_error,
     flatten_up_to,
@@ -58,7 +57,8 @@ from ._tree import (
     paths_text,
     repeated_arrays,
 )
-from ._typing import KeyPath, PyTreeDef
+from .._typing import KeyPath, PyTreeDef
+from ._explicit import explained
 
 
 def _check_shapes(

@@ -38,12 +38,16 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._host import host_private
-from ._logical import AxisNames, get_logical_axis_rules, LogicalRules, normalize_rules
-from ._mesh import find_mesh, mesh_repr, same_mesh
-from ._programs import program_key, Programs
-from ._spec_args import resolve_specs
-from ._specs import (
+from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._move._host import host_private
+from .._spectree._logical import (
+    AxisNames,
+    get_logical_axis_rules,
+    LogicalRules,
+    normalize_rules,
+)
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import (
     check_leaves,
     check_spec,
     entry_axes,
@@ -51,8 +55,9 @@ from ._specs import (
     leaf_specs,
     spec_error_message,
 )
-from ._tree import abstract_leaf_error, is_array, listing, path_str, paths_text
-from ._typing import AxisRulesArg, KeyPath, typecheck
+from .._tree import abstract_leaf_error, is_array, listing, path_str, paths_text
+from .._typing import AxisRulesArg, KeyPath, typecheck
+from ._programs import program_key, Programs
 
 
 _CALLER = "shard_map"

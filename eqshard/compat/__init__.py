@@ -9,13 +9,13 @@ meshes and specs. Each is documented with its everyday counterpart at the root o
 mesh strings of [`eqshard.compat.get_jax_mesh`][]).
 """
 
-from .._inspect import (
-    extract_sharding_structure as extract_sharding_structure,
-)
 from .._mesh import (
     get_jax_mesh as get_jax_mesh,
     get_mesh_axis_names as get_mesh_axis_names,
     names_in_current_mesh as names_in_current_mesh,
+)
+from .._readers._inspect import (
+    extract_sharding_structure as extract_sharding_structure,
 )
 from .._tree import get_names_from_partition_spec as get_names_from_partition_spec
 from ._misc import (

@@ -15,13 +15,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._gather import gather
-from .._host import check_cast_dtype
 from .._keys import is_key
 from .._mesh import concrete_mesh
-from .._shard import shard_tree
-from .._spec_args import NO_TREE, resolve_specs
-from .._specs import is_spec_leaf
+from .._move._gather import gather
+from .._move._host import check_cast_dtype
+from .._move._shard import shard_tree
+from .._spectree._spec_args import NO_TREE, resolve_specs
+from .._spectree._specs import is_spec_leaf
 from .._tree import is_array, mismatch_message, path_str
 from .._typing import Int, KeyPath, typecheck
 

@@ -17,8 +17,8 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from .._rules import compile_regexes
-from .._rules_syntax import parse_rule, SPEC_SYNTAX
+from .._spectree._rules import compile_regexes
+from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
 from .._tree import path_name
 from .._typing import typecheck
 

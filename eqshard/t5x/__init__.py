@@ -8,7 +8,9 @@ mesh). Everything else, including the meshes of everyday code
 ([`eqshard.create_mesh`][]), is at the root of `eqshard`.
 """
 
-from .._logical import standard_logical_axis_rules as standard_logical_axis_rules
+from .._spectree._logical import (
+    standard_logical_axis_rules as standard_logical_axis_rules,
+)
 from ._chunking import (
     DataLayout as DataLayout,
     LocalChunker as LocalChunker,

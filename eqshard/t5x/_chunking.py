@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._mesh import mesh_repr
-from .._process_blocks import not_one_slice, slice_order, why_no_order
+from .._move._process_blocks import not_one_slice, slice_order, why_no_order
 from .._typing import typecheck
 
 

@@ -23,17 +23,17 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_attribute, renamed_keywords
-from .._logical import (
+from .._mesh import mesh_repr
+from .._move._shard import shard_tree
+from .._spectree._logical import (
     AxisNames,
     logical_to_spec,
     LogicalRules,
     normalize_rules,
     standard_logical_axis_rules,
 )
-from .._mesh import mesh_repr
-from .._shard import shard_tree
-from .._spec_args import NO_TREE, resolve_specs
-from .._specs import axes_repr, entry_axes, spec_entry
+from .._spectree._spec_args import NO_TREE, resolve_specs
+from .._spectree._specs import axes_repr, entry_axes, spec_entry
 from .._typing import AxisRulesArg, Int, typecheck
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
 from ._partitioned import PartitionedFn, to_shardings
