@@ -30,6 +30,7 @@ NAME = "eqshard"
 # `__init__.py`), which imports every wing but the command.
 WINGS: tuple[tuple[str, ...], ...] = (
     ("base",),
+    ("_internals",),
     ("_spectree",),
     ("_move",),
     ("_transforms",),

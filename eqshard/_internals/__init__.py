@@ -1,0 +1,17 @@
+"""The one door to JAX's, XLA's and orbax's moving parts.
+
+Everything eqshard reads beyond their public API lives here, one module per part:
+
+- `jaxpr`: primitives of traced programs and their parameters (`init_sharded`'s
+  pieces, how a step uses its parameters, a step's boundary).
+- `xla`: XLA's warnings, captured from the process's stderr around a compile.
+- `distributed`: the distributed client's key-value store.
+- `orbax`: orbax's type handlers (the tensorstore specs it reads with).
+- `cpu`: XLA:CPU's buffers (addresses, alignment) for the CPU copy engine.
+- `routes`: the switches that force each fast path's plain-JAX route.
+
+A read that meets something it does not recognise does not guess: it raises
+`Unrecognised`, and the fast path that made it takes its plain route, saying so
+once in a warning (`routes.fall_back`). Nothing outside this package reads these
+parts (`tests/test_architecture.py` checks).
+"""
