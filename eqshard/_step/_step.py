@@ -83,9 +83,9 @@ def analyze_step(
     on a concrete `Mesh`, such as [`eqshard.abstract`][] makes): nothing is
     allocated. Paths start with the parameter's name in `fn`'s signature
     (`params/b0/w1`), else its position; outputs with `out`. The report is kept:
-    a second call with the same function and arguments compiles nothing. How
-    collectives are tied to leaves, and the figures' limits: [What does my step
-    communicate?](../how-to/step-report.md).
+    a second call with the same function and arguments compiles nothing. The
+    how-to "What does my step communicate?" tells how collectives are tied to
+    leaves, and the figures' limits.
 
     **Arguments:**
 
