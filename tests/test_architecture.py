@@ -72,8 +72,6 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
         "eqshard._move._multiprocess",
         "eqshard._move._shard",
         "eqshard._transforms._shard_map",
-        "eqshard._step._step",
-        "eqshard._step._step_report",
         "eqshard._tree",
     }
 )
@@ -86,7 +84,6 @@ ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
         "eqshard._readers._inspect.analyze_pairs",
         "eqshard._move._multiprocess._disagreement_message",
         "eqshard._search._search.search_layout",
-        "eqshard._step._step._analyze",
         "eqshard.t5x._partitioner.Partitioner.__init__",
     }
 )

@@ -7,6 +7,7 @@
 import io
 import json
 import math
+import os
 import re
 import sys
 
@@ -20,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from probes import Compiles
 
 import eqshard
+from eqshard._step._step import clear_cache
 
 
 # ---------------------------------------------------------------------------------
@@ -315,7 +317,9 @@ def test_a_second_identical_call_compiles_nothing(mesh):
     assert raw.count == 0
 
 
-def test_xla_warnings_are_captured_tied_to_paths_and_kept(mesh):
+def _rematerializing_step():
+    """A step whose compile makes XLA log a rematerialization warning, and its
+    argument."""
     mesh_xy = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
 
     def f(t):
@@ -325,6 +329,11 @@ def test_xla_warnings_are_captured_tied_to_paths_and_kept(mesh):
     t = jax.ShapeDtypeStruct(
         (16, 6), jnp.float32, sharding=NamedSharding(mesh_xy, P("y", None))
     )
+    return fn, t
+
+
+def test_xla_warnings_are_captured_tied_to_paths_and_kept(mesh):
+    fn, t = _rematerializing_step()
     report = eqshard.analyze_step(fn, t)
     (warning,) = [w for w in report.warnings if "rematerialization" in w.message]
     # From the argument reshaped, to the result it becomes.
@@ -333,6 +342,34 @@ def test_xla_warnings_are_captured_tied_to_paths_and_kept(mesh):
     with Compiles() as again:
         assert eqshard.analyze_step(fn, t).warnings == report.warnings
     assert again.count == 0
+
+
+def test_capture_warnings_false_leaves_stderr_alone(mesh, capfd, monkeypatch):
+    fn, t = _rematerializing_step()
+    redirected = []
+    dup2 = os.dup2
+    monkeypatch.setattr(os, "dup2", lambda a, b: redirected.append(b) or dup2(a, b))
+    off = eqshard.analyze_step(fn, t, capture_warnings=False)
+    assert off.warnings == () and redirected == []
+    # XLA logged its warning straight to standard error, once.
+    assert capfd.readouterr().err.count("rematerialization") == 1
+    # Kept apart from the report with warnings: this call compiles and captures.
+    on = eqshard.analyze_step(fn, t)
+    assert [w for w in on.warnings if "rematerialization" in w.message]
+    assert 2 in redirected
+    # Captured, and written on to standard error.
+    assert capfd.readouterr().err.count("rematerialization") == 1
+    assert eqshard.analyze_step(fn, t, capture_warnings=False) is off
+
+
+def test_clear_cache_forgets_the_reports(mesh):
+    model, x = placed(Unrolled, TP, mesh)
+    step = jax.jit(sgd)
+    first = eqshard.analyze_step(step, model, x)
+    clear_cache()
+    with Compiles() as again:
+        second = eqshard.analyze_step(step, model, x)
+    assert second is not first and second == first and again.count == 1
 
 
 # ---------------------------------------------------------------------------------
@@ -480,6 +517,12 @@ def _edited(text, path, value):
         (
             lambda text: _edited(text, ("arguments", 0, "typo"), 1),
             "'arguments/0/typo'",
+            "no field here",
+        ),
+        # Before: KeyError (the name shortened, then looked up).
+        (
+            lambda text: _edited(text, ("arguments", 0, "a" * 50), 1),
+            f"'arguments/0/{'a' * 37}...'",
             "no field here",
         ),
     ],

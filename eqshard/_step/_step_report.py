@@ -4,22 +4,19 @@ by tree path, as [`eqshard.analyze_step`][] reads it (`_step.py`).
 Rows are frozen dataclasses of plain values (strings, ints, tuples), so that a
 report is compared with `==`, written by `to_json` with sorted keys and nothing
 that changes between runs (no timings, timestamps or addresses), and read back
-by `from_json` field by field. `diff` compares two reports by leaf path: layout
-(spec, shape, dtype), communication per collective kind, and memory.
+by `from_json` field by field (`_step_json.py`). `diff` compares two reports by
+leaf path: layout (spec, shape, dtype), communication per collective kind, and
+memory.
 """
 
 import dataclasses
-import json
-import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from .._report import format_bytes, parse_bytes, plain, Report, text_table
-
-
-_FORMAT = 1  # the version of `to_json`'s format
+from ._step_json import FORMAT, read_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +344,7 @@ class StepReport(Report):
 
     def _json(self) -> Any:
         data = plain(self)
-        data["format"] = _FORMAT
+        data["format"] = FORMAT
         data["jax"] = jax.__version__
         return data
 
@@ -369,28 +366,7 @@ class StepReport(Report):
         are wrong (`collectives/0/parts/1/bytes`) and what each should hold,
         when the text is not a step report written by `to_json`.
         """
-        try:
-            data = json.loads(text)
-        except RecursionError:
-            problems = [("", "JSON nested at most a few levels deep", _UNSHOWN)]
-            raise _json_error(problems) from None
-        except (ValueError, TypeError) as e:
-            raise _json_error([("", f"JSON text ({e})", _UNSHOWN)]) from None
-        problems: list[tuple[str, str, Any]] = []
-        if not isinstance(data, dict):
-            problems.append(("", "an object", data))
-        else:
-            data = dict(data)
-            version = data.pop("format", _MISSING)
-            if type(version) is not int or version != _FORMAT:
-                problems.append(("format", f"the format version {_FORMAT}", version))
-            version = data.pop("jax", _MISSING)
-            if type(version) is not str:
-                problems.append(("jax", "the JAX version, a string", version))
-            report = _checked(cls, data, "", problems)
-            if not problems:
-                return report
-        raise _json_error(problems)
+        return read_report(cls, text, choices=_CHOICES, least=_LEAST)
 
     # -- showing -------------------------------------------------------------------
 
@@ -509,119 +485,7 @@ _COLUMNS = ("kind", "shape", "dtype", "bytes", "count", "axes", "leaves")
 
 # What `from_json` checks beyond the types: the values of a closed vocabulary,
 # and the least value of integer fields (0 unless named here).
-_CHOICES = {(CollectivePart, "via"): ("", "producer", "consumer", "neighbours")}
-_LEAST = {(CollectiveRow, "group_size"): 1}
-_MISSING: Any = object()  # a field not in the document
-_UNSHOWN: Any = object()  # a problem with the text, not with a value
-_SHOWN = 5  # problems listed in one message
-
-
-def _json_error(problems: list[tuple[str, str, Any]]) -> ValueError:
-    """The one message of `from_json`: what each wrong field should hold, at its
-    JSON path, and how to fix it."""
-
-    def got(value: Any) -> str:
-        if value is _MISSING:
-            return "nothing (the field is missing)"
-        if isinstance(value, list | dict):  # not its repr: it may be large
-            return f"{'a list' if isinstance(value, list) else 'an object'} of " + (
-                f"{len(value)} items"
-            )
-        shown = repr(value)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        return f"{shown} ({type(value).__name__})"
-
-    lines = []
-    for path, expected, value in problems[:_SHOWN]:
-        where = f"at '{path}'" if path else "at the top level"
-        found = "" if value is _UNSHOWN else f", got {got(value)}"
-        lines.append(f"  {where}: expected {expected}{found}")
-    if len(problems) > _SHOWN:
-        lines.append(f"  and {len(problems) - _SHOWN} more")
-    return ValueError(
-        "eqshard.StepReport.from_json: the text is not a step report written by "
-        f"StepReport.to_json (format {_FORMAT}):\n"
-        + "\n".join(lines)
-        + "\nRead only what to_json wrote, or write the report again with "
-        "eqshard.analyze_step(...).to_json()."
-    )
-
-
-def _checked(
-    cls: type, data: Any, path: str, problems: list[tuple[str, str, Any]]
-) -> Any:
-    """The dataclass `cls` from `plain`'s dict, lists back to tuples, every field
-    checked; each problem is added to `problems` as (path, expected, value), and
-    `None` is returned for a value with problems."""
-    if not isinstance(data, dict):
-        problems.append((path, f"an object ({cls.__name__})", data))
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    names = {f.name for f in fields}
-    for key in data:
-        if key not in names:
-            key = key if len(key) <= 40 else key[:37] + "..."
-            where = f"{path}/{key}" if path else key
-            problems.append(
-                (where, f"no field here ({cls.__name__} has none)", data[key])
-            )
-    kwargs = {}
-    count = len(problems)
-    for f in fields:
-        where = f"{path}/{f.name}" if path else f.name
-        if f.name not in data:
-            problems.append((where, _expected(hints[f.name]), _MISSING))
-            continue
-        least = _LEAST.get((cls, f.name), 0)
-        value = _value(hints[f.name], data[f.name], where, problems, least=least)
-        choices = _CHOICES.get((cls, f.name))
-        if choices is not None and type(value) is str and value not in choices:
-            listed = ", ".join(repr(c) for c in choices)
-            problems.append((where, f"one of {listed}", value))
-        kwargs[f.name] = value
-    return cls(**kwargs) if len(problems) == count else None
-
-
-def _expected(hint: Any) -> str:
-    if dataclasses.is_dataclass(hint):
-        return f"an object ({typing.cast(type, hint).__name__})"
-    if typing.get_origin(hint) is tuple:
-        return "a list"
-    return {str: "a string", int: "an integer", bool: "true or false"}[hint]
-
-
-def _value(
-    hint: Any,
-    value: Any,
-    path: str,
-    problems: list[tuple[str, str, Any]],
-    *,
-    least: int = 0,
-) -> Any:
-    """`value` as `hint` says (a dataclass, a tuple, a string, an integer of at
-    least `least`, a bool), or `None` with its problems added."""
-    if dataclasses.is_dataclass(hint):
-        return _checked(typing.cast(type, hint), value, path, problems)
-    if typing.get_origin(hint) is tuple:
-        args = typing.get_args(hint)
-        if not isinstance(value, list):
-            problems.append((path, _expected(hint), value))
-            return None
-        if len(args) == 2 and args[1] is Ellipsis:
-            args = (args[0],) * len(value)
-        elif len(args) != len(value):
-            problems.append((path, f"a list of {len(args)} items", value))
-            return None
-        return tuple(
-            _value(a, v, f"{path}/{i}", problems)
-            for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
-    # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
-    if type(value) is not hint:
-        problems.append((path, _expected(hint), value))
-        return None
-    if hint is int and value < least:
-        problems.append((path, f"an integer of at least {least}", value))
-        return None
-    return value
+_CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
+    (CollectivePart, "via"): ("", "producer", "consumer", "neighbours")
+}
+_LEAST: dict[tuple[type, str], int] = {(CollectiveRow, "group_size"): 1}

@@ -1,0 +1,176 @@
+"""The rows of a step report, built from the compiled program (`_step.py`).
+
+Each leaf becomes a `StepLeaf` (its program's sharding and bytes per device);
+each collective that `_hlo_flow.Program` finds a `CollectiveRow`, its arrays
+named by the leaves their data comes from or goes to (else by the arguments of
+the op producing or consuming it), its device groups mapped to mesh axes;
+arguments that JAX moves at every call a `MovedInput`; XLA's logged warnings a
+`StepWarning`, with the leaves of the instructions whose op name they quote.
+"""
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+
+from .._internals.xla import logged_warnings
+from ._hlo_flow import Collective, Part, Program
+from ._step_args import Leaf, spec_text
+from ._step_report import (
+    CollectivePart,
+    CollectiveRow,
+    MovedInput,
+    StepLeaf,
+    StepMemory,
+    StepWarning,
+)
+
+
+def mesh_of(shardings: Sequence[Any]) -> Mesh | None:
+    """The mesh of the first `NamedSharding` on a concrete mesh, if any."""
+    for sharding in shardings:
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def leaf_row(path: str, struct: Any, sharding: Any, donated: bool = False) -> StepLeaf:
+    itemsize = int(getattr(struct.dtype, "itemsize", 0))
+    shard = (
+        sharding.shard_shape(tuple(struct.shape))
+        if sharding is not None
+        else struct.shape
+    )
+    return StepLeaf(
+        path=path,
+        shape=tuple(int(d) for d in struct.shape),
+        dtype=str(struct.dtype),
+        spec=spec_text(sharding),
+        bytes_per_device=int(np.prod(shard, dtype=np.int64)) * itemsize,
+        donated=donated,
+    )
+
+
+def moved(leaf: Leaf, row: StepLeaf, program: Sharding) -> MovedInput | None:
+    """The argument as moved at every call, or `None` if it is not."""
+    if leaf.kind == "host":
+        have = "host (NumPy)"
+    elif leaf.kind == "uncommitted" and leaf.have is not None:
+        if leaf.have.is_equivalent_to(program, len(row.shape)):
+            return None
+        have = f"uncommitted, {spec_text(leaf.have)}"
+    else:
+        return None
+    return MovedInput(row.path, row.shape, row.dtype, have, row.spec)
+
+
+def memory(stats: Any) -> StepMemory:
+    """The figures of XLA's `memory_analysis()`."""
+    return StepMemory(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        xla_peak_bytes=int(getattr(stats, "peak_memory_in_bytes", 0)),
+    )
+
+
+def collective_row(
+    collective: Collective,
+    arguments: Sequence[str],
+    outputs: Sequence[str],
+    mesh: Mesh | None,
+) -> CollectiveRow:
+    parts = tuple(
+        _part(collective.kind, part, arguments, outputs) for part in collective.parts
+    )
+    if collective.kind == "collective-permute":
+        group_size = 2
+    else:
+        group_size = len(collective.groups[0]) if collective.groups else 1
+    return CollectiveRow(
+        name=collective.name,
+        kind=collective.kind,
+        parts=parts,
+        count=collective.count,
+        axes=_axes(collective.groups, mesh),
+        group_size=group_size,
+        op_name=collective.op_name,
+        source=_relative(collective.source),
+        conditional=collective.conditional,
+        unknown_trip_count=collective.unknown_trips,
+    )
+
+
+def _part(
+    kind: str, part: Part, arguments: Sequence[str], outputs: Sequence[str]
+) -> CollectivePart:
+    """One array of a collective, named by its leaves."""
+    paths = [arguments[i] for i in sorted(part.arguments)]
+    paths += [outputs[i] for i in sorted(part.results)]
+    via = ""
+    if not paths:
+        # A reduction combines the partial results of the op producing it; a
+        # gather feeds the op consuming it; a resharding sits between both.
+        producers = [arguments[i] for i in sorted(part.producers)]
+        consumers = [arguments[i] for i in sorted(part.consumers)]
+        consumers += [outputs[i] for i in sorted(part.consumer_results)]
+        if kind in ("all-reduce", "reduce-scatter"):
+            paths, via = producers, "producer"
+        elif kind == "all-gather":
+            paths, via = consumers, "consumer"
+        else:
+            paths, via = list(dict.fromkeys(producers + consumers)), "neighbours"
+    return CollectivePart(
+        shape=part.shape.dims,
+        dtype=part.shape.dtype,
+        bytes=part.shape.nbytes,
+        paths=tuple(paths),
+        via=via if paths else "",
+    )
+
+
+def _axes(groups: Sequence[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes along which the devices of each group differ (device ids
+    are positions in the mesh: the program's device assignment is its devices in
+    order)."""
+    if mesh is None or not groups:
+        return ()
+    shape = mesh.devices.shape
+    varying: set[int] = set()
+    for group in groups:
+        if not group or max(group) >= mesh.size:
+            continue
+        coords = np.array(np.unravel_index(list(group), shape))
+        varying.update(int(a) for a in np.nonzero(coords.min(1) != coords.max(1))[0])
+    return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
+
+
+def _relative(source: str) -> str:
+    """A source file under the working directory, relative to it."""
+    cwd = os.getcwd() + os.sep
+    return source[len(cwd) :] if source.startswith(cwd) else source
+
+
+def step_warnings(
+    log: str, program: Program, arguments: Sequence[str], outputs: Sequence[str]
+) -> tuple[StepWarning, ...]:
+    """XLA's warnings in `log`, each with the leaves of the instructions carrying
+    the op name it quotes."""
+    found = []
+    for logged in logged_warnings(log):
+        paths: dict[str, None] = {}
+        if logged.op_name is not None:
+            quoted = f'op_name="{logged.op_name}"'
+            for name, position, instruction in program.instructions():
+                if quoted in instruction.attrs.get("metadata", ""):
+                    args, results = program.flow(name, position)
+                    paths.update(dict.fromkeys(arguments[i] for i in sorted(args)))
+                    paths.update(dict.fromkeys(outputs[i] for i in sorted(results)))
+        source = ""
+        if logged.stack_frame is not None:
+            source = _relative(program.module.sources.get(logged.stack_frame, ""))
+        found.append(StepWarning(logged.message, tuple(paths), source))
+    return tuple(found)
