@@ -44,7 +44,18 @@ WINGS: tuple[tuple[str, ...], ...] = (
 )
 
 # The modules that stay at the root, in the base wing.
-BASE = frozenset({"_typing", "_tree", "_mesh", "_keys", "_report", "_deprecated"})
+BASE = frozenset(
+    {
+        "_typing",
+        "_tree",
+        "_tree_utils",
+        "_mesh",
+        "_mesh_build",
+        "_keys",
+        "_report",
+        "_deprecated",
+    }
+)
 
 # BEGIN FLAT: modules still at the root that belong to a wing (the move empties it).
 FLAT: dict[str, str] = {}
@@ -67,14 +78,11 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
         "eqshard._build._init",
         "eqshard._readers._inspect",
         "eqshard._transforms._jit",
-        "eqshard._spectree._logical",
-        "eqshard._mesh",
         "eqshard._move._multiprocess",
         "eqshard._move._shard",
         "eqshard._transforms._shard_map",
         "eqshard._step._step",
         "eqshard._step._step_report",
-        "eqshard._tree",
     }
 )
 ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(

@@ -10,14 +10,16 @@ mesh strings of [`eqshard.compat.get_jax_mesh`][]).
 """
 
 from .._mesh import (
-    get_jax_mesh as get_jax_mesh,
     get_mesh_axis_names as get_mesh_axis_names,
     names_in_current_mesh as names_in_current_mesh,
 )
+from .._mesh_build import get_jax_mesh as get_jax_mesh
 from .._readers._inspect import (
     extract_sharding_structure as extract_sharding_structure,
 )
-from .._tree import get_names_from_partition_spec as get_names_from_partition_spec
+from .._tree_utils import (
+    get_names_from_partition_spec as get_names_from_partition_spec,
+)
 from ._misc import (
     get_metrics as get_metrics,
     make_shard_and_gather_fns as make_shard_and_gather_fns,

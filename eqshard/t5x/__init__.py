@@ -8,7 +8,7 @@ mesh). Everything else, including the meshes of everyday code
 ([`eqshard.create_mesh`][]), is at the root of `eqshard`.
 """
 
-from .._spectree._logical import (
+from .._spectree._logical_convert import (
     standard_logical_axis_rules as standard_logical_axis_rules,
 )
 from ._chunking import (
