@@ -11,10 +11,8 @@ from importlib.metadata import version as _version
 from typing import Any as _Any
 
 from . import compat as compat, t5x as t5x
-from ._build._init import (
-    clear_init_cache as clear_init_cache,
-    init_sharded as init_sharded,
-)
+from ._build._init import init_sharded as init_sharded
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import (
     load_safetensors as load_safetensors,
     restore as restore,
@@ -145,7 +143,7 @@ __all__ = [
     "gather",
     "iter_gather",
     "init_sharded",
-    "clear_init_cache",
+    "clear_caches",
     "with_sharding_constraint",
     "auto_axes",
     "corrected_spec",

@@ -17,11 +17,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
+from ._caches import register
 from ._typing import KeyPath, PyTreeDef, typecheck
 
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 _is_array_type: dict[type, bool] = {}
+register(_is_array_type.clear)
 
 
 def is_array(x: Any) -> bool:
@@ -62,6 +64,7 @@ def is_array(x: Any) -> bool:
 # `DictKey` can equal another of a different name, `DictKey(1.0) == DictKey(1)`,
 # so those are not kept).
 _KEY_NAMES: dict[Any, str] = {}
+register(_KEY_NAMES.clear)
 _KEPT = (jtu.GetAttrKey, jtu.SequenceKey)
 
 

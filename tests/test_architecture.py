@@ -54,6 +54,7 @@ BASE = frozenset(
         "_keys",
         "_report",
         "_deprecated",
+        "_caches",
     }
 )
 

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._deprecated import renamed_literals
 from .._mesh import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
@@ -57,6 +58,9 @@ def _placed_as(own: Any, dtype: Any) -> Any:
     if dtype is None or not jnp.issubdtype(own, jnp.inexact):
         dtype = own
     return _placed(dtype)
+
+
+register(_placed_as.cache_clear)
 
 
 def _abstracter() -> Callable[[Any, Any], Any]:

@@ -43,6 +43,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
+from .._caches import register
 from .._mesh import mesh_repr
 from .._transforms._explicit import explained
 from .._tree import is_array, path_name
@@ -385,6 +386,7 @@ def _warnings(
 _REPORTS: "weakref.WeakKeyDictionary[Any, dict[Any, StepReport]]" = (
     weakref.WeakKeyDictionary()
 )
+register(_REPORTS.clear)
 _KEEP = 32  # reports kept per function
 
 
