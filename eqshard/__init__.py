@@ -19,7 +19,7 @@ from ._checkpoint import (
     save as save,
     save_safetensors as save_safetensors,
 )
-from ._deprecated import moved as _moved
+from ._deprecated import moved as _moved, moved_table as _moved_table
 from ._keys import HostKey as HostKey
 from ._mesh import (
     axis_index as axis_index,
@@ -167,7 +167,13 @@ __all__ = [
 ]
 
 
+# The root names of 0.1.0 that moved to `eqshard.t5x` and `eqshard.compat`, or were
+# renamed, in 0.2: old name -> new one, served for one release by `__getattr__`.
+_MOVED = _moved_table(
+    {"eqshard.t5x": t5x.__all__, "eqshard.compat": compat.__all__}, __all__
+)
+
+
 def __getattr__(name: str) -> _Any:
-    # The root names that moved to `eqshard.t5x` and `eqshard.compat`, or were
-    # renamed, in 0.2, for one release: each warns, naming its new home (PEP 562).
-    return _moved(name)
+    # Each old name warns, naming its new home (PEP 562).
+    return _moved(name, _MOVED)

@@ -21,7 +21,6 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._deprecated import renamed_literals
 from .._mesh import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._follow import follow_spec, replicated_like
@@ -372,7 +371,6 @@ class TrainingPlan(Report):
         return out
 
 
-@renamed_literals("plan_training", "on_invalid", report="ignore")
 @typecheck
 def plan_training(
     params: PyTree,
