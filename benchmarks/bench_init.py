@@ -18,7 +18,7 @@ biases and norms are small. Four ways to get it onto the mesh:
 
 The raw rows get their `NamedSharding` tree and (2) its spec tree ready-made (as
 if written by hand); `init_sharded` matches the rules inside the timing. Each run
-times every row cold (`jax.clear_caches()` and `eqshard.clear_init_cache()`
+times every row cold (`jax.clear_caches()` and `eqshard.clear_caches()`
 first: a model is made once, so compilation counts), then warm (the same call
 again), with the garbage collector run and then disabled while timing
 (`_timing.once`); rows are interleaved within a run. XLA
@@ -90,7 +90,7 @@ def timed(fn: Callable[[], Any], *, cold: bool = True) -> tuple[float, int, Any]
     `cold=False`."""
     if cold:
         jax.clear_caches()
-        eqshard.clear_init_cache()
+        eqshard.clear_caches()
     before = _compiles[0]
     seconds, out = once(fn)
     return seconds, _compiles[0] - before, out

@@ -11,25 +11,25 @@ from importlib.metadata import version as _version
 from typing import Any as _Any
 
 from . import compat as compat, t5x as t5x
-from ._build._init import (
-    clear_init_cache as clear_init_cache,
-    init_sharded as init_sharded,
-)
+from ._build._init import init_sharded as init_sharded
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import (
     load_safetensors as load_safetensors,
     restore as restore,
     save as save,
     save_safetensors as save_safetensors,
 )
-from ._deprecated import moved as _moved
+from ._deprecated import moved as _moved, moved_table as _moved_table
 from ._keys import HostKey as HostKey
 from ._mesh import (
     axis_index as axis_index,
     axis_size as axis_size,
-    create_hybrid_mesh as create_hybrid_mesh,
-    create_mesh as create_mesh,
     current_mesh as current_mesh,
     mesh_axis_size as mesh_axis_size,
+)
+from ._mesh_build import (
+    create_hybrid_mesh as create_hybrid_mesh,
+    create_mesh as create_mesh,
 )
 from ._move._gather import gather as gather, iter_gather as iter_gather
 from ._move._shard import named_shardings as named_shardings, shard as shard
@@ -61,13 +61,15 @@ from ._spectree._derive import (
 )
 from ._spectree._logical import (
     AxisNames as AxisNames,
-    composite_axis_rules as composite_axis_rules,
-    declared_axis_names as declared_axis_names,
     get_logical_axis_rules as get_logical_axis_rules,
     logical_axis_rules as logical_axis_rules,
+    set_logical_axis_rules as set_logical_axis_rules,
+)
+from ._spectree._logical_convert import (
+    composite_axis_rules as composite_axis_rules,
+    declared_axis_names as declared_axis_names,
     logical_to_mesh_axes as logical_to_mesh_axes,
     logical_to_mesh_specs as logical_to_mesh_specs,
-    set_logical_axis_rules as set_logical_axis_rules,
 )
 from ._spectree._rules import match_partition_rules as match_partition_rules
 from ._spectree._rules_report import (
@@ -86,12 +88,11 @@ from ._transforms._constraint import (
 from ._transforms._explicit import auto_axes as auto_axes
 from ._transforms._filter_jit import filter_jit as filter_jit
 from ._transforms._shard_map import shard_map as shard_map
-from ._tree import (
+from ._tree import is_array as is_array, tree_path_to_string as tree_path_to_string
+from ._tree_utils import (
     flatten_tree as flatten_tree,
-    is_array as is_array,
     named_tree_map as named_tree_map,
     tree_apply as tree_apply,
-    tree_path_to_string as tree_path_to_string,
     unflatten_tree as unflatten_tree,
 )
 
@@ -142,7 +143,7 @@ __all__ = [
     "gather",
     "iter_gather",
     "init_sharded",
-    "clear_init_cache",
+    "clear_caches",
     "with_sharding_constraint",
     "auto_axes",
     "corrected_spec",
@@ -166,7 +167,13 @@ __all__ = [
 ]
 
 
+# The root names of 0.1.0 that moved to `eqshard.t5x` and `eqshard.compat`, or were
+# renamed, in 0.2: old name -> new one, served for one release by `__getattr__`.
+_MOVED = _moved_table(
+    {"eqshard.t5x": t5x.__all__, "eqshard.compat": compat.__all__}, __all__
+)
+
+
 def __getattr__(name: str) -> _Any:
-    # The root names that moved to `eqshard.t5x` and `eqshard.compat`, or were
-    # renamed, in 0.2, for one release: each warns, naming its new home (PEP 562).
-    return _moved(name)
+    # Each old name warns, naming its new home (PEP 562).
+    return _moved(name, _MOVED)

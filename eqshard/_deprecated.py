@@ -7,7 +7,7 @@ their values where those were renamed too) and option values that were renamed
 
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast, TypeVar
 
 from ._typing import outside_caller, warn
@@ -17,52 +17,97 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _IMPORT_SYSTEM = ("importlib", "_frozen_importlib")
 
-# Old root name -> where it lives now, for `eqshard.__getattr__`.
-MOVED = {
-    **{
-        name: f"eqshard.t5x.{name}"
-        for name in (
-            "Partitioner",
-            "PartitionedFn",
-            "DataLayout",
-            "LocalChunker",
-            "LocalChunkInfo",
-            "standard_logical_axis_rules",
-            "default_mesh",
-            "get_mesh",
-            "get_cpu_mesh",
-            "get_gpu_mesh",
-            "get_coords",
-            "bounds_from_last_device",
-            "HardwareMesh",
-        )
-    },
-    **{
-        name: f"eqshard.compat.{name}"
-        for name in (
-            "get_metrics",
-            "wrap_function_with_rng",
-            "RngFunction",
-            "pad_to_multiple",
-            "round_up_to_multiple",
-            "get_weight_decay_mask",
-            "get_jax_mesh",
-            "create_pattern_based_partition_spec",
-            "make_shard_and_gather_fns",
-            "get_names_from_partition_spec",
-            "names_in_current_mesh",
-            "get_mesh_axis_names",
-            "extract_sharding_structure",
-        )
-    },
-    "composite_rules": "eqshard.composite_axis_rules",
-}
+# The root names of eqshard 0.1.0 (`git show v0.1.0:eqshard/__init__.py`), the
+# one release before this one: only these may be served under an old name.
+RELEASED_ROOT: frozenset[str] = frozenset(
+    {
+        "analyze_sharding_strategy",
+        "axis_index",
+        "axis_size",
+        "AxisNames",
+        "bounds_from_last_device",
+        "composite_rules",
+        "corrected_spec",
+        "create_hybrid_mesh",
+        "create_mesh",
+        "create_pattern_based_partition_spec",
+        "current_mesh",
+        "DataLayout",
+        "default_mesh",
+        "explain_partition_rules",
+        "extract_sharding_structure",
+        "extract_shardings",
+        "flatten_tree",
+        "gather",
+        "get_coords",
+        "get_cpu_mesh",
+        "get_gpu_mesh",
+        "get_jax_mesh",
+        "get_logical_axis_rules",
+        "get_mesh",
+        "get_mesh_axis_names",
+        "get_metrics",
+        "get_names_from_partition_spec",
+        "get_partition_spec",
+        "get_weight_decay_mask",
+        "HardwareMesh",
+        "iter_gather",
+        "LocalChunker",
+        "LocalChunkInfo",
+        "logical_axis_rules",
+        "logical_to_mesh_axes",
+        "logical_to_mesh_specs",
+        "make_shard_and_gather_fns",
+        "match_partition_rules",
+        "mesh_axis_size",
+        "named_shardings",
+        "named_tree_map",
+        "names_in_current_mesh",
+        "pad_to_multiple",
+        "PartitionedFn",
+        "Partitioner",
+        "RngFunction",
+        "round_up_to_multiple",
+        "RulesReport",
+        "RulesReportRow",
+        "set_logical_axis_rules",
+        "shard",
+        "ShardingProblem",
+        "ShardingReport",
+        "ShardingRow",
+        "standard_logical_axis_rules",
+        "tree_apply",
+        "tree_path_to_string",
+        "unflatten_tree",
+        "with_sharding_constraint",
+        "wrap_function_with_rng",
+    }
+)
+# Root names of 0.1.0 that were renamed at the root: old -> new.
+RENAMED_ROOT: dict[str, str] = {"composite_rules": "composite_axis_rules"}
 
 
-def moved(name: str) -> Any:
-    """The object an old root `name` stands for, after warning where it went;
-    `AttributeError` for a name that never was eqshard's."""
-    new = MOVED.get(name)
+def moved_table(
+    namespaces: Mapping[str, Iterable[str]], root: Iterable[str]
+) -> dict[str, str]:
+    """Old root name -> where it lives now, for `eqshard.__getattr__`: each root
+    name of 0.1.0 that is no longer at the `root` but in a namespace's `__all__`
+    (`{"eqshard.t5x": t5x.__all__, ...}`), and the renamed ones."""
+    gone = RELEASED_ROOT - set(root)
+    table = {
+        name: f"{namespace}.{name}"
+        for namespace, names in namespaces.items()
+        for name in sorted(gone & set(names))
+    }
+    for old, new in RENAMED_ROOT.items():
+        table[old] = f"eqshard.{new}"
+    return table
+
+
+def moved(name: str, table: Mapping[str, str]) -> Any:
+    """The object an old root `name` stands for in `table` (`moved_table`), after
+    warning where it went; `AttributeError` for a name that never was eqshard's."""
+    new = table.get(name)
     if new is None:
         raise AttributeError(f"module 'eqshard' has no attribute {name!r}")
     module, _, attribute = new.rpartition(".")

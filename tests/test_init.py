@@ -269,12 +269,12 @@ def test_a_captured_top_level_array_is_an_input_not_a_new_program(mesh):
     np.testing.assert_array_equal(again["w"], np.full(8, 7.0, np.float32))
 
 
-def test_clear_init_cache(mesh):
+def test_clear_caches_forgets_init_programs(mesh):
     def build(key):
         return _filled(key, 3.0)
 
     eqshard.init_sharded(build, jax.random.key(0), specs=P(), mesh=mesh)
-    eqshard.clear_init_cache()
+    eqshard.clear_caches()
     with Compiles() as compiles:
         again = eqshard.init_sharded(build, jax.random.key(1), specs=P(), mesh=mesh)
     assert compiles.count > 0

@@ -35,6 +35,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._mesh import concrete_mesh, find_mesh
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree, restricted
@@ -498,20 +499,7 @@ def _program(
 # Each program (whole, and in pieces) with the objects its key holds by
 # identity, kept alive with it.
 _PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
-
-
-@typecheck
-def clear_init_cache() -> None:
-    """Forgets the programs that [`eqshard.init_sharded`][] keeps (up to 64), with
-    the arrays their programs hold, so that the next build compiles again.
-
-    !!! Example
-
-        ```python
-        eqshard.clear_init_cache()
-        ```
-    """
-    _PROGRAMS.clear()
+register(_PROGRAMS.clear)
 
 
 def _program_key(
@@ -547,7 +535,7 @@ def init_sharded(
     closure's variable, a field of a config object) is traced into a new program,
     never served stale. NumPy arrays `fn` closes over are inputs of the kept
     program, read on every call.
-    [`eqshard.clear_init_cache`][] forgets the kept programs.
+    [`eqshard.clear_caches`][] forgets the kept programs.
 
     The values are those of the jitted constructor,
     `eqx.filter_jit(fn)(*args, **kwargs)`: the same operations compute them,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._keys import is_key
 from .._move._host import unplaceable
 from .._move._multiprocess import check_timeout, fail_together, meet
@@ -48,6 +49,9 @@ def _tensorstore_has(name: str) -> bool:
     except (ValueError, TypeError):
         return False
     return True
+
+
+register(_tensorstore_has.cache_clear)
 
 
 def _stored_as(dtype: np.dtype) -> np.dtype | None:

@@ -1,6 +1,12 @@
-"""The program behind `python -m eqshard` (private): the options and the dispatch
-(`_main.py`), the demo model and its round trip (`_demo.py`), and the plans of
-`--size`, `--model` and `--fit` (`_fit.py`). Nothing in eqshard imports it.
+"""The program behind `python -m eqshard` (private).
+
+`_main.py` parses the options and the rules file and dispatches: the demo
+(`_demo.py`: a small transformer placed with its built-in rules, a few training
+steps, and the bit-exact round trip through gather and shard), the plans
+(`_fit.py`: `--size`, `--model` loading a user's model, `--fit`'s proposed
+rules), or a user's training step (`_step.py`: `--step`, its batch placed and its
+`StepReport` printed, or with `--fit` a `search_layout`). It reads eqshard's
+public functions only; nothing in eqshard imports it but `__main__.py`.
 """
 
 from ._main import main as main

@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._keys import HostKey, is_key, key_data, key_impl_name
 from .._tree import (
     abstract_leaf_error,
@@ -67,6 +68,9 @@ def _cpu_blocks(
         key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
         blocks.setdefault(key, (k, index))
     return tuple(blocks.values())
+
+
+register(_cpu_blocks.cache_clear)
 
 
 def fetch(arrays: list[jax.Array], *, own: bool = False) -> list[np.ndarray]:

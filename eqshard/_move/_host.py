@@ -61,6 +61,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
 
@@ -279,6 +280,9 @@ def _dense_block(
     )
 
 
+register(_dense_block.cache_clear)
+
+
 def takes_in_place(leaf: np.ndarray, sharding: NamedSharding) -> bool:
     """Whether `jax.device_put` of `leaf` onto `sharding` may use some of its memory
     as a device buffer, without copying: on CPU devices or in a host memory, for a
@@ -291,6 +295,9 @@ def _copied_per_device(sharding: NamedSharding) -> bool:
     """Whether `device_put` copies an unaligned host array once per device: it is
     whole on several devices. A private aligned copy is then one copy in all."""
     return sharding.is_fully_replicated and len(sharding.device_set) > 1
+
+
+register(_copied_per_device.cache_clear)
 
 
 @ft.lru_cache(maxsize=1024)
@@ -307,6 +314,9 @@ def _blocks_replicated(sharding: NamedSharding) -> bool:
         for axis in entry if isinstance(entry, tuple | list) else (entry,):
             split *= dict(sharding.mesh.shape).get(axis, 1)
     return len(sharding.device_set) > split
+
+
+register(_blocks_replicated.cache_clear)
 
 
 def private_copy(leaf: np.ndarray) -> np.ndarray:
@@ -364,6 +374,9 @@ def may_alias(sharding: NamedSharding) -> bool:
     return sharding.memory_kind not in (None, "device") or any(
         device.platform == "cpu" for device in sharding.device_set
     )
+
+
+register(may_alias.cache_clear)
 
 
 def unplaceable(dtype: np.dtype) -> str | None:

@@ -51,6 +51,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._keys import is_key, key_data
 from .._mesh import find_mesh, mesh_repr
 from .._spectree._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
@@ -165,6 +166,9 @@ def _every_process_holds_all(sharding: Any, shape: tuple[int, ...]) -> bool:
     return all(blocks == everything for blocks in held.values())
 
 
+register(_every_process_holds_all.cache_clear)
+
+
 @ft.lru_cache(maxsize=4096)
 def _process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedSharding:
     """A sharding over the devices of `sharding` that gives every process the whole
@@ -194,6 +198,9 @@ def _process_local_sharding(sharding: Any, shape: tuple[int, ...]) -> NamedShard
     mesh = Mesh(grid, (*names, "replicas"), (AxisType.Auto,) * len(sizes))
     spec = [f"local{d}" if s > 1 else None for d, s in enumerate(splits)]
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+register(_process_local_sharding.cache_clear)
 
 
 def needs_collective(x: Any) -> bool:
@@ -560,6 +567,9 @@ def _describe_mesh(mesh: Mesh) -> str:
     return f"{mesh_repr(mesh)} over devices {ids.tolist()}"
 
 
+register(_describe_mesh.cache_clear)
+
+
 def _record(
     path: KeyPath,
     leaf: Any,
@@ -599,6 +609,9 @@ def _sample_index(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     return np.unravel_index(flat, shape)
 
 
+register(_sample_index.cache_clear)
+
+
 def _fingerprint(value: Any, *, full: bool) -> str:
     """A hash of a sample of the values of a host array (of all of them if it is
     small, or if `full`): equal on processes that hold equal arrays. The sample
@@ -623,6 +636,9 @@ def _leaders(meshes: tuple[Mesh, ...]) -> tuple[Any, ...]:
     if len(first) < 2 or jax.process_index() not in first:
         return ()
     return tuple(first[p] for p in sorted(first))
+
+
+register(_leaders.cache_clear)
 
 
 def _allgather_rows(row: np.ndarray, devices: tuple[Any, ...]) -> np.ndarray:

@@ -25,6 +25,8 @@ import math
 import numpy as np
 from jax.sharding import Mesh
 
+from .._caches import register
+
 
 # `((process_index, blocks), ...)`, by process, each `blocks` sorted.
 Held = tuple[tuple[int, tuple[int, ...]], ...]
@@ -48,6 +50,9 @@ def blocks_by_process(mesh: Mesh, axes: tuple[str, ...]) -> Held:
     ):
         held.setdefault(device.process_index, set()).add(int(b))
     return tuple((p, tuple(sorted(blocks))) for p, blocks in sorted(held.items()))
+
+
+register(blocks_by_process.cache_clear)
 
 
 def _held(mesh: Mesh, axes: tuple[str, ...], process: int | None) -> Held:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from .._caches import register
 from .._keys import is_key
 from .._tree import placed_dtype
 from ._host import aligned_empty, cast_lost, has_dense_block, Lost, more_lost
@@ -62,6 +63,9 @@ def _on_cpu_or_host_memory(sharding: Any) -> bool:
     return sharding.memory_kind not in (None, "device") or any(
         device.platform == "cpu" for device in sharding.device_set
     )
+
+
+register(_on_cpu_or_host_memory.cache_clear)
 
 
 def _device_order(sharding: Any) -> tuple[Any, ...] | None:
@@ -104,6 +108,9 @@ def _route(
     return "program" if one_device or same_order else "host"
 
 
+register(_route.cache_clear)
+
+
 def _cast_checked(
     x: jax.Array, cast: np.dtype | None
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -132,6 +139,9 @@ def _reshard_program(
     return jax.jit(reshard, out_shardings=(list(shardings), losses))
 
 
+register(_reshard_program.cache_clear)
+
+
 Blocks = tuple[tuple[tuple[int, int], ...], ...]  # per block: (start, stop) per dim
 
 
@@ -149,6 +159,9 @@ def _slice_program(blocks: tuple[Blocks, ...], casts: tuple[np.dtype | None, ...
         return out, losses
 
     return jax.jit(cut)
+
+
+register(_slice_program.cache_clear)
 
 
 def _block_key(index: Any, shape: tuple[int, ...]) -> Any:
@@ -233,6 +246,9 @@ def _block_plan(source: Any, target: Any, shape: tuple[int, ...]) -> _BlockPlan:
             )
         plan.append((tuple(raw), tuple(b - a for a, b in block), tuple(copies)))
     return tuple(plan)
+
+
+register(_block_plan.cache_clear)
 
 
 def _index_key(index: Any) -> tuple[Any, ...]:

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from .._caches import register
 from ._host import has_dense_block
 
 
@@ -63,6 +64,9 @@ def in_cpu_memory(sharding: Any) -> bool:
     return sharding.memory_kind in (None, "device") and all(
         device.platform == "cpu" for device in sharding.device_set
     )
+
+
+register(in_cpu_memory.cache_clear)
 
 
 def _cores() -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._deprecated import renamed_literals
+from .._caches import register
 from .._mesh import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._follow import follow_spec, replicated_like
@@ -57,6 +57,9 @@ def _placed_as(own: Any, dtype: Any) -> Any:
     if dtype is None or not jnp.issubdtype(own, jnp.inexact):
         dtype = own
     return _placed(dtype)
+
+
+register(_placed_as.cache_clear)
 
 
 def _abstracter() -> Callable[[Any, Any], Any]:
@@ -368,7 +371,6 @@ class TrainingPlan(Report):
         return out
 
 
-@renamed_literals("plan_training", "on_invalid", report="ignore")
 @typecheck
 def plan_training(
     params: PyTree,

@@ -5,11 +5,16 @@ turns whatever was given (a spec tree or a prefix of one, partition rules, or a
 function of the abstract tree) into one `PartitionSpec` per array leaf:
 
 1. **Names.** `AxisNames` and the logical rules context (`_logical.py`) resolve
-   logical names to mesh axes (`logical_to_spec`).
+   logical names to mesh axes (`logical_to_spec`, the one resolver);
+   `_logical_convert.py` applies it to whole trees (`logical_to_mesh_specs`) and
+   builds rule tables (`composite_axis_rules`, t5x's standard ones, the names a
+   model declares in its fields).
 2. **Rules.** Regex partition rules are matched against each leaf's path
-   (`_rules.py`, with the rule value `stacked` and `auto_fsdp` from `_auto.py`,
-   which picks a spec from a leaf's shape); `explain_partition_rules` says which
-   rule gave each spec.
+   (`_rules.py`), their values a spec, logical names, `stacked` (`_stacked.py`:
+   a spec for one layer of stacked layers) or `auto_fsdp` (`_auto.py`: a spec
+   picked from the shape); `_rules_syntax.py` reads specs and rules written as
+   text, and `explain_partition_rules` (`_rules_report.py`) says which rule gave
+   each spec.
 3. **Check.** Each spec is checked against its leaf's shape and the mesh
    (`_specs.py`: `check_spec`, the one message for bad specs).
 4. **Derive.** Spec trees for other trees (`_derive.py`: optimizer states and

@@ -16,7 +16,6 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .._deprecated import renamed_keywords
 from .._mesh import mesh_repr, require_mesh
 from .._tree import is_array, listing, path_str
 from .._typing import (
@@ -134,10 +133,6 @@ def abstract_tree(
     return jtu.tree_unflatten(treedef, out)
 
 
-@renamed_keywords(
-    "derive_specs",
-    on_unmatched=("on_invalid", {"error": "raise", "replicate": "ignore"}),
-)
 @typecheck
 def derive_specs(
     tree: PyTree,
@@ -346,7 +341,6 @@ def _renamed(
     return PartitionSpec(*entries)
 
 
-@renamed_keywords("restrict_specs", on_change="on_invalid")
 @typecheck
 def restrict_specs(
     specs: PyTree,

@@ -17,6 +17,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._mesh import mesh_repr
 from .._tree import broadcast_prefix, is_array, path_str, paths_text
 from .._typing import KeyPath, SpecLeaf
@@ -269,6 +270,9 @@ def _fits(
     spec and mesh: a model's layers repeat them, and trees are placed again and
     again."""
     return not check_spec(shape, spec, dict(mesh.shape))[1]
+
+
+register(_fits.cache_clear)
 
 
 def check_leaf(

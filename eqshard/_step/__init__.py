@@ -1,9 +1,20 @@
 """The compiled step: what a training step does with each leaf's layout.
 
-`analyze_step` (`_step.py`) compiles a step for its arguments (with `fn`'s own
-shardings and donations), names its leaves by path and captures XLA's warnings.
-The compiled program's text is read by `_hlo.py` (computations, shapes, replica
-groups, trip counts) and each collective followed back to the arguments and
-results it moves; the rows and totals go into a `StepReport` (`_step_report.py`:
-memory, collectives by path, `diff`, JSON).
+How a step is read, in the order of `analyze_step` (`_step.py`):
+
+1. **Compile.** The step is compiled for its arguments, with `fn`'s own
+   shardings and donations, its leaves named by path (`params/b0/w1`), and XLA's
+   warnings captured.
+2. **Read the text.** `_hlo_text.py` reads XLA's compiled text
+   (`compiled.as_text()`) into computations of instructions, shapes flattened
+   into slots, and the attributes asked for (called computations, replica
+   groups, trip counts, op names); `HloTextError` on text it cannot read.
+3. **Follow the data.** `_hlo_graph.py` links each slot, inside each
+   computation, to the parameter slots it derives from and the root slots it
+   reaches through ops that keep identity; `_hlo_flow.py` carries the entry's
+   arguments and results down through the calls and attributes each collective
+   (`Program`, `Collective`) to the user's leaves, or to the dot it feeds.
+4. **Report.** Memory, collectives by path and totals go into a `StepReport`
+   (`_step_report.py`: `diff`, the table, JSON), cached per function and
+   argument signature until [`eqshard.clear_caches`][].
 """

@@ -39,6 +39,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import Mesh, Sharding
 
+from .._caches import register
 from .._internals.xla import Captured, captured_stderr
 from .._transforms._explicit import explained
 from .._tree import path_name
@@ -67,6 +68,9 @@ _KEEP = 32  # reports kept per function
 def clear_cache() -> None:
     """Forgets every step report kept, so the next `analyze_step` compiles."""
     _REPORTS.clear()
+
+
+register(clear_cache)
 
 
 @typecheck

@@ -38,6 +38,7 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._mesh import find_mesh, mesh_repr, same_mesh
 from .._move._host import host_private
 from .._spectree._logical import (
@@ -562,6 +563,7 @@ def _make_program(config: _Map, blocks: Any) -> Any:
 
 
 _PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
+register(_PROGRAMS.clear)
 
 
 def _program(config: _Map, closed: ClosedJaxpr, blocks: Any) -> Any:

@@ -1,23 +1,29 @@
 """fjformer's and eformer's odds and ends, under their own names.
 
 Code ported from fjformer's `partition_utils` or eformer's `escale` finds here
-the helpers that are not eqshard's everyday path: metrics for logging, PRNG keys
-threaded through calls, padding, a weight-decay mask, per-leaf shard and gather
-functions, fjformer's mesh strings and pattern rules, and a few readers of
-meshes and specs. Each is documented with its everyday counterpart at the root of
-`eqshard` where there is one (for example [`eqshard.create_mesh`][] takes the
-mesh strings of [`eqshard.compat.get_jax_mesh`][]).
+the helpers that are not eqshard's everyday path. `_patterns.py` turns
+fjformer's pattern strings into partition rules, which go through the spec-tree
+wing like any others, and makes weight-decay masks from paths;
+`_misc.py` holds metrics for logging, PRNG keys threaded through calls, padding,
+and `make_shard_and_gather_fns` (per-leaf functions over `shard` and `gather`);
+fjformer's mesh strings and a few readers of meshes and specs are re-exported
+from the base modules and the readers. Each is documented with its everyday
+counterpart at the root of `eqshard` where there is one (for example
+[`eqshard.create_mesh`][] takes the mesh strings of
+[`eqshard.compat.get_jax_mesh`][]).
 """
 
 from .._mesh import (
-    get_jax_mesh as get_jax_mesh,
     get_mesh_axis_names as get_mesh_axis_names,
     names_in_current_mesh as names_in_current_mesh,
 )
+from .._mesh_build import get_jax_mesh as get_jax_mesh
 from .._readers._inspect import (
     extract_sharding_structure as extract_sharding_structure,
 )
-from .._tree import get_names_from_partition_spec as get_names_from_partition_spec
+from .._tree_utils import (
+    get_names_from_partition_spec as get_names_from_partition_spec,
+)
 from ._misc import (
     get_metrics as get_metrics,
     make_shard_and_gather_fns as make_shard_and_gather_fns,

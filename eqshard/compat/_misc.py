@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._caches import register
 from .._keys import is_key
 from .._mesh import concrete_mesh
 from .._move._gather import gather
@@ -196,6 +197,9 @@ class RngFunction(eqx.Module):
 def _raw_key_shape() -> tuple[int, ...]:
     """The shape of a legacy `uint32` key of the default PRNG implementation."""
     return jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
+
+
+register(_raw_key_shape.cache_clear)
 
 
 def _check_key(key: jax.Array | np.ndarray) -> None:

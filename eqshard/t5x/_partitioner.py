@@ -30,8 +30,8 @@ from .._spectree._logical import (
     logical_to_spec,
     LogicalRules,
     normalize_rules,
-    standard_logical_axis_rules,
 )
+from .._spectree._logical_convert import standard_logical_axis_rules
 from .._spectree._spec_args import NO_TREE, resolve_specs
 from .._spectree._specs import axes_repr, entry_axes, spec_entry
 from .._typing import AxisRulesArg, Int, typecheck
