@@ -16,7 +16,6 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._build._init import needs_arguments, restore_target
 from .._keys import is_key
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
 from .._move._multiprocess import check_timeout, fail_together, meet
@@ -36,6 +35,7 @@ from ._disk import (
     saved_arrays,
     unreadable_error,
 )
+from ._restore_target import needs_arguments, restore_target
 from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
