@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
+from .._internals import routes
 from .._keys import is_key
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
 from .._move._multiprocess import check_timeout, fail_together, meet
@@ -85,8 +86,11 @@ def _fetch(
     names: dict[int, str],
     caller: str,
 ) -> dict[int, Any]:
-    """`_from_orbax`, the arrays bound for CPU devices' own memory read by
-    `read_blocks` instead (see `_blocks.py`). `names` name them in errors."""
+    """`_from_orbax` (the plain route), the arrays bound for CPU devices' own
+    memory read by `read_blocks` instead (the fast path `restore`, see
+    `_blocks.py`): unless `EQSHARD_PLAIN_ROUTES` forces the plain route, or the
+    door does not recognise orbax's type handlers (then it says so once, in a
+    warning). `names` name them in errors."""
     blocks = {
         k: want
         for k, want in wanted.items()
@@ -95,8 +99,13 @@ def _fetch(
         and not is_key(want)
         and in_cpu_memory(want.sharding)
     }
-    rest = {k: want for k, want in wanted.items() if k not in blocks}
-    got = read_blocks(path, held, blocks, names, caller) if blocks else {}
+    got = {}
+    if blocks and not routes.plain("restore"):
+        try:
+            got = read_blocks(path, held, blocks, names, caller)
+        except routes.Unrecognised as error:
+            routes.fall_back("restore", str(error))
+    rest = {k: want for k, want in wanted.items() if k not in got}
     if rest:
         got.update(_from_orbax(ocp, path, held.layout, rest, caller))
     return got
