@@ -59,7 +59,6 @@ ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset()
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
     {
-        "eqshard._readers._inspect",
         "eqshard._transforms._jit",
         "eqshard._spectree._logical",
         "eqshard._mesh",
@@ -73,11 +72,9 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
 )
 ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
-        "eqshard._checkpoint._restore.restore",
         "eqshard._cli._main._parser",
         "eqshard._build._init.sharded_init",
         "eqshard._build._init_pieces.plan",
-        "eqshard._readers._inspect.analyze_pairs",
         "eqshard._move._multiprocess._disagreement_message",
         "eqshard._search._search.search_layout",
         "eqshard._step._step._analyze",
