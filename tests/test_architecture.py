@@ -72,13 +72,10 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
 )
 ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
-        "eqshard._cli._main._parser",
         "eqshard._build._init.sharded_init",
         "eqshard._build._init_pieces.plan",
         "eqshard._move._multiprocess._disagreement_message",
-        "eqshard._search._search.search_layout",
         "eqshard._step._step._analyze",
-        "eqshard.t5x._partitioner.Partitioner.__init__",
     }
 )
 
