@@ -34,7 +34,6 @@ from ._mesh_build import (
 from ._move._gather import gather as gather, iter_gather as iter_gather
 from ._move._shard import named_shardings as named_shardings, shard as shard
 from ._readers._inspect import (
-    analyze_sharding_strategy as analyze_sharding_strategy,
     extract_shardings as extract_shardings,
     get_partition_spec as get_partition_spec,
     ShardingReport as ShardingReport,
@@ -47,6 +46,9 @@ from ._readers._layout import (
     LayoutReport as LayoutReport,
 )
 from ._readers._plan import plan_training as plan_training, TrainingPlan as TrainingPlan
+from ._readers._strategy import (
+    analyze_sharding_strategy as analyze_sharding_strategy,
+)
 from ._search._search import search_layout as search_layout
 from ._search._search_report import (
     LayoutCandidate as LayoutCandidate,

@@ -1002,3 +1002,77 @@ def test_save_safetensors_replaces_only_when_asked(tmp_path):
             eqshard.save_safetensors(target, {"a": np.ones(2)}, overwrite=True)
     assert link.is_symlink() and fifo.is_fifo()
     assert sorted(os.listdir(tmp_path)) == sorted([path.name, fifo.name, link.name])
+
+
+def _shards(tree):
+    """Each array's shards: device, index and bytes (bit for bit)."""
+    return {
+        name: (
+            x.dtype,
+            x.sharding,
+            sorted(
+                (s.device.id, str(s.index), np.asarray(s.data).tobytes())
+                for s in x.addressable_shards
+            ),
+        )
+        for name, x in tree.items()
+    }
+
+
+@pytest.mark.parametrize("ocdbt", [True, False])
+@pytest.mark.parametrize("zarr3", [False, True])
+def test_restore_block_reads_match_orbaxs_read(tmp_path, monkeypatch, ocdbt, zarr3):
+    # The fast path (tensorstore reads into CPU devices' buffers) and the plain
+    # route (orbax's own read, EQSHARD_PLAIN_ROUTES=restore) give the same bits.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    host = {k: v for k, v in _host_tree().items() if k != "layers"}
+    host["b"] = _host_tree()["layers"][0]["b"]
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)
+    checkpointer = ocp.Checkpointer(handler)
+    checkpointer.save(tmp_path / "c", args=ocp.args.PyTreeSave(host))
+    checkpointer.close()
+    specs = {**{k: v for k, v in _SPECS.items() if k != "layers"}, "b": P("tp")}
+    cases = [
+        (_mesh((2, 4), ("dp", "tp")), specs, None),
+        (
+            _mesh((4, 2), ("dp", "tp")),
+            {k: P(*("tp",)[: v.ndim]) for k, v in host.items()},
+            None,
+        ),
+        (_mesh((8,), ("dp",)), P(), jnp.bfloat16),
+    ]
+    for mesh, case_specs, dtype in cases:
+        fast = eqshard.restore(tmp_path / "c", host, case_specs, mesh, dtype=dtype)
+        with monkeypatch.context() as patch:
+            patch.setenv("EQSHARD_PLAIN_ROUTES", "restore")
+
+            def never(*args, **kwargs):
+                pytest.fail("the plain route reads orbax's type handlers")
+
+            patch.setattr(eqshard._internals.orbax, "read_specs", never)
+            plain = eqshard.restore(tmp_path / "c", host, case_specs, mesh, dtype=dtype)
+        assert _shards(fast) == _shards(plain)
+        if dtype is None:
+            _assert_same(fast, host)
+
+
+def test_restore_takes_orbaxs_read_when_the_door_does_not_recognise(
+    tmp_path, monkeypatch
+):
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    host = {**_host_tree(), "big": np.arange(16, dtype=np.int64)}
+    eqshard.save(tmp_path / "c", host)
+    fast = eqshard.restore(tmp_path / "c", host, _SPECS | {"big": P("tp")}, mesh)
+
+    def unrecognised(*args, **kwargs):
+        raise eqshard._internals.routes.Unrecognised("a test's unknown orbax")
+
+    monkeypatch.setattr(eqshard._internals.orbax, "read_specs", unrecognised)
+    with pytest.warns(RuntimeWarning, match="a test's unknown orbax") as caught:
+        plain = eqshard.restore(tmp_path / "c", host, _SPECS | {"big": P("tp")}, mesh)
+    assert len(caught) == 1  # once, though the narrowed int64 is read twice
+    assert "'restore'" in str(caught[0].message)
+    assert _shards({"w": fast["w"], "big": fast["big"]}) == _shards(
+        {"w": plain["w"], "big": plain["big"]}
+    )
+    _assert_same(plain, jax.device_put(host))

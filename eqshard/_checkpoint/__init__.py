@@ -5,11 +5,11 @@
 dependencies are imported inside the functions that use them, so `import
 eqshard` never imports them. The modules: `_targets.py` (what both formats
 share: names, targets, the message for differences), `_disk.py` (a checkpoint's
-directory, eqshard's own file, what it holds), `_save.py`,
-`_restore.py`, `_swap.py` (one writer per path, the atomic swap,
-generations), `_blocks.py` (orbax's files read block by block into CPU devices'
-memory), `_safetensors.py` (reading and writing) and `_safetensors_files.py`
-(which files, and their headers).
+directory, eqshard's own file, what it holds), `_save.py`, `_restore.py`,
+`_restore_target.py` (what `restore` reads into), `_swap.py` (one writer per
+path, the atomic swap, generations), `_blocks.py` (orbax's files read block by
+block into CPU devices' memory), `_safetensors.py` (reading and writing) and
+`_safetensors_files.py` (which files, and their headers).
 
 How a checkpoint is written, in the order of `save`:
 

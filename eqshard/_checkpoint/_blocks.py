@@ -17,18 +17,24 @@ asked for before any is waited on, so tensorstore decodes them all on
 its own threads.
 
 The files are opened with orbax's own description of them (the tensorstore spec
-it reads with, from `orbax.checkpoint.type_handlers`), in one tensorstore
-context, so that every array shares one cache of the checkpoint's index.
+it reads with, from `orbax.checkpoint.type_handlers`, read by the door
+`_internals/orbax.py`), in one tensorstore context, so that every array shares
+one cache of the checkpoint's index. This is the fast path `restore` of
+`_internals/routes.py`: `EQSHARD_PLAIN_ROUTES=restore` gives every array orbax's
+own read instead, and so does a door that does not recognise orbax's type
+handlers (saying so once, in a warning).
 Accelerators, and the host memories of a CPU device, keep orbax's read: there
 the copy to the device is a transfer that happens either way, and orbax bounds
 the host memory it holds at once.
 """
 
+import typing
 from typing import Any
 
 import jax
 import numpy as np
 
+from .._internals import orbax
 from .._move._host import aligned_empty
 from ._disk import Held
 from ._targets import import_optional
@@ -61,22 +67,16 @@ def read_blocks(
     """The leaves of orbax's tree at the positions of `wanted`, each read onto its
     struct's sharding (on CPU devices, in their default memory) as its struct's
     dtype, converted by tensorstore as orbax converts. `names` name them in
-    errors: a `ValueError` for files that cannot be read."""
-    ocp = import_optional("orbax.checkpoint", "orbax", caller)
-    epath = import_optional("etils.epath", "orbax", caller)
+    errors: a `ValueError` for files that cannot be read. Raises `Unrecognised`
+    (before reading anything) if orbax's type handlers are not as the door
+    (`_internals/orbax.py`) reads them."""
     tensorstore = import_optional("tensorstore", "orbax", caller)
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=held.ocdbt)
-    opening = {}
-    for k in wanted:
-        info = ocp.type_handlers.ParamInfo(
-            name=held.names[k],
-            parent_dir=epath.Path(path),
-            is_ocdbt_checkpoint=held.ocdbt,
-            use_zarr3=held.zarr3,
-            ts_context=context,
-        )
-        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=held.ocdbt)
-        opening[k] = tensorstore.open(spec, context=context, open=True, read=True)
+    files = {k: typing.cast(str, held.names[k]) for k in wanted}
+    opened = orbax.read_specs(path, files, zarr3=held.zarr3)  # may be Unrecognised
+    opening = {
+        k: tensorstore.open(spec, context=opened.context, open=True, read=True)
+        for k, spec in opened.specs.items()
+    }
     where = {k: _block_bounds(target) for k, target in wanted.items()}
     read: dict[int, dict[Any, np.ndarray]] = {}
     writes = []

@@ -240,12 +240,11 @@ class Held(NamedTuple):
 
     layout: Any
     names: list[str | None]
-    ocdbt: bool
     zarr3: bool
 
 
 # A checkpoint whose arrays are all in eqshard's file (zero-size): orbax holds none.
-NOTHING_HELD = Held(None, [], False, False)
+NOTHING_HELD = Held(None, [], False)
 
 
 def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], Held]:
@@ -272,7 +271,6 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
     try:
         metadata = handler.metadata(epath.Path(path))
         tree = metadata.tree
-        ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path))
     except FileNotFoundError:
         raise ValueError(
             f"eqshard.{caller}: {path!r} holds no checkpoint: neither eqshard's "
@@ -330,7 +328,7 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
             )
         found[name] = held._replace(dtype=entry.dtype)
     zarr3 = bool(getattr(metadata, "use_zarr3", False))
-    return found, Held(layout, names, bool(ocdbt), zarr3)
+    return found, Held(layout, names, zarr3)
 
 
 def is_read_error(error: Exception) -> bool:

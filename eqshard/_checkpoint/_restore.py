@@ -3,6 +3,7 @@ compared with `like` before any data is read, and checked for values lost (see
 the package's docstring).
 """
 
+import dataclasses
 import functools as ft
 import json
 import os
@@ -16,7 +17,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._build._init import needs_arguments, restore_target
+from .._internals import routes
 from .._keys import is_key
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
 from .._move._multiprocess import check_timeout, fail_together, meet
@@ -36,6 +37,7 @@ from ._disk import (
     saved_arrays,
     unreadable_error,
 )
+from ._restore_target import needs_arguments, restore_target
 from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
@@ -85,8 +87,11 @@ def _fetch(
     names: dict[int, str],
     caller: str,
 ) -> dict[int, Any]:
-    """`_from_orbax`, the arrays bound for CPU devices' own memory read by
-    `read_blocks` instead (see `_blocks.py`). `names` name them in errors."""
+    """`_from_orbax` (the plain route), the arrays bound for CPU devices' own
+    memory read by `read_blocks` instead (the fast path `restore`, see
+    `_blocks.py`): unless `EQSHARD_PLAIN_ROUTES` forces the plain route, or the
+    door does not recognise orbax's type handlers (then it says so once, in a
+    warning). `names` name them in errors."""
     blocks = {
         k: want
         for k, want in wanted.items()
@@ -95,8 +100,13 @@ def _fetch(
         and not is_key(want)
         and in_cpu_memory(want.sharding)
     }
-    rest = {k: want for k, want in wanted.items() if k not in blocks}
-    got = read_blocks(path, held, blocks, names, caller) if blocks else {}
+    got = {}
+    if blocks and not routes.plain("restore"):
+        try:
+            got = read_blocks(path, held, blocks, names, caller)
+        except routes.Unrecognised as error:
+            routes.fall_back("restore", str(error))
+    rest = {k: want for k, want in wanted.items() if k not in got}
     if rest:
         got.update(_from_orbax(ocp, path, held.layout, rest, caller))
     return got
@@ -285,6 +295,126 @@ def _during_save(caller: str, path: str, before: Any, error: Exception) -> Excep
     return failure
 
 
+def _like_fix(like: Any) -> str:
+    """How to fix a `like` that does not match the checkpoint."""
+    fix = (
+        "Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
+        "skeleton of it is enough)."
+    )
+    if needs_arguments(like):
+        fix += (
+            f" `like` is {like!r}, a function that takes arguments: to restore "
+            "what it makes, give it with its arguments bound, e.g. "
+            "`functools.partial(make, key)` for the `make` and `key` given to "
+            "`eqshard.init_sharded`."
+        )
+    return fix
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meeting:
+    """How `restore`'s processes meet (before reading, after, and to compare what
+    they lost)."""
+
+    caller: str
+    timeout: float | int
+    cannot: str
+    rule: str = "Every process must make the same `restore` call at the same point"
+
+    def fail_together(self, failure: Exception | None, rows: Any = None) -> None:
+        fail_together(
+            self.caller,
+            failure,
+            self.timeout,
+            rows=rows,
+            cannot=self.cannot,
+            rule=self.rule,
+        )
+
+    def status(self, status: str) -> Any:
+        processes = tuple(range(jax.process_count()))
+        return meet(
+            self.caller,
+            processes,
+            self.timeout,
+            cannot=self.cannot,
+            rule=self.rule,
+            status=status,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What `restore` reads: `like`'s arrays by name (`named`), their targets, the
+    checkpoint's description of them (`saved`, `held`), the casts asked for, and
+    the checkpoint's generation before the read."""
+
+    named: dict[str, tuple[int, KeyPath, Any]]
+    targets: dict[str, jax.ShapeDtypeStruct]
+    saved: dict[str, Saved]
+    casts: list[np.dtype | None]
+    held: Held
+    before: Any
+
+
+def _compared(
+    ocp: Any,
+    path: str,
+    like: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None,
+    dtype: Any,
+    before: Any,
+    fix: str,
+) -> _Plan:
+    """The targets of `like`'s arrays, compared with the checkpoint's description
+    of them (steps 1 to 3 in the package's docstring)."""
+    caller = "restore"
+    named = named_arrays(like, caller)
+    if isinstance(mesh, AbstractMesh):
+        raise abstract_target_error(caller, [p for _, p, _ in named.values()], mesh)
+    placed = jtu.tree_leaves(like)
+    if specs is not None:
+        # Arrays read now need a layout: every spec checked as `shard` does
+        # (`P.UNCONSTRAINED` refused), all at once.
+        check = ft.partial(check_placeable, check_spec_on_mesh)
+        target = abstract_tree(like, specs, mesh, caller=caller, check=check)
+        placed = jtu.tree_leaves(target)
+    casts = leaf_casts(dtype, like, caller=caller)
+    targets = restore_targets(named, placed, casts, caller)
+    try:  # the checkpoint's description, compared with the targets
+        saved, held = saved_arrays(ocp, path, caller)
+        check_against(
+            targets,
+            named,
+            {name: (s.shape, s.dtype) for name, s in saved.items()},
+            casts,
+            caller=caller,
+            where=f"the checkpoint at {path!r}",
+            fix=fix,
+        )
+    except ValueError as error:
+        raise _during_save(caller, path, before, error) from error.__cause__
+    return _Plan(named, targets, saved, casts, held, before)
+
+
+def _lost_error(caller: str, plan: _Plan, lost: dict[str, Lost]) -> ValueError:
+    return loss_error(
+        caller,
+        [
+            (
+                plan.named[name][1],
+                plan.saved[name].dtype,
+                lost[name].dtype,
+                lost_text(lost[name]),
+                plan.casts[plan.named[name][0]] is not None,
+            )
+            for name in plan.targets
+            if name in lost
+        ],
+    )
+
+
 @typecheck
 def restore(
     directory: str | os.PathLike,
@@ -382,106 +512,42 @@ def restore(
     caller = "restore"
     check_timeout(caller, timeout)
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
-    fix = (
-        "Pass the `like` of the tree that was saved (an `eqx.filter_eval_shape` "
-        "skeleton of it is enough)."
-    )
-    if needs_arguments(like):
-        fix += (
-            f" `like` is {like!r}, a function that takes arguments: to restore "
-            "what it makes, give it with its arguments bound, e.g. "
-            "`functools.partial(make, key)` for the `make` and `key` given to "
-            "`eqshard.init_sharded`."
-        )
+    fix = _like_fix(like)
     like, specs = restore_target(
         like, specs, mesh, on_invalid=on_invalid, caller=caller
     )
     ocp = import_optional("orbax.checkpoint", "orbax", caller)
     path = os.path.abspath(os.fspath(directory))
-    cannot = f"the checkpoint at {path!r} is not read"
-    rule = "Every process must make the same `restore` call at the same point"
+    meeting = _Meeting(caller, timeout, f"the checkpoint at {path!r} is not read")
     leaves, treedef = jtu.tree_flatten(like)
+    plan = _Plan({}, {}, {}, [], NOTHING_HELD, generation(path))
     failure: Exception | None = None
-    named: dict[str, tuple[int, KeyPath, Any]] = {}
-    targets: dict[str, jax.ShapeDtypeStruct] = {}
-    saved: dict[str, Saved] = {}
-    casts: list[np.dtype | None] = []
-    held = NOTHING_HELD
-    before = generation(path)
     try:
-        named = named_arrays(like, caller)
-        if isinstance(mesh, AbstractMesh):
-            raise abstract_target_error(caller, [p for _, p, _ in named.values()], mesh)
-        placed = leaves
-        if specs is not None:
-            # Arrays read now need a layout: every spec checked as `shard` does
-            # (`P.UNCONSTRAINED` refused), all at once.
-            check = ft.partial(check_placeable, check_spec_on_mesh)
-            target = abstract_tree(like, specs, mesh, caller=caller, check=check)
-            placed = jtu.tree_leaves(target)
-        casts = leaf_casts(dtype, like, caller=caller)
-        targets = restore_targets(named, placed, casts, caller)
-        try:  # the checkpoint's description, compared with the targets
-            saved, held = saved_arrays(ocp, path, caller)
-            check_against(
-                targets,
-                named,
-                {name: (s.shape, s.dtype) for name, s in saved.items()},
-                casts,
-                caller=caller,
-                where=f"the checkpoint at {path!r}",
-                fix=fix,
-            )
-        except ValueError as error:
-            raise _during_save(caller, path, before, error) from error.__cause__
+        plan = _compared(ocp, path, like, specs, mesh, dtype, plan.before, fix)
     except Exception as error:  # raised on every process, by `fail_together`
         failure = error
-    rows = [(n, t.shape, t.dtype) for n, t in targets.items()]
-    fail_together(caller, failure, timeout, rows=rows, cannot=cannot, rule=rule)
+    rows = [(n, t.shape, t.dtype) for n, t in plan.targets.items()]
+    meeting.fail_together(failure, rows=rows)
     restored: dict[str, jax.Array] = {}
     checks: dict[str, jax.Array] = {}
     try:
-        restored, checks = _read(ocp, path, held, saved, targets, caller)
-        if generation(path) != before:
+        restored, checks = _read(ocp, path, plan.held, plan.saved, plan.targets, caller)
+        if generation(path) != plan.before:
             raise _finished_during(caller, path)
     except Exception as error:  # orbax wraps a failed read in a bare `Exception`
         failure = _during_save(
             caller,
             path,
-            before,
-            unreadable_error(caller, path, error, list(targets))
+            plan.before,
+            unreadable_error(caller, path, error, list(plan.targets))
             if is_read_error(error)
             else error,
         )
-    fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
-    processes = tuple(range(jax.process_count()))
-    lost = _losses(
-        ocp,
-        path,
-        held,
-        saved,
-        restored,
-        checks,
-        lambda status: meet(
-            caller, processes, timeout, cannot=cannot, rule=rule, status=status
-        ),
-    )
+    meeting.fail_together(failure)
+    lost = _losses(ocp, path, plan.held, plan.saved, restored, checks, meeting.status)
     if lost:
-        raise loss_error(
-            caller,
-            [
-                (
-                    named[name][1],
-                    saved[name].dtype,
-                    lost[name].dtype,
-                    lost_text(lost[name]),
-                    casts[named[name][0]] is not None,
-                )
-                for name in targets
-                if name in lost
-            ],
-        )
+        raise _lost_error(caller, plan, lost)
     out = list(leaves)
-    for name, (i, _, _) in named.items():
+    for name, (i, _, _) in plan.named.items():
         out[i] = restored[name]
     return jtu.tree_unflatten(treedef, out)

@@ -101,6 +101,15 @@ def _parser() -> argparse.ArgumentParser:
             "or --step code raised (its traceback is summarised)."
         ),
     )
+    _what_options(parser)
+    _plan_options(parser)
+    _run_options(parser)
+    return parser
+
+
+def _what_options(parser: argparse.ArgumentParser) -> None:
+    """What the command plans: the mesh, and the model (the demo's, one of
+    `--size`, or the user's) and its step."""
     parser.add_argument(
         "--mesh",
         metavar="SPEC",
@@ -141,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
             "choose the layout by compiling the step (eqshard.search_layout)"
         ),
     )
+
+
+def _plan_options(parser: argparse.ArgumentParser) -> None:
+    """What the plan counts, against what memory, and `--fit`."""
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -197,6 +210,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --model, also print the plan's table of every array",
     )
+
+
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """The rules, and how the demo runs."""
     parser.add_argument(
         "--rules",
         metavar="FILE",
@@ -215,7 +232,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="number of virtual CPU devices (8)",
     )
-    return parser
 
 
 def parse_size(text: str) -> int:

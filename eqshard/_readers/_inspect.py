@@ -1,20 +1,17 @@
-"""Reading the shardings of a pytree, and planning memory before anything moves.
+"""Reading the shardings of a pytree, and the report of what each device holds.
 
 The readers (`get_partition_spec`, `extract_sharding_structure`,
-`extract_shardings`) turn the arrays of a tree into its spec tree or sharding
-tree. `analyze_sharding_strategy` works out, from shapes and specs alone, how many
-bytes each device of a mesh would hold: it reads only `.shape` and `.dtype`, so it
-plans a 70B-parameter model from `jax.ShapeDtypeStruct`s without allocating.
+`extract_shardings`, `own_shardings`) turn the arrays of a tree into its spec
+tree or sharding tree. `ShardingReport` (one `ShardingRow` per array) is what
+`analyze_sharding_strategy` (`_strategy.py`) works out from shapes and specs.
 """
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jax.core import Tracer
 from jax.sharding import (
     AbstractMesh,
@@ -25,26 +22,18 @@ from jax.sharding import (
 )
 from jaxtyping import PyTree
 
-from .._deprecated import renamed_attribute, renamed_literals
-from .._mesh import find_mesh, mesh_repr, require_mesh, same_mesh
+from .._deprecated import renamed_attribute
+from .._mesh import find_mesh, mesh_repr, same_mesh
 from .._report import format_bytes, Report, text_table
-from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
-    check_leaf,
-    entry_axes,
-    leaf_specs,
     ShardingProblem,
     spec_error_message,
 )
-from .._tree import is_array, path_str, placed_dtype
+from .._tree import is_array, path_str
 from .._typing import (
-    check_choice,
     KeyPath,
-    ON_INVALID,
-    OnInvalid,
     PyTreeDef,
     typecheck,
-    warn,
 )
 
 
@@ -254,6 +243,22 @@ def _bind(sharding: NamedSharding, mesh: Mesh | None, path: KeyPath) -> NamedSha
         )
     mesh = found
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def own_shardings(tree: PyTree, caller: str) -> list[tuple[KeyPath, Any]]:
+    """One `(path, sharding)` pair per leaf of `tree`, read from the arrays: their
+    `NamedSharding`, their `SingleDeviceSharding`, or `None` (NumPy arrays,
+    structs without a sharding, and leaves that are not arrays)."""
+    found, _ = _array_shardings(tree, caller)
+    pairs: list[tuple[KeyPath, Any]] = []
+    for (path, _), entry in zip(
+        jtu.tree_flatten_with_path(tree)[0], found, strict=True
+    ):
+        sharding = None if entry is None else entry[0]
+        if not isinstance(sharding, NamedSharding) and not is_single_device(sharding):
+            sharding = None
+        pairs.append((path, sharding))
+    return pairs
 
 
 # ---------------------------------------------------------------------------------
@@ -516,261 +521,3 @@ class ShardingReport(Report):
         goes in eqshard 0.3)."""
         renamed_attribute("ShardingReport", "rich_table()", "show()")
         return self._rich()[0]
-
-
-# ---------------------------------------------------------------------------------
-# Analysis.
-# ---------------------------------------------------------------------------------
-
-
-def _other_mesh_error(
-    path: KeyPath, leaf_mesh: Mesh | AbstractMesh, mesh: Mesh | AbstractMesh
-) -> ValueError:
-    return ValueError(
-        f"eqshard.analyze_sharding_strategy: the NamedSharding at '{path_str(path)}' "
-        f"is on mesh {mesh_repr(leaf_mesh)}, which is neither the analysed mesh "
-        f"{mesh_repr(mesh)} nor made of its devices. A report counts the bytes of "
-        "one mesh's devices: use `PartitionSpec`s, or shardings on (a part of) that "
-        "mesh."
-    )
-
-
-def _device_rows(
-    leaf_mesh: Mesh | AbstractMesh,
-    mesh: Mesh | AbstractMesh,
-    index: dict[int, int] | None,
-    path: KeyPath,
-) -> slice | list[int]:
-    """The positions, in `mesh.devices.flat` order, of the devices of `leaf_mesh`
-    (an abstract mesh's devices are its mesh coordinates)."""
-    if same_mesh(leaf_mesh, mesh):
-        return slice(None)
-    if isinstance(leaf_mesh, Mesh) and index is not None:
-        try:
-            return [index[device.id] for device in leaf_mesh.devices.flat]
-        except KeyError:
-            raise _other_mesh_error(path, leaf_mesh, mesh) from None
-    raise _other_mesh_error(path, leaf_mesh, mesh)
-
-
-@renamed_literals("analyze_sharding_strategy", "on_invalid", report="ignore")
-@typecheck
-def analyze_sharding_strategy(
-    tree: PyTree,
-    specs: PyTree,
-    mesh: Mesh | AbstractMesh | None = None,
-    *,
-    on_invalid: OnInvalid = "ignore",
-) -> ShardingReport:
-    """Works out what a sharding plan puts on each device, without moving anything.
-
-    For each array of `tree` (`jax.Array`, NumPy, or `jax.ShapeDtypeStruct`: only
-    `.shape` and `.dtype` are read, so `eqx.filter_eval_shape` trees of any size
-    work), every device holding it holds the piece its mesh coordinates select:
-    each dimension divided by the sizes of its spec entry's mesh axes, replicated
-    over the mesh axes the spec does not name. A replicated array counts in full on
-    every device. Python scalars and other non-array leaves hold no device memory
-    and are left out; arrays whose spec is `None` are listed but placed nowhere
-    (as [`eqshard.shard`][] leaves them where they are). Placed NumPy arrays count
-    in the dtype `shard` places them in: 32-bit for 64-bit data while
-    `jax_enable_x64` is off.
-
-    A spec that cannot apply (an unknown mesh axis, an axis used twice, more
-    entries than the array's rank, a dimension its axes do not divide) is a
-    planning finding, not a crash: by default it is listed in `report.problems`
-    and the array is counted with the nearest spec that applies (the one
-    [`eqshard.with_sharding_constraint`][] would use); `on_invalid="warn"` also
-    warns, and `on_invalid="raise"` raises as [`eqshard.shard`][] would.
-
-    **Arguments:**
-
-    - `tree`: any pytree; concrete or abstract.
-    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
-      function of the abstract tree, as for [`eqshard.shard`][] (see
-      [the spec-tree family](specs.md)). `NamedSharding`s may be on the analysed
-      mesh or on a part of its devices (e.g. one pipeline stage). `None` (the
-      whole argument) reads the shardings the arrays have: an array on a single
-      device counts on that device and is flagged `single device`; NumPy arrays
-      are unplaced.
-    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
-      (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
-      by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
-    - `on_invalid`: `"ignore"` (the default) reports specs that cannot apply,
-      `"warn"` reports them and warns, `"raise"` raises.
-
-    **Returns:**
-
-    An immutable [`eqshard.ShardingReport`][].
-
-    **Raises:**
-
-    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
-      differs), if there is no mesh, if a `NamedSharding` holds devices outside the
-      mesh (naming its path), or, with `on_invalid="raise"`, naming every array
-      whose spec cannot apply.
-    - `TypeError` naming the path of a leaf of `specs` that is not a spec.
-
-    !!! Example
-
-        ```python
-        shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
-        specs = eqshard.match_partition_rules(rules, shapes)
-        report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
-        print(report)  # one line per array, then the totals
-        report.max_bytes_per_device, report.largest_replicated(3)
-        ```
-    """
-    caller = "analyze_sharding_strategy"
-    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
-    specs = resolve_specs(specs, tree, caller=caller, mesh=mesh)
-    if specs is None:
-        pairs = own_shardings(tree, caller)
-    else:
-        pairs = leaf_specs(specs, tree, caller=caller)
-    return analyze_pairs(
-        jtu.tree_leaves(tree), pairs, mesh, caller=caller, on_invalid=on_invalid
-    )
-
-
-def own_shardings(tree: PyTree, caller: str) -> list[tuple[KeyPath, Any]]:
-    """One `(path, sharding)` pair per leaf of `tree`, read from the arrays: their
-    `NamedSharding`, their `SingleDeviceSharding`, or `None` (NumPy arrays,
-    structs without a sharding, and leaves that are not arrays)."""
-    found, _ = _array_shardings(tree, caller)
-    pairs: list[tuple[KeyPath, Any]] = []
-    for (path, _), entry in zip(
-        jtu.tree_flatten_with_path(tree)[0], found, strict=True
-    ):
-        sharding = None if entry is None else entry[0]
-        if not isinstance(sharding, NamedSharding) and not is_single_device(sharding):
-            sharding = None
-        pairs.append((path, sharding))
-    return pairs
-
-
-def analyze_pairs(
-    leaves: Sequence[Any],
-    pairs: Sequence[tuple[KeyPath, Any]],
-    mesh: Mesh | AbstractMesh | None,
-    *,
-    caller: str,
-    on_invalid: str = "ignore",
-) -> ShardingReport:
-    """The report for `leaves`, with one `(path, spec)` pair each: a
-    `PartitionSpec`, a `NamedSharding`, a `SingleDeviceSharding` or `None`."""
-    mesh = require_mesh(mesh, caller=caller, shardings=(s for _, s in pairs))
-    index = (
-        {device.id: i for i, device in enumerate(mesh.devices.flat)}
-        if isinstance(mesh, Mesh)
-        else None
-    )
-    per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
-    every = 0  # bytes on every device of `mesh`, added to `per_device` at the end
-    rows: list[ShardingRow] = []
-    problems: list[ShardingProblem] = []
-    dtypes: dict[Any, tuple[int, str]] = {}  # dtype -> (itemsize, name)
-    # (spec, shape) -> what a spec that applies places: (spec, the devices, the
-    # elements of each piece, shards, devices holding one). Trees repeat a few
-    # shapes under a few specs many times over (layers, gradients, moments).
-    placed: dict[Any, tuple[Any, slice | list[int], int, int, int]] = {}
-    for (path, spec), leaf in zip(pairs, leaves, strict=True):
-        if not is_array(leaf):
-            continue
-        shape = tuple(map(int, leaf.shape))
-        # NumPy data placed counts as `shard` places it (32-bit without x64).
-        dtype = (
-            placed_dtype(leaf.dtype)
-            if spec is not None and isinstance(leaf, np.ndarray | np.generic)
-            else leaf.dtype
-        )
-        known = dtypes.get(dtype)
-        if known is None:
-            known = dtypes[dtype] = (int(dtype.itemsize), str(dtype))
-        itemsize, dtype_name = known
-        nbytes = math.prod(shape) * itemsize
-        name = path_str(path)
-        if spec is None:
-            rows.append(ShardingRow(name, shape, dtype_name, None, nbytes, 0, 1, 0))
-            continue
-        if is_single_device(spec):
-            (device,) = spec.device_set
-            if index is not None and device.id in index:
-                per_device[index[device.id]] += nbytes
-            rows.append(
-                ShardingRow(
-                    name,
-                    shape,
-                    dtype_name,
-                    None,
-                    nbytes,
-                    nbytes,
-                    1,
-                    1,
-                    single_device=True,
-                )
-            )
-            continue
-        memory_kind = spec.memory_kind if isinstance(spec, NamedSharding) else None
-        found = placed.get((spec, shape))
-        problem = None
-        if found is None:
-            if isinstance(spec, NamedSharding):
-                devices = _device_rows(spec.mesh, mesh, index, path)
-            else:
-                devices = slice(None)
-            asked, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, mesh)
-            sizes = dict(leaf_mesh.shape)
-            # `fixed` divides every dimension evenly: every device holds as much.
-            splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
-            piece = math.prod(
-                n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
-            )
-            found = (
-                asked,
-                devices,
-                piece,
-                math.prod(splits),
-                math.prod(leaf_mesh.axis_sizes),
-            )
-            if problem is None:
-                placed[(spec, shape)] = found
-            else:
-                problems.append(problem)
-        asked, devices, piece, shards, holders = found
-        if isinstance(devices, slice):
-            every += piece * itemsize
-        else:
-            per_device[devices] += piece * itemsize
-        rows.append(
-            ShardingRow(
-                name,
-                shape,
-                dtype_name,
-                asked,
-                nbytes,
-                piece * itemsize,
-                shards,
-                holders,
-                problem is None,
-                memory_kind=memory_kind,
-            )
-        )
-    per_device += every
-    if problems and on_invalid == "raise":
-        raise ValueError(spec_error_message(caller, problems))
-    if problems and on_invalid == "warn":
-        warn(spec_error_message(caller, problems, corrected=True))
-    return ShardingReport(
-        mesh=mesh,
-        rows=tuple(rows),
-        problems=tuple(problems),
-        bytes_per_device=tuple(per_device.tolist()),
-        total_parameters=sum(row.size for row in rows),
-        sharded_parameters=sum(row.size for row in rows if row.sharded),
-        total_bytes=sum(row.nbytes for row in rows),
-        replicated_bytes=sum(row.nbytes for row in rows if row.replicated),
-        unplaced_bytes=sum(
-            row.nbytes for row in rows if not row.placed and not row.single_device
-        ),
-        single_device_bytes=sum(row.nbytes for row in rows if row.single_device),
-    )

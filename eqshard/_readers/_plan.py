@@ -34,7 +34,8 @@ from .._typing import (
     OnInvalid,
     typecheck,
 )
-from ._inspect import analyze_pairs, own_shardings, ShardingReport, ShardingRow
+from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._strategy import analyze_pairs
 
 
 def _is_trainable(leaf: Any) -> bool:

@@ -20,6 +20,7 @@ How a search goes:
    rest by peak.
 """
 
+import dataclasses
 import io
 import math
 import operator
@@ -223,8 +224,15 @@ def _cost(report: StepReport, weights: Mapping[str, float]) -> float:
     return total
 
 
-# A layout: (name, origin, rules, specs).
-_Layout = tuple[str, str, list[Any], PyTree]
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A layout to compile: its name, its origin (`"given"` or `"built-in"`), its
+    rules and the spec tree they give the parameters."""
+
+    name: str
+    origin: str
+    rules: list[Any]
+    specs: PyTree
 
 
 def _layouts(
@@ -238,35 +246,113 @@ def _layouts(
             specs = match_partition_rules(rules, params, mesh=mesh)
         except (ValueError, TypeError) as error:
             raise _candidate_error(name, error) from None
-        layouts.append((name, "given", list(rules), specs))
+        layouts.append(_Layout(name, "given", list(rules), specs))
     if builtin:
         found = parameters(params, step.uses)
         pairs = tensor_pairs(found)
         for strategy in strategies(mesh, step.data_axes):
             rules = strategy_rules(strategy, found, pairs, params, mesh)
             specs = match_partition_rules(rules, params, mesh=mesh)
-            layouts.append((strategy.name, "built-in", rules, specs))
+            layouts.append(_Layout(strategy.name, "built-in", rules, specs))
     seen: dict[Any, str] = {}
     unique, repeated = [], []
     for layout in layouts:
         key = tuple(
             normalized(s)
-            for s in jtu.tree_leaves(layout[3])
+            for s in jtu.tree_leaves(layout.specs)
             if isinstance(s, PartitionSpec)
         )
         if key not in seen:
-            seen[key] = layout[0]
+            seen[key] = layout.name
             unique.append(layout)
-        elif layout[1] == "given":
-            repeated.append((layout[0], f"the same layout as {seen[key]}"))
+        elif layout.origin == "given":
+            repeated.append((layout.name, f"the same layout as {seen[key]}"))
     names: set[str] = set()
     for layout in unique:
-        if layout[0] in names:  # yours, and a built-in strategy's other layout
+        if layout.name in names:  # yours, and a built-in strategy's other layout
             raise _same_name_error(
-                layout[0], "yours, and a built-in strategy with another layout"
+                layout.name, "yours, and a built-in strategy with another layout"
             )
-        names.add(layout[0])
+        names.add(layout.name)
     return unique, repeated
+
+
+def _checked_options(
+    params: PyTree,
+    candidates: Any,
+    builtin: bool,
+    max_candidates: Any,
+    time_budget: Any,
+) -> list[tuple[str, Any]]:
+    """The candidates given (`_given`); raises if `search_layout`'s options are
+    out of range or leave nothing to compile."""
+    if max_candidates is not None and max_candidates < 1:
+        raise search_error(
+            f"`max_candidates` must be at least 1; got {max_candidates}."
+        )
+    if time_budget is not None and not (_number(time_budget) and time_budget > 0):
+        raise search_error(
+            f"`time_budget` must be a positive number of seconds; got {time_budget}."
+        )
+    given = _given(candidates)
+    if not given and not builtin:
+        raise search_error(
+            "there is nothing to compile: `builtin=False` and no `candidates`. Give "
+            "rule lists as `candidates=`, or leave `builtin` on."
+        )
+    if not any(is_array(leaf) for leaf in jtu.tree_leaves(params)):
+        raise search_error("`params` has no arrays to lay out.")
+    return given
+
+
+def _compiled(
+    step: Step, layout: _Layout, budget: int, weights: Mapping[str, float]
+) -> LayoutCandidate | str:
+    """`layout` compiled and judged, or why JAX cannot type the step with it (on
+    an Explicit mesh: the other layouts may do)."""
+    mesh = step.mesh
+    try:
+        report = step.report(layout.specs)
+    except (TypeError, ValueError) as error:
+        if not (AxisType.Explicit in mesh.axis_types and _untyped(error)):
+            raise
+        return _untyped_why(error)
+    text = rules_text(
+        step.params,
+        layout.specs,
+        header=[
+            f"{layout.name}: made by eqshard.search_layout for mesh "
+            f"{dict(mesh.shape)}, compiled peak "
+            f"{format_bytes(report.memory.peak_bytes)} of "
+            f"{format_bytes(budget)} per device"
+        ],
+    )
+    cost = _cost(report, weights)
+    return LayoutCandidate(
+        layout.name,
+        layout.origin,
+        layout.rules,
+        layout.specs,
+        report,
+        budget,
+        cost,
+        text,
+    )
+
+
+def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
+    """The layouts that fit first, cheapest first; then the others, smallest
+    first; ties in the order they were compiled."""
+    order = {id(c): i for i, c in enumerate(compiled)}
+    return sorted(
+        compiled,
+        key=lambda c: (
+            not c.fits,
+            c.cost if c.fits else c.memory.peak_bytes,
+            c.memory.peak_bytes,
+            order[id(c)],
+        ),
+    )
 
 
 @typecheck
@@ -365,29 +451,13 @@ def search_layout(
     mesh = found
     budget = _memory(device_memory)
     weights = _bandwidth(bandwidth, mesh)
-    if max_candidates is not None and max_candidates < 1:
-        raise search_error(
-            f"`max_candidates` must be at least 1; got {max_candidates}."
-        )
-    if time_budget is not None and not (_number(time_budget) and time_budget > 0):
-        raise search_error(
-            f"`time_budget` must be a positive number of seconds; got {time_budget}."
-        )
-    given = _given(candidates)
-    if not given and not builtin:
-        raise search_error(
-            "there is nothing to compile: `builtin=False` and no `candidates`. Give "
-            "rule lists as `candidates=`, or leave `builtin` on."
-        )
-    if not any(is_array(leaf) for leaf in jtu.tree_leaves(params)):
-        raise search_error("`params` has no arrays to lay out.")
-
+    given = _checked_options(params, candidates, builtin, max_candidates, time_budget)
     start = time.perf_counter()
     step = Step(fn, params, args, mesh)
     layouts, skipped = _layouts(given, builtin, step, mesh)
     if max_candidates is not None:
         skipped += [
-            (layout[0], "max_candidates") for layout in layouts[max_candidates:]
+            (layout.name, "max_candidates") for layout in layouts[max_candidates:]
         ]
         layouts = layouts[:max_candidates]
     compiled: list[LayoutCandidate] = []
@@ -397,46 +467,19 @@ def search_layout(
         for i, layout in enumerate(layouts):
             late = time_budget is not None and time.perf_counter() - start > time_budget
             if i and late:
-                skipped += [(rest[0], "time budget") for rest in layouts[i:]]
+                skipped += [(rest.name, "time budget") for rest in layouts[i:]]
                 break
-            explicit = AxisType.Explicit in mesh.axis_types
-            try:
-                report = step.report(layout[3])
-            except (TypeError, ValueError) as error:
-                if not (explicit and _untyped(error)):
-                    raise
-                # JAX cannot type the step with this layout: the others may do.
-                untyped.append((layout[0], _untyped_why(error)))
-                bar.update(layout[0])
-                continue
-            text = rules_text(
-                params,
-                layout[3],
-                header=[
-                    f"{layout[0]}: made by eqshard.search_layout for mesh "
-                    f"{dict(mesh.shape)}, compiled peak "
-                    f"{format_bytes(report.memory.peak_bytes)} of "
-                    f"{format_bytes(budget)} per device"
-                ],
-            )
-            cost = _cost(report, weights)
-            compiled.append(LayoutCandidate(*layout, report, budget, cost, text))
-            bar.update(layout[0])
+            done = _compiled(step, layout, budget, weights)
+            if isinstance(done, LayoutCandidate):
+                compiled.append(done)
+            else:
+                untyped.append((layout.name, done))
+            bar.update(layout.name)
     finally:
         bar.close()
     if untyped and not compiled:
         raise _all_untyped_error(untyped)
-    skipped += untyped
-    order = {id(c): i for i, c in enumerate(compiled)}
-    ranked = sorted(
-        compiled,
-        key=lambda c: (
-            not c.fits,
-            c.cost if c.fits else c.memory.peak_bytes,
-            c.memory.peak_bytes,
-            order[id(c)],
-        ),
-    )
+    ranked = _ranked(compiled)
     return LayoutSearch(
         function=ranked[0].report.function if ranked else function_name(fn),
         mesh=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
@@ -444,5 +487,5 @@ def search_layout(
         data_axes=step.data_axes,
         bandwidth=tuple(sorted(weights.items())),
         candidates=tuple(ranked),
-        skipped=tuple(skipped),
+        skipped=tuple(skipped + untyped),
     )

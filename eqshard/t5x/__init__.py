@@ -4,8 +4,9 @@ For code written around t5x's `partitioning` module (or fjformer's copy of it):
 a `Partitioner` (`_partitioner.py`) holds a mesh (t5x's hardware-aware default
 ones come from `_topology.py`) and logical axis rules (by default t5x's standard
 tables). `partition(fn, in_specs, out_specs)` turns the logical names of its
-arguments into specs once and compiles `fn` as a `PartitionedFn` (`_partitioned.py`, on the transforms' `JitFunction`);
-`move_to_devices` places trees through `shard`; `data_layout` and the
+arguments into specs once and compiles `fn` as a `PartitionedFn`
+(`_partitioned.py`, on the transforms' `JitFunction`); its options are checked
+by `_config.py`; `move_to_devices` places trees through `shard`; `data_layout` and the
 `LocalChunker` (`_chunking.py`) say which slice of the global batch each
 process loads. The names are t5x's own (`get_mesh` here builds t5x's tile mesh;
 it does not read the current mesh). Everything else, including the meshes of

@@ -13,7 +13,6 @@ which part of them a process holds comes from [`eqshard.t5x.LocalChunker`][]
 
 import math
 import operator
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,24 +28,18 @@ from .._spectree._logical import (
     AxisNames,
     logical_to_spec,
     LogicalRules,
-    normalize_rules,
 )
-from .._spectree._logical_convert import standard_logical_axis_rules
 from .._spectree._spec_args import NO_TREE, resolve_specs
-from .._spectree._specs import axes_repr, entry_axes, spec_entry
+from .._spectree._specs import entry_axes, spec_entry
 from .._typing import AxisRulesArg, Int, typecheck
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
+from ._config import (
+    axis_rules_for,
+    check_config,
+    no_data_axes_error,
+    partitioner_mesh,
+)
 from ._partitioned import PartitionedFn, to_shardings
-from ._topology import default_mesh
-
-
-def _config_error(problem: str, fix: str) -> ValueError:
-    return ValueError(f"eqshard.t5x.Partitioner: {problem} {fix}")
-
-
-def _given(**options: Any) -> list[str]:
-    """The names of the options that are not `None`, in order."""
-    return [name for name, value in options.items() if value is not None]
 
 
 def _argnums(value: Int | Sequence[Int], name: str) -> tuple[int, ...]:
@@ -140,89 +133,34 @@ class Partitioner:
     ):
         if num_partitions is not None:
             num_partitions = operator.index(num_partitions)
-        given = _given(
-            num_partitions=num_partitions,
-            model_parallel_submesh=model_parallel_submesh,
-            mesh=mesh,
+        check_config(
+            num_partitions,
+            model_parallel_submesh,
+            mesh,
+            backend=backend,
+            ici_mesh_shape=ici_mesh_shape,
+            dcn_mesh_shape=dcn_mesh_shape,
         )
-        if len(given) != 1:
-            raise _config_error(
-                "exactly one of `num_partitions`, `model_parallel_submesh` and "
-                f"`mesh` must be given, got {' and '.join(given) or 'none'}.",
-                "Pass `mesh=` to use a mesh of your own, or one of the others to "
-                "let eqshard.t5x.default_mesh pick one for the hardware.",
-            )
-        if mesh is not None:
-            extra = _given(
+        rules = axis_rules_for(axis_rules, multislice=ici_mesh_shape is not None)
+        if mesh is None:
+            mesh = partitioner_mesh(
+                num_partitions,
+                model_parallel_submesh,
                 backend=backend,
                 ici_mesh_shape=ici_mesh_shape,
                 dcn_mesh_shape=dcn_mesh_shape,
             )
-            if extra:
-                raise _config_error(
-                    f"{' and '.join(extra)} only shape the default mesh, but "
-                    "`mesh=` was given.",
-                    "Build the mesh with them yourself (e.g. "
-                    "eqshard.create_hybrid_mesh), or drop `mesh=`.",
-                )
-        if num_partitions is not None and num_partitions < 1:
-            raise _config_error(
-                f"`num_partitions` must be at least 1, got {num_partitions}.",
-                "It is the number of devices each model replica is split over.",
-            )
-        if (ici_mesh_shape is None) != (dcn_mesh_shape is None):
-            raise _config_error(
-                "`ici_mesh_shape` and `dcn_mesh_shape` describe a multi-slice mesh "
-                "together, but only one was given.",
-                "Pass both (e.g. ici (1, 4, 2) and dcn (2, 1, 1)), or neither.",
-            )
-        if axis_rules is None:
-            rules = standard_logical_axis_rules()
-        else:
-            rules = normalize_rules(axis_rules, caller="t5x.Partitioner")
-        if ici_mesh_shape is not None:  # and dcn_mesh_shape: multi-slice
-            rules = tuple(
-                (name, ("replica", "data") if name == "batch" else axes)
-                for name, axes in rules
-            )
-        if mesh is None:
-            # Exactly one of the two was given (checked above); with a submesh,
-            # `default_mesh` ignores the number of partitions.
-            submesh = None
-            partitions = num_partitions
-            if model_parallel_submesh is not None:
-                submesh = tuple(map(operator.index, model_parallel_submesh))
-                partitions = math.prod(submesh)
-            mesh = default_mesh(
-                typing.cast(int, partitions),
-                submesh,
-                backend=backend,
-                ici_mesh_shape=None
-                if ici_mesh_shape is None
-                else tuple(map(operator.index, ici_mesh_shape)),
-                dcn_mesh_shape=None
-                if dcn_mesh_shape is None
-                else tuple(map(operator.index, dcn_mesh_shape)),
-            )
         data_axes = entry_axes(
             logical_to_spec(("batch",), rules, caller="t5x.Partitioner")[0]
         )
-        missing = [axis for axis in data_axes if axis not in mesh.shape]
         # Without rules for this mesh, what needs them raises: at once if rules
         # were given, and otherwise when a logical name must be resolved or the
         # data axes are asked for (`PartitionSpec`s need no rules).
-        self._rules_error: ValueError | None = None
-        if missing:
-            self._rules_error = _config_error(
-                f"the {'default ' if axis_rules is None else ''}rules map "
-                "the logical axis 'batch' (the data axes) to "
-                f"{axes_repr(data_axes)}, but the mesh "
-                f"{mesh_repr(mesh)} has no axis {', '.join(map(repr, missing))}.",
-                "Pass `axis_rules` for this mesh, with a rule such as "
-                f"('batch', {mesh.axis_names[0]!r}).",
-            )
-            if axis_rules is not None:
-                raise self._rules_error
+        self._rules_error: ValueError | None = no_data_axes_error(
+            data_axes, mesh, default=axis_rules is None
+        )
+        if self._rules_error is not None and axis_rules is not None:
+            raise self._rules_error
         self._mesh = mesh
         self._rules: LogicalRules = rules
         self._batch_axes: tuple[str, ...] = data_axes

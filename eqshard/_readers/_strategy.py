@@ -1,0 +1,296 @@
+"""Planning memory before anything moves: `analyze_sharding_strategy` works out,
+from shapes and specs alone, how many bytes each device of a mesh would hold. It
+reads only `.shape` and `.dtype`, so it plans a 70B-parameter model from
+`jax.ShapeDtypeStruct`s without allocating; the report is `_inspect.py`'s
+`ShardingReport`.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jaxtyping import PyTree
+
+from .._deprecated import renamed_literals
+from .._mesh import mesh_repr, require_mesh, same_mesh
+from .._spectree._spec_args import resolve_specs
+from .._spectree._specs import (
+    check_leaf,
+    entry_axes,
+    leaf_specs,
+    ShardingProblem,
+    spec_error_message,
+)
+from .._tree import is_array, path_str, placed_dtype
+from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck, warn
+from ._inspect import is_single_device, own_shardings, ShardingReport, ShardingRow
+
+
+def _other_mesh_error(
+    path: KeyPath, leaf_mesh: Mesh | AbstractMesh, mesh: Mesh | AbstractMesh
+) -> ValueError:
+    return ValueError(
+        f"eqshard.analyze_sharding_strategy: the NamedSharding at '{path_str(path)}' "
+        f"is on mesh {mesh_repr(leaf_mesh)}, which is neither the analysed mesh "
+        f"{mesh_repr(mesh)} nor made of its devices. A report counts the bytes of "
+        "one mesh's devices: use `PartitionSpec`s, or shardings on (a part of) that "
+        "mesh."
+    )
+
+
+def _device_rows(
+    leaf_mesh: Mesh | AbstractMesh,
+    mesh: Mesh | AbstractMesh,
+    index: dict[int, int] | None,
+    path: KeyPath,
+) -> slice | list[int]:
+    """The positions, in `mesh.devices.flat` order, of the devices of `leaf_mesh`
+    (an abstract mesh's devices are its mesh coordinates)."""
+    if same_mesh(leaf_mesh, mesh):
+        return slice(None)
+    if isinstance(leaf_mesh, Mesh) and index is not None:
+        try:
+            return [index[device.id] for device in leaf_mesh.devices.flat]
+        except KeyError:
+            raise _other_mesh_error(path, leaf_mesh, mesh) from None
+    raise _other_mesh_error(path, leaf_mesh, mesh)
+
+
+@renamed_literals("analyze_sharding_strategy", "on_invalid", report="ignore")
+@typecheck
+def analyze_sharding_strategy(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    on_invalid: OnInvalid = "ignore",
+) -> ShardingReport:
+    """Works out what a sharding plan puts on each device, without moving anything.
+
+    For each array of `tree` (`jax.Array`, NumPy, or `jax.ShapeDtypeStruct`: only
+    `.shape` and `.dtype` are read, so `eqx.filter_eval_shape` trees of any size
+    work), every device holding it holds the piece its mesh coordinates select:
+    each dimension divided by the sizes of its spec entry's mesh axes, replicated
+    over the mesh axes the spec does not name. A replicated array counts in full on
+    every device. Python scalars and other non-array leaves hold no device memory
+    and are left out; arrays whose spec is `None` are listed but placed nowhere
+    (as [`eqshard.shard`][] leaves them where they are). Placed NumPy arrays count
+    in the dtype `shard` places them in: 32-bit for 64-bit data while
+    `jax_enable_x64` is off.
+
+    A spec that cannot apply (an unknown mesh axis, an axis used twice, more
+    entries than the array's rank, a dimension its axes do not divide) is a
+    planning finding, not a crash: by default it is listed in `report.problems`
+    and the array is counted with the nearest spec that applies (the one
+    [`eqshard.with_sharding_constraint`][] would use); `on_invalid="warn"` also
+    warns, and `on_invalid="raise"` raises as [`eqshard.shard`][] would.
+
+    **Arguments:**
+
+    - `tree`: any pytree; concrete or abstract.
+    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
+      function of the abstract tree, as for [`eqshard.shard`][] (see
+      [the spec-tree family](specs.md)). `NamedSharding`s may be on the analysed
+      mesh or on a part of its devices (e.g. one pipeline stage). `None` (the
+      whole argument) reads the shardings the arrays have: an array on a single
+      device counts on that device and is flagged `single device`; NumPy arrays
+      are unplaced.
+    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
+      (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
+      by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
+    - `on_invalid`: `"ignore"` (the default) reports specs that cannot apply,
+      `"warn"` reports them and warns, `"raise"` raises.
+
+    **Returns:**
+
+    An immutable [`eqshard.ShardingReport`][].
+
+    **Raises:**
+
+    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
+      differs), if there is no mesh, if a `NamedSharding` holds devices outside the
+      mesh (naming its path), or, with `on_invalid="raise"`, naming every array
+      whose spec cannot apply.
+    - `TypeError` naming the path of a leaf of `specs` that is not a spec.
+
+    !!! Example
+
+        ```python
+        shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
+        specs = eqshard.match_partition_rules(rules, shapes)
+        report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
+        print(report)  # one line per array, then the totals
+        report.max_bytes_per_device, report.largest_replicated(3)
+        ```
+    """
+    caller = "analyze_sharding_strategy"
+    check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    specs = resolve_specs(specs, tree, caller=caller, mesh=mesh)
+    if specs is None:
+        pairs = own_shardings(tree, caller)
+    else:
+        pairs = leaf_specs(specs, tree, caller=caller)
+    return analyze_pairs(
+        jtu.tree_leaves(tree), pairs, mesh, caller=caller, on_invalid=on_invalid
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """What a spec places of an array of some shape: the spec asked for, the
+    devices holding it (positions in `mesh.devices.flat`, or all of them), the
+    elements of each piece, into how many pieces it is split, and how many
+    devices hold one."""
+
+    asked: Any
+    devices: slice | list[int]
+    piece: int
+    shards: int
+    holders: int
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The report being made, array by array (`analyze_pairs`)."""
+
+    mesh: Mesh | AbstractMesh
+    index: dict[int, int] | None  # device id -> position in `mesh.devices.flat`
+    per_device: np.ndarray
+    every: int = 0  # bytes on every device of `mesh`, added to `per_device` at the end
+    rows: list[ShardingRow] = dataclasses.field(default_factory=list)
+    problems: list[ShardingProblem] = dataclasses.field(default_factory=list)
+    dtypes: dict[Any, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    # (spec, shape) -> what a spec that applies places. Trees repeat a few shapes
+    # under a few specs many times over (layers, gradients, moments).
+    placed: dict[Any, _Placed] = dataclasses.field(default_factory=dict)
+
+
+def _dtype(tally: _Tally, leaf: Any, spec: Any) -> tuple[int, str]:
+    """The itemsize and name of `leaf`'s dtype as placed: NumPy data placed
+    counts as `shard` places it (32-bit without x64)."""
+    dtype = (
+        placed_dtype(leaf.dtype)
+        if spec is not None and isinstance(leaf, np.ndarray | np.generic)
+        else leaf.dtype
+    )
+    known = tally.dtypes.get(dtype)
+    if known is None:
+        known = tally.dtypes[dtype] = (int(dtype.itemsize), str(dtype))
+    return known
+
+
+def _placement(
+    tally: _Tally, path: KeyPath, spec: Any, leaf: Any, shape: tuple[int, ...]
+) -> tuple[_Placed, ShardingProblem | None]:
+    """What `spec` places of `leaf` (the nearest spec that applies, and the
+    problem, if it does not)."""
+    found = tally.placed.get((spec, shape))
+    if found is not None:
+        return found, None
+    if isinstance(spec, NamedSharding):
+        devices = _device_rows(spec.mesh, tally.mesh, tally.index, path)
+    else:
+        devices = slice(None)
+    asked, leaf_mesh, fixed, problem = check_leaf(path, spec, leaf, tally.mesh)
+    sizes = dict(leaf_mesh.shape)
+    # `fixed` divides every dimension evenly: every device holds as much.
+    splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
+    piece = math.prod(
+        n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
+    )
+    found = _Placed(
+        asked, devices, piece, math.prod(splits), math.prod(leaf_mesh.axis_sizes)
+    )
+    if problem is None:
+        tally.placed[(spec, shape)] = found
+    return found, problem
+
+
+def _add(tally: _Tally, path: KeyPath, spec: Any, leaf: Any) -> None:
+    """`leaf`'s row, and its bytes on the devices that hold it."""
+    shape = tuple(map(int, leaf.shape))
+    itemsize, dtype_name = _dtype(tally, leaf, spec)
+    nbytes = math.prod(shape) * itemsize
+    name = path_str(path)
+    if spec is None:
+        tally.rows.append(ShardingRow(name, shape, dtype_name, None, nbytes, 0, 1, 0))
+        return
+    if is_single_device(spec):
+        (device,) = spec.device_set
+        if tally.index is not None and device.id in tally.index:
+            tally.per_device[tally.index[device.id]] += nbytes
+        tally.rows.append(
+            ShardingRow(
+                name, shape, dtype_name, None, nbytes, nbytes, 1, 1, single_device=True
+            )
+        )
+        return
+    memory_kind = spec.memory_kind if isinstance(spec, NamedSharding) else None
+    found, problem = _placement(tally, path, spec, leaf, shape)
+    if problem is not None:
+        tally.problems.append(problem)
+    if isinstance(found.devices, slice):
+        tally.every += found.piece * itemsize
+    else:
+        tally.per_device[found.devices] += found.piece * itemsize
+    tally.rows.append(
+        ShardingRow(
+            name,
+            shape,
+            dtype_name,
+            found.asked,
+            nbytes,
+            found.piece * itemsize,
+            found.shards,
+            found.holders,
+            problem is None,
+            memory_kind=memory_kind,
+        )
+    )
+
+
+def analyze_pairs(
+    leaves: Sequence[Any],
+    pairs: Sequence[tuple[KeyPath, Any]],
+    mesh: Mesh | AbstractMesh | None,
+    *,
+    caller: str,
+    on_invalid: str = "ignore",
+) -> ShardingReport:
+    """The report for `leaves`, with one `(path, spec)` pair each: a
+    `PartitionSpec`, a `NamedSharding`, a `SingleDeviceSharding` or `None`."""
+    mesh = require_mesh(mesh, caller=caller, shardings=(s for _, s in pairs))
+    index = (
+        {device.id: i for i, device in enumerate(mesh.devices.flat)}
+        if isinstance(mesh, Mesh)
+        else None
+    )
+    per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
+    tally = _Tally(mesh, index, per_device)
+    for (path, spec), leaf in zip(pairs, leaves, strict=True):
+        if is_array(leaf):
+            _add(tally, path, spec, leaf)
+    per_device += tally.every
+    problems, rows = tally.problems, tally.rows
+    if problems and on_invalid == "raise":
+        raise ValueError(spec_error_message(caller, problems))
+    if problems and on_invalid == "warn":
+        warn(spec_error_message(caller, problems, corrected=True))
+    return ShardingReport(
+        mesh=mesh,
+        rows=tuple(rows),
+        problems=tuple(problems),
+        bytes_per_device=tuple(per_device.tolist()),
+        total_parameters=sum(row.size for row in rows),
+        sharded_parameters=sum(row.size for row in rows if row.sharded),
+        total_bytes=sum(row.nbytes for row in rows),
+        replicated_bytes=sum(row.nbytes for row in rows if row.replicated),
+        unplaced_bytes=sum(
+            row.nbytes for row in rows if not row.placed and not row.single_device
+        ),
+        single_device_bytes=sum(row.nbytes for row in rows if row.single_device),
+    )
