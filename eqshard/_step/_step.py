@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -43,6 +44,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
+from .._internals.jaxpr import boundary_of
+from .._internals.routes import Unrecognised
 from .._mesh import mesh_repr
 from .._transforms._explicit import explained
 from .._tree import is_array, path_name
@@ -211,30 +214,23 @@ class _Boundary:
 
 def _boundary(traced: Any, n_in: int, n_out: int) -> _Boundary | None:
     """`fn`'s own `jit` (a `jax.jit`, either `filter_jit` or `PartitionedFn`), when
-    the trace is exactly one call of it."""
-    jaxpr = traced.jaxpr.jaxpr
-    if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name not in ("jit", "pjit"):
+    the trace is exactly one call of it (read by `_internals.jaxpr.boundary_of`).
+    Where that read meets something it does not recognise, the step is read as
+    traced, without its own `jit`'s shardings and donations, said in a warning."""
+    try:
+        found = boundary_of(traced, n_in, n_out)
+    except Unrecognised as error:
+        warnings.warn(
+            f"eqshard.analyze_step: the step's `jit` holds something this JAX's "
+            f"reader does not recognise ({error}); it is analysed without its "
+            "`in_shardings`, `out_shardings` and donations.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
-    eqn = jaxpr.eqns[0]
-    position = {id(v): i for i, v in enumerate(jaxpr.invars)}
-    found = _Boundary([None] * n_in, [None] * n_out, [False] * n_in)
-    for var, sharding, donated in zip(
-        eqn.invars,
-        eqn.params["in_shardings"],
-        eqn.params["donated_invars"],
-        strict=True,
-    ):
-        i = position.get(id(var))
-        if i is not None:
-            found.in_shardings[i] = sharding if isinstance(sharding, Sharding) else None
-            found.donated[i] = bool(donated)
-    made = {
-        id(v): s for v, s in zip(eqn.outvars, eqn.params["out_shardings"], strict=True)
-    }
-    for k, var in enumerate(jaxpr.outvars):
-        sharding = made.get(id(var))
-        found.out_shardings[k] = sharding if isinstance(sharding, Sharding) else None
-    return found
+    if found is None:
+        return None
+    return _Boundary(found.in_shardings, found.out_shardings, found.donated)
 
 
 @contextlib.contextmanager
