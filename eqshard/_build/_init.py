@@ -7,13 +7,15 @@ program then runs under `jax.jit` with `out_shardings`, so that each device
 computes only its own shards of every array; only arrays leave it, and they are
 put back into the abstract model. Where pieces of the program repeat (the blocks
 of a list), it runs in pieces instead, each distinct piece compiled once
-(`_init_pieces.py`). NumPy data among the arguments, or read by `fn`, is checked
-first as `shard` checks host data (`_narrowed` before the trace; `_captured_losses`
-after it, for the NumPy data the trace captured): JAX would narrow it to 32 bits
-while tracing, out of sight.
+(`_init_pieces.py`; the whole program is the plain route, `_pieces`). NumPy data
+among the arguments, or read by `fn`, is checked first as `shard` checks host
+data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
+data the trace captured, looked for by `_internals.closures.closed_over`): JAX
+would narrow it to 32 bits while tracing, out of sight.
 
-The compiled program is kept (`_PROGRAMS`) under what was traced: the jaxpr with
-every parameter and nested constant, the shardings and JAX's configuration. The
+The compiled program is kept (`_PROGRAMS`, emptied by `clear_cache`) under what
+was traced: the jaxpr with every parameter and nested constant, the shardings,
+JAX's configuration and the route. The
 NumPy data `fn` closes over is an input of the program, not part of it. So
 building again with a new key compiles nothing, and a closure's variable or a
 config object that changed between calls gives another trace, never a stale

@@ -68,9 +68,13 @@ def consts_of(closed: ClosedJaxpr) -> list[Any]:
     return list(closed.consts)
 
 
-def as_function(closed: ClosedJaxpr, consts: Sequence[Any]) -> Callable[..., Any]:
+def as_function(
+    closed: ClosedJaxpr, consts: Sequence[Any] | None = None
+) -> Callable[..., Any]:
     """`closed`'s program as a function of its inputs, with `consts` for its
-    constants."""
+    constants (by default its own)."""
+    if consts is None:
+        return jaxpr_as_fun(closed)
     return jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, list(consts)))
 
 
