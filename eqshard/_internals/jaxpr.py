@@ -314,18 +314,23 @@ _SMALL = 1 << 12
 class Piece:
     """The equations that make some outputs of a cut program, as a program.
 
-    `keyed` has every constant in place (to tell pieces apart); `program` takes
-    the constants that are fed on every run as inputs. `fed` are the indices of
-    its inputs among the cut's values (`Cut.values`), `positions` those of its
-    outputs among the program's."""
+    `keyed` has every constant in place (to tell pieces apart); `function()`
+    takes the constants that are fed on every run as inputs. `fed` are the
+    indices of its inputs among the cut's values (the program's constants and
+    inputs, then the keys), `positions` those of its outputs among the
+    program's."""
 
     keyed: ClosedJaxpr
-    program: ClosedJaxpr
     fed: list[int]
     positions: list[int]
+    _fixed: list[Var]  # constants kept in the function
+    _inputs: list[Var]  # the function's inputs (`fed`'s variables)
 
     def function(self) -> Callable[..., list[Any]]:
-        return jaxpr_as_fun(self.program)
+        jaxpr = self.keyed.jaxpr
+        const_of = dict(zip(jaxpr.constvars, self.keyed.consts, strict=True))
+        program = _jaxpr(self._fixed, self._inputs, jaxpr.outvars, jaxpr.eqns)
+        return jaxpr_as_fun(ClosedJaxpr(program, [const_of[v] for v in self._fixed]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +472,7 @@ def cut(closed: ClosedJaxpr, *, is_fed: Callable[[Any], bool]) -> Cut | None:
     const_of = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     key_eqns, rest = _split(jaxpr, sources)
     steps = [(key_step(e), list(e.invars), list(e.outvars)) for e in key_eqns]
-    found: list[tuple[ClosedJaxpr, ClosedJaxpr, list[Var], list[int]]] = []
+    found: list[tuple[ClosedJaxpr, list[Var], list[Var], list[int]]] = []
     key_outputs: dict[Var, None] = {}  # in order
     for positions, eqn_ids in _groups(jaxpr, rest):
         eqns = [rest[n] for n in eqn_ids]
@@ -484,15 +489,12 @@ def cut(closed: ClosedJaxpr, *, is_fed: Callable[[Any], bool]) -> Cut | None:
         keyed = ClosedJaxpr(
             _jaxpr(consts, args, outvars, eqns), [const_of[v] for v in consts]
         )
-        program = ClosedJaxpr(
-            _jaxpr(fixed, fed, outvars, eqns), [const_of[v] for v in fixed]
-        )
-        found.append((keyed, program, fed, positions))
+        found.append((keyed, fixed, fed, positions))
         key_outputs.update((v, None) for v in fed if v not in sources)
     index = {var: n for n, var in enumerate([*sources, *key_outputs])}
     pieces = [
-        Piece(keyed, program, [index[v] for v in fed], positions)
-        for keyed, program, fed, positions in found
+        Piece(keyed, [index[v] for v in fed], positions, fixed, fed)
+        for keyed, fixed, fed, positions in found
     ]
     keys = ft.partial(_run_keys, steps, sources, list(key_outputs))
     return Cut(keys, pieces, len(jaxpr.outvars))
