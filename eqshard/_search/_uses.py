@@ -18,12 +18,12 @@ permutes them):
   should split.
 """
 
-import warnings
 from typing import Any
 
 from .._internals import jaxpr as jaxprs
 from .._internals.jaxpr import Use as Use
 from .._internals.routes import Unrecognised
+from .._typing import warn
 
 
 def parameter_uses(closed_jaxpr: Any, count: int) -> list[Use]:
@@ -37,12 +37,11 @@ def parameter_uses(closed_jaxpr: Any, count: int) -> list[Use]:
     except Unrecognised as error:
         if str(error) not in _WARNED:
             _WARNED.add(str(error))
-            warnings.warn(
+            warn(
                 f"eqshard.search_layout: the step's program holds something this "
                 f"JAX's reader does not recognise ({error}); the candidate layouts "
                 "are made without how the step uses its parameters.",
                 RuntimeWarning,
-                stacklevel=3,
             )
         return [Use("other", (), 0)] * count
 

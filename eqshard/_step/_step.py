@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import tempfile
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -49,7 +48,7 @@ from .._internals.routes import Unrecognised
 from .._mesh import mesh_repr
 from .._transforms._explicit import explained
 from .._tree import is_array, path_name
-from .._typing import typecheck
+from .._typing import typecheck, warn
 from ._hlo_flow import Collective, Program
 from ._hlo_text import text_error
 from ._step_report import (
@@ -220,12 +219,11 @@ def _boundary(traced: Any, n_in: int, n_out: int) -> _Boundary | None:
     try:
         found = boundary_of(traced, n_in, n_out)
     except Unrecognised as error:
-        warnings.warn(
+        warn(
             f"eqshard.analyze_step: the step's `jit` holds something this JAX's "
             f"reader does not recognise ({error}); it is analysed without its "
             "`in_shardings`, `out_shardings` and donations.",
             RuntimeWarning,
-            stacklevel=3,
         )
         return None
     if found is None:
