@@ -80,9 +80,46 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
 )
 ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
-        "eqshard._build._init.sharded_init",
-        "eqshard._build._init_pieces.plan",
         "eqshard._move._multiprocess._disagreement_message",
+    }
+)
+
+# JAX's, XLA's and orbax's moving parts (issue 34, item 3): only `eqshard/_internals/`
+# reads them. Attributes read on anything, and those read on a jaxpr's equation (a
+# name ending in `eqn`) or on anything but `self` (a traced program's).
+INTERNAL_ATTRIBUTES = frozenset(
+    {
+        "eqns",
+        "primitive",
+        "invars",
+        "outvars",
+        "constvars",
+        "effects",
+        "__closure__",
+        "__globals__",
+        "global_state",
+        "type_handlers",
+        "unsafe_buffer_pointer",
+    }
+)
+INTERNAL_ON_EQUATIONS = frozenset({"params"})
+INTERNAL_BUT_ON_SELF = frozenset({"jaxpr", "consts"})
+# Today's readers outside the door, as (module, attribute): the distributed client,
+# orbax and the CPU buffers are moving into it; `program_key` and `_shard_map`'s
+# constants read traced programs for the kept programs' keys.
+ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("eqshard._move._host", "unsafe_buffer_pointer"),
+        ("eqshard._transforms._jit", "unsafe_buffer_pointer"),
+        ("eqshard._transforms._explicit", "__closure__"),
+        ("eqshard._transforms._programs", "jaxpr"),
+        ("eqshard._transforms._programs", "consts"),
+        ("eqshard._transforms._programs", "eqns"),
+        ("eqshard._transforms._programs", "invars"),
+        ("eqshard._transforms._programs", "outvars"),
+        ("eqshard._transforms._programs", "params"),
+        ("eqshard._transforms._programs", "primitive"),
+        ("eqshard._transforms._shard_map", "consts"),
     }
 )
 
@@ -326,6 +363,37 @@ def private_imports() -> set[tuple[str, str, str]]:
     return found
 
 
+def _reads(tree: ast.AST) -> set[str]:
+    """The attributes of `INTERNAL_*` that `tree` reads."""
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        name = base.id if isinstance(base, ast.Name) else None
+        on_equation = (name or "").endswith("eqn") or (
+            isinstance(base, ast.Subscript)
+            and isinstance(base.value, ast.Attribute)
+            and base.value.attr == "eqns"
+        )
+        if (
+            node.attr in INTERNAL_ATTRIBUTES
+            or (node.attr in INTERNAL_BUT_ON_SELF and name != "self")
+            or (node.attr in INTERNAL_ON_EQUATIONS and on_equation)
+        ):
+            found.add(node.attr)
+    return found
+
+
+def outside_the_door() -> set[tuple[str, str]]:
+    return {
+        read
+        for module in modules()
+        if wing(module) != "_internals"
+        for read in ((module, attr) for attr in _reads(_tree(module)))
+    }
+
+
 def metrics() -> dict[str, object]:
     """The figures of the layout (issue 34's "Show it")."""
     pairs = edges()
@@ -445,6 +513,34 @@ def test_every_module_is_in_the_module_map():
     assert not missing, (
         f"not named in its wing's row of CONTRIBUTING.md's module map: {missing}"
     )
+
+
+def test_only_the_door_reads_jax_internals():
+    _check(
+        "reads of JAX's internals outside _internals/",
+        outside_the_door(),
+        ALLOWED_INTERNAL_READS,
+    )
+
+
+def test_the_door_check_sees_a_new_reader():
+    # The check itself: each kind of read, written outside the door, is found;
+    # `self`'s own attributes and other `params` (XLA's computations') are not.
+    source = (
+        "def f(closed, eqn, fn, self, computation):\n"
+        "    closed.jaxpr.eqns[0].params['x']\n"
+        "    eqn.primitive, eqn.params\n"
+        "    fn.__globals__, jax.distributed.global_state\n"
+        "    self.jaxpr, self.params, computation.params\n"
+    )
+    assert _reads(ast.parse(source)) == {
+        "jaxpr",
+        "eqns",
+        "params",
+        "primitive",
+        "__globals__",
+        "global_state",
+    }
 
 
 def test_stats():

@@ -13,7 +13,7 @@ import jaxtyping
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from models import CASES
+from models import Block, CASES
 from probes import Compiles
 
 import eqshard
@@ -485,7 +485,7 @@ def test_in_pieces_compiles_as_much_for_any_depth(mesh):
         run, *_ = sharded_init(make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh)
         plan = getattr(run, "__self__", None)
         assert isinstance(plan, Plan)  # built in pieces
-        assert compiles.count == len({id(call[0]) for call in plan._calls})
+        assert compiles.count == len({id(call.jitted) for call in plan._calls})
         counts.append(compiles.count)
         _assert_same_build(built, eqx.filter_jit(make)(jax.random.key(0)))
         with Compiles() as compiles:
@@ -509,7 +509,7 @@ def test_in_pieces_no_device_holds_a_whole_sharded_array(mesh):
     plan = getattr(run, "__self__", None)
     assert isinstance(plan, Plan)  # built in pieces
     values = [*consts, *flat, *plan._keys(*consts, *flat)]
-    programs = {id(jitted): (jitted, inputs) for jitted, inputs, _ in plan._calls}
+    programs = {id(c.jitted): (c.jitted, c.inputs) for c in plan._calls}
     whole = 4 * dim * dim
     for jitted, inputs in programs.values():
         compiled = jitted.lower(*(values[i] for i in inputs)).compile()
@@ -644,3 +644,89 @@ def test_bit_for_bit_but_for_reductions_over_a_split_axis(mesh):
     bound = 2 * (n - 1) * eps * np.abs(w).sum(0) / n + eps * np.abs(w - w.mean(0))
     got, expected = np.asarray(built["centred"]), np.asarray(want["centred"])
     assert (np.abs(got - expected) <= bound).all()
+
+
+# ------------------------------- the fast path (pieces) and its plain route
+
+
+def _mlp(key):
+    return eqx.nn.MLP(4, 4, 8, depth=11, key=key)
+
+
+def _gpt(key):
+    # A GPT-like model of tests/models.py's transformer blocks.
+    ke, kb, kh = jax.random.split(key, 3)
+    return {
+        "embed": eqx.nn.Embedding(32, 8, key=ke),
+        "blocks": [Block(8, k) for k in jax.random.split(kb, 3)],
+        "head": eqx.nn.Linear(8, 32, use_bias=False, key=kh),
+    }
+
+
+def _routes(make, specs, mesh, monkeypatch):
+    """`make` built by the fast path (in pieces) and by the plain route (one
+    `jax.jit` of the whole program, `EQSHARD_PLAIN_ROUTES=init`)."""
+    key = jax.random.key(3)
+    run, whole, *_ = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
+    assert isinstance(getattr(run, "__self__", None), Plan)  # in pieces
+    fast = eqshard.init_sharded(make, key, specs=specs, mesh=mesh)
+    with monkeypatch.context() as patch:
+        patch.setenv("EQSHARD_PLAIN_ROUTES", "init")
+        run, whole, *_ = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
+        assert run is whole  # the whole program
+        plain = eqshard.init_sharded(make, key, specs=specs, mesh=mesh)
+    return fast, plain
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_mlp, id="mlp"),
+        pytest.param(_blocks(4, 16), id="blocks"),
+        pytest.param(_gpt, id="gpt", marks=pytest.mark.slow),
+    ],
+)
+def test_the_fast_path_equals_its_plain_route_bit_for_bit(mesh, make, monkeypatch):
+    # Random draws and elementwise work on them: the same bits by both routes,
+    # in the same shardings (the plain route is the jitted constructor's program:
+    # `test_in_pieces_equals_the_jitted_constructor` compares with it).
+    fast, plain = _routes(make, _split_first_axis, mesh, monkeypatch)
+    _assert_same_build(fast, plain)
+
+
+def _centred_blocks(key):
+    return [_centred(k) for k in jax.random.split(key, 3)]
+
+
+def test_the_routes_agree_to_the_tolerance_of_a_split_reduction(mesh, monkeypatch):
+    fast, plain = _routes(_centred_blocks, P("dp", "tp"), mesh, monkeypatch)
+    keys = jax.random.split(jax.random.key(3), 3)
+    eps = np.finfo(np.float32).eps
+    for got, want, key in zip(fast, plain, keys, strict=True):
+        np.testing.assert_array_equal(_bits(got["w"]), _bits(want["w"]))
+        w = np.asarray(jax.random.normal(key, (64, 512)))
+        n = w.shape[0]
+        bound = 2 * (n - 1) * eps * np.abs(w).sum(0) / n + eps * np.abs(w - w.mean(0))
+        diff = np.abs(np.asarray(got["centred"]) - np.asarray(want["centred"]))
+        assert (diff <= bound).all()
+
+
+def test_an_unrecognised_program_takes_the_plain_route_once(mesh, monkeypatch):
+    from eqshard._internals import jaxpr as jaxprs
+    from eqshard._internals.routes import Unrecognised
+
+    def unrecognised(closed, *, is_fed):
+        raise Unrecognised("a test's primitive 'frobnicate'")
+
+    make = _blocks(3, 8)
+    eqshard.clear_caches()
+    monkeypatch.setattr(jaxprs, "cut", unrecognised)
+    with pytest.warns(RuntimeWarning, match="'init'.*frobnicate") as record:
+        run, whole, *_ = sharded_init(
+            make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh
+        )
+        built = eqshard.init_sharded(make, jax.random.key(1), specs=P("tp"), mesh=mesh)
+    assert run is whole  # the whole program
+    assert len([w for w in record if "frobnicate" in str(w.message)]) == 1
+    _assert_same_build(built, eqx.filter_jit(make)(jax.random.key(1)))
+    eqshard.clear_caches()

@@ -7,13 +7,15 @@ program then runs under `jax.jit` with `out_shardings`, so that each device
 computes only its own shards of every array; only arrays leave it, and they are
 put back into the abstract model. Where pieces of the program repeat (the blocks
 of a list), it runs in pieces instead, each distinct piece compiled once
-(`_init_pieces.py`). NumPy data among the arguments, or read by `fn`, is checked
-first as `shard` checks host data (`_narrowed` before the trace; `_captured_losses`
-after it, for the NumPy data the trace captured): JAX would narrow it to 32 bits
-while tracing, out of sight.
+(`_init_pieces.py`; the whole program is the plain route, `_pieces`). NumPy data
+among the arguments, or read by `fn`, is checked first as `shard` checks host
+data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
+data the trace captured, looked for by `_internals.closures.closed_over`): JAX
+would narrow it to 32 bits while tracing, out of sight.
 
-The compiled program is kept (`_PROGRAMS`) under what was traced: the jaxpr with
-every parameter and nested constant, the shardings and JAX's configuration. The
+The compiled program is kept (`_PROGRAMS`, emptied by `clear_cache`) under what
+was traced: the jaxpr with every parameter and nested constant, the shardings,
+JAX's configuration and the route. The
 NumPy data `fn` closes over is an input of the program, not part of it. So
 building again with a new key compiles nothing, and a closure's variable or a
 config object that changed between calls gives another trace, never a stale
@@ -31,12 +33,14 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._mesh import concrete_mesh
+from .._internals import jaxpr as jaxprs, routes
+from .._internals.closures import closed_over
+from .._mesh import concrete_mesh, find_mesh
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree
 from .._spectree._spec_args import resolve_specs
@@ -73,7 +77,9 @@ def sharded_init(
     assemble)`.
 
     `run(*inputs)` returns the model's arrays in their shardings, as a flat list,
-    from the program in pieces where pieces repeat (see `_init_pieces.py`);
+    from the program in pieces where pieces repeat (see `_init_pieces.py`), else
+    it is `jitted`: the plain route, also taken with `EQSHARD_PLAIN_ROUTES=init`
+    and when the program cannot be read (`_pieces`);
     `jitted(*inputs)` returns them from the whole program (its `.lower(*inputs)`
     is the program, for memory analysis);
     `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
@@ -88,6 +94,25 @@ def sharded_init(
     # Built arrays need a layout: no `P.UNCONSTRAINED`, as for `shard`.
     check = ft.partial(check_placeable, check_spec_on_mesh)
     shapes = abstract_tree(shapes, spec_tree, mesh, caller=caller, check=check)
+    shapes = _on_one_mesh(shapes, mesh, caller=caller)
+    leaves, treedef = jtu.tree_flatten(shapes)
+    shardings = [leaf.sharding for leaf, out in zip(leaves, outputs) if out]
+
+    def assemble(arrays: Sequence[jax.Array]) -> PyTree:
+        built = iter(arrays)
+        model = [next(built) if out else leaf for leaf, out in zip(leaves, outputs)]
+        return jtu.tree_unflatten(treedef, model)
+
+    program, plan, consts = _program(closed, shardings)
+    run = program if plan is None else plan.run
+    return run, program, (consts, dynamic), shapes, assemble
+
+
+def _on_one_mesh(shapes: PyTree, mesh: Mesh | None, *, caller: str) -> PyTree:
+    """`shapes` (the abstract model with its arrays' shardings) with every array
+    on one concrete mesh: an array whose spec is `None` is replicated on `mesh`,
+    or on the mesh of the others. Several meshes, an abstract one, or no mesh for
+    an array without a spec are refused, naming the paths."""
     # Every output of one program lives on one set of devices: an array whose spec
     # is `None` is replicated on the mesh of the others.
     path_leaves = jtu.tree_leaves_with_path(shapes)
@@ -106,16 +131,7 @@ def sharded_init(
     if abstract_at:
         raise abstract_mesh_error(caller, abstract_at)
     if len(meshes) > 1:
-        first: dict[Any, str] = {}
-        for path, leaf in path_leaves:
-            if is_array(leaf) and isinstance(leaf.sharding, NamedSharding):
-                first.setdefault(leaf.sharding.mesh, path_str(path))
-        listed = "; ".join(f"'{path}' on {on!r}" for on, path in first.items())
-        raise ValueError(
-            f"eqshard.{caller}: `specs` places arrays on {len(meshes)} different "
-            f"meshes ({listed}), but one program builds them all. Use one mesh for "
-            "every spec (the same devices, axes and axis types)."
-        )
+        raise _several_meshes_error(caller, path_leaves)
     unsharded = [
         path_str(path)
         for path, leaf in path_leaves
@@ -141,17 +157,22 @@ def sharded_init(
         ),
         shapes,
     )
-    leaves, treedef = jtu.tree_flatten(shapes)
-    shardings = [leaf.sharding for leaf, out in zip(leaves, outputs) if out]
+    return shapes
 
-    def assemble(arrays: Sequence[jax.Array]) -> PyTree:
-        built = iter(arrays)
-        model = [next(built) if out else leaf for leaf, out in zip(leaves, outputs)]
-        return jtu.tree_unflatten(treedef, model)
 
-    program, plan, consts = _program(closed, shardings)
-    run = program if plan is None else plan.run
-    return run, program, (consts, dynamic), shapes, assemble
+def _several_meshes_error(caller: str, path_leaves: list[Any]) -> ValueError:
+    """The error for specs placing arrays on several meshes, naming a path on
+    each."""
+    first: dict[Any, str] = {}
+    for path, leaf in path_leaves:
+        if is_array(leaf) and isinstance(leaf.sharding, NamedSharding):
+            first.setdefault(leaf.sharding.mesh, path_str(path))
+    listed = "; ".join(f"'{path}' on {on!r}" for on, path in first.items())
+    return ValueError(
+        f"eqshard.{caller}: `specs` places arrays on {len(first)} different "
+        f"meshes ({listed}), but one program builds them all. Use one mesh for "
+        "every spec (the same devices, axes and axis types)."
+    )
 
 
 def _narrowed(
@@ -193,30 +214,6 @@ _NARROWED_FIX = (
 )
 
 
-def _host_consts(closed: ClosedJaxpr) -> list[np.ndarray]:
-    """The NumPy data a trace captured: the constants of its program and of the
-    programs nested in it."""
-    found: list[np.ndarray] = []
-
-    def params(value: Any) -> None:
-        if isinstance(value, ClosedJaxpr):
-            found.extend(c for c in value.consts if _is_fed(c))
-            jaxpr(value.jaxpr)
-        elif isinstance(value, Jaxpr):
-            jaxpr(value)
-        elif isinstance(value, tuple | list):
-            for item in value:
-                params(item)
-
-    def jaxpr(program: Jaxpr) -> None:
-        for eqn in program.eqns:
-            for value in eqn.params.values():
-                params(value)
-
-    params(closed)
-    return found
-
-
 def _digest(data: np.ndarray) -> Hashable:
     data = np.asarray(data)
     return (data.shape, data.dtype.str, hashlib.sha256(data.tobytes()).hexdigest())
@@ -225,18 +222,22 @@ def _digest(data: np.ndarray) -> Hashable:
 def _captured_losses(
     fn: Callable[..., Any], closed: ClosedJaxpr
 ) -> list[tuple[KeyPath, np.dtype, np.dtype, str, bool]]:
-    """The NumPy data that `fn` reads (`_closed_over`), that its trace (`closed`)
+    """The NumPy data that `fn` reads (`closed_over`), that its trace (`closed`)
     captured as a constant, and that JAX narrowed with a loss while tracing (out
     of sight), as `_host.loss_error` lists it. Only data the trace captured is
     reported: a value `fn` reads counts if, narrowed, it is one of the trace's
     constants. Nothing is looked for if the trace captured no NumPy data, and a
     value that cannot be looked into (JAX cannot flatten it) is skipped."""
-    captured = {_digest(c) for c in _host_consts(closed) if c.dtype.kind in "biufc"}
+    captured = {
+        _digest(c)
+        for c in jaxprs.nested_consts(closed)
+        if _is_fed(c) and c.dtype.kind in "biufc"
+    }
     if not captured:
         return []
     lost: list[tuple[KeyPath, np.dtype, np.dtype, str, bool]] = []
     try:
-        read = _closed_over(fn)
+        read = closed_over(fn)
     except Exception:  # the check cannot run: the build goes on
         return []
     for name, value in read:
@@ -253,92 +254,6 @@ def _captured_losses(
                         (where, leaf.dtype, narrowed.dtype, lost_text(loss), False)
                     )
     return lost
-
-
-# Modules whose functions are not searched for the NumPy data they close over.
-_LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "eqshard", "optax", "builtins")
-
-
-def _closed_over(fn: Any) -> list[tuple[str, Any]]:
-    """What `fn` reads besides its arguments, by name: its closure's variables, the
-    globals its code names, default values, a `functools.partial`'s arguments,
-    a bound method's object; and so on through the functions and classes found
-    there (not those of JAX, NumPy, Equinox or eqshard). Values are given whole
-    (a list of arrays is one value)."""
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    todo: list[Any] = [fn]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        module = getattr(obj, "__module__", None) or ""
-        if module.split(".")[0] in _LIBRARIES:
-            continue
-        values: list[tuple[str, Any]] = []
-        if isinstance(obj, ft.partial):
-            values += [
-                (f"argument {n} bound to {_name(obj.func)}", v)
-                for n, v in enumerate(obj.args)
-            ]
-            values += [
-                (f"{name} bound to {_name(obj.func)}", v)
-                for name, v in obj.keywords.items()
-            ]
-            todo.append(obj.func)
-        elif inspect.ismethod(obj):
-            values.append((f"self of {_name(obj)}", obj.__self__))
-            todo.append(obj.__func__)
-        elif inspect.isclass(obj):
-            todo.extend(v for v in vars(obj).values() if inspect.isfunction(v))
-        elif inspect.isfunction(obj):
-            code = obj.__code__
-            cells = obj.__closure__ or ()
-            read = f"read by {obj.__qualname__}"
-            values += [
-                (f"{name} ({read})", cell.cell_contents)
-                for name, cell in zip(code.co_freevars, cells, strict=True)
-                if _filled(cell)
-            ]
-            values += [
-                (f"{name} ({read})", obj.__globals__[name])
-                for name in _names(code)
-                if name in obj.__globals__
-            ]
-            defaults = [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
-            values += [(f"a default of {obj.__qualname__}", v) for v in defaults]
-        for name, value in values:
-            if (
-                inspect.isfunction(value)
-                or inspect.isclass(value)
-                or isinstance(value, ft.partial)
-            ):
-                todo.append(value)
-            elif not inspect.ismodule(value):
-                found.append((name, value))
-    return found
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a variable not assigned yet
-        return False
-    return True
-
-
-def _names(code: Any) -> set[str]:
-    """The global names that `code` and the code nested in it read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            names |= _names(const)
-    return names
 
 
 def _trace(
@@ -381,8 +296,8 @@ def _program(
     closed: ClosedJaxpr, shardings: list[Any]
 ) -> tuple[Any, Plan | None, list[Any]]:
     """The `jax.jit` that runs `closed` and puts its outputs, a flat list, in
-    `shardings`, the same in pieces if pieces of it repeat (`_init_pieces.plan`,
-    else `None`), and the constants to give them: `jitted(consts, arrays)` and
+    `shardings`, the same in pieces if pieces of it repeat (`_pieces`, else
+    `None`), and the constants to give them: `jitted(consts, arrays)` and
     `plan.run(consts, arrays)` with the arrays among the arguments. The model's
     structure is not part of them, as that holds the static fields of this call.
 
@@ -391,31 +306,49 @@ def _program(
     traced (`_program_key`), never by the identity or hash of `fn` and its
     arguments, whose values can change between calls (a closure's variable, a
     mutable config object)."""
-    consts = list(closed.consts)
+    consts = jaxprs.consts_of(closed)
     key, keep = _program_key(closed, shardings)
+    fast = not routes.plain("init")
 
     def make() -> tuple[Any, Plan | None, list[Any]]:
-        jaxpr = closed.jaxpr
         fixed = [None if _is_fed(c) else c for c in consts]
 
         def run(fed: list[Any], flat: list[Any]) -> list[Any]:
             given = iter(fed)
             all_consts = [next(given) if c is None else c for c in fixed]
-            return jaxpr_as_fun(ClosedJaxpr(jaxpr, all_consts))(*flat)
+            return jaxprs.as_function(closed, all_consts)(*flat)
 
-        pieces = plan(
-            closed, shardings, key_of=lambda c, s: _program_key(c, s)[0], is_fed=_is_fed
-        )
+        pieces = _pieces(closed, shardings) if fast else None
         return jax.jit(run, out_shardings=shardings), pieces, keep
 
-    jitted, pieces, _ = _PROGRAMS.get(key, make)
+    jitted, pieces, _ = _PROGRAMS.get((key, fast), make)
     return jitted, pieces, [c for c in consts if _is_fed(c)]
+
+
+def _pieces(closed: ClosedJaxpr, shardings: list[Any]) -> Plan | None:
+    """`closed` in pieces (`_init_pieces.plan`), or `None`: where no piece
+    repeats, or where a read of the program meets something it does not
+    recognise (then the whole program runs, the plain route, saying so once)."""
+    try:
+        return plan(
+            closed, shardings, key_of=lambda c, s: _program_key(c, s)[0], is_fed=_is_fed
+        )
+    except routes.Unrecognised as error:
+        routes.fall_back("init", str(error))
+        return None
 
 
 # Each program (whole, and in pieces) with the objects its key holds by
 # identity, kept alive with it.
 _PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
-register(_PROGRAMS.clear)
+
+
+def clear_cache() -> None:
+    """Forgets the programs kept by this module (`_PROGRAMS`)."""
+    _PROGRAMS.clear()
+
+
+register(clear_cache)
 
 
 def _program_key(
@@ -468,7 +401,9 @@ def init_sharded(
     draw). Compare such values to a tolerance. Where pieces of
     the program repeat (a list of blocks: the same arrays drawn with other keys),
     each distinct piece is compiled once and run for each block with its keys,
-    so that the compile time does not grow with the number of blocks. Eager construction
+    so that the compile time does not grow with the number of blocks
+    (`EQSHARD_PLAIN_ROUTES=init` builds the whole program as one: see
+    [Fast paths and their plain routes](../how-to/plain-routes.md)). Eager construction
     (`fn(*args, **kwargs)` op by op, then [`eqshard.shard`][]) draws the same
     random bits, and gives the same arrays where they are draws or exact
     operations on them; but where the constructor computes with a draw (a

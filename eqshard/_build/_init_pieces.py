@@ -35,90 +35,40 @@ for bit).
 """
 
 import concurrent.futures
-import functools as ft
+import dataclasses
 import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.core import Tracer
-from jax.extend.core import (
-    ClosedJaxpr,
-    DebugInfo,
-    Jaxpr,
-    jaxpr_as_fun,
-    jaxprs_in_params,
-    Var,
-)
 
-
-# Results of at most this many elements, not floating, are keys (or integer
-# bookkeeping on them): computed once, before the pieces.
-_SMALL = 1 << 12
-
-
-def _jaxpr(
-    constvars: list[Var], invars: list[Var], outvars: list[Any], eqns: list[Any]
-) -> Jaxpr:
-    """A part of the traced program, as a program of its own."""
-    debug = DebugInfo(
-        "init_sharded",
-        "a piece of the traced program",
-        tuple(f"x{n}" for n in range(len(invars))),
-        tuple(f"y{n}" for n in range(len(outvars))),
-    )
-    return Jaxpr(constvars, invars, outvars, eqns, debug_info=debug)
-
-
-def _is_key_work(eqn: Any) -> bool:
-    """Whether `eqn` belongs to the keys: a primitive (no nested program, no
-    effects) whose results are small and not floating."""
-    if eqn.effects or any(True for _ in jaxprs_in_params(eqn.params)):
-        return False
-    return all(
-        hasattr(var.aval, "dtype")
-        and not jnp.issubdtype(var.aval.dtype, jnp.inexact)
-        and var.aval.size <= _SMALL
-        for var in eqn.outvars
-    )
-
-
-def _bind(eqn: Any, values: list[Any]) -> list[Any]:
-    """`eqn` run on `values`, op by op. A static slice (`x[3]`, the most common
-    operation on keys) is run as the same dynamic slice, which is compiled once
-    for every start rather than once for each: the same elements, moved."""
-    params = eqn.params
-    if eqn.primitive.name == "slice" and all(
-        stride in (None, 1) for stride in params["strides"] or ()
-    ):
-        starts = [np.int32(start) for start in params["start_indices"]]
-        sizes = [
-            limit - start
-            for start, limit in zip(
-                params["start_indices"], params["limit_indices"], strict=True
-            )
-        ]
-        return [jax.lax.dynamic_slice(values[0], starts, sizes)]
-    out = eqn.primitive.bind(*values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _run_keys(
-    eqns: list[Any], sources: list[Var], outputs: list[Var], *values: Any
-) -> list[Any]:
-    """The values of `outputs`, computed by `eqns` (the keys' equations, in
-    order) from the values of `sources`."""
-    env = dict(zip(sources, values, strict=True))
-    for eqn in eqns:
-        ins = [env[v] if isinstance(v, Var) else v.val for v in eqn.invars]
-        env.update(zip(eqn.outvars, _bind(eqn, ins), strict=True))
-    return [env[v] for v in outputs]
+from .._internals import jaxpr as jaxprs
 
 
 # Threads compiling the programs of a plan.
 _WORKERS = min(4, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a plan: `jitted` on the values at `inputs`, its outputs going
+    to `positions` of the program's outputs."""
+
+    jitted: Any
+    inputs: list[int]
+    positions: list[int]
+
+
+@dataclasses.dataclass
+class _Distinct:
+    """A distinct piece: its function (of `width` inputs), its outputs'
+    shardings, and its uses (a `jaxprs.Piece` each)."""
+
+    run: Callable[..., list[Any]]
+    width: int
+    shardings: list[Any]
+    uses: list[jaxprs.Piece]
 
 
 class Plan:
@@ -130,7 +80,7 @@ class Plan:
         self,
         consts: list[Any],
         keys: Callable[..., list[Any]],
-        calls: list[tuple[Any, list[int], list[int]]],
+        calls: list[Call],
         outputs: int,
     ):
         self._consts = consts
@@ -145,9 +95,10 @@ class Plan:
         pool of threads (XLA releases the GIL). JAX keeps what it compiled, so
         the calls that follow compile nothing."""
         first: dict[int, Any] = {}
-        for jitted, inputs, _ in self._calls:
+        for call in self._calls:
+            jitted = call.jitted
             if id(jitted) not in first and jitted not in self._compiled:
-                first[id(jitted)] = jitted.lower(*(values[i] for i in inputs))
+                first[id(jitted)] = jitted.lower(*(values[i] for i in call.inputs))
                 self._compiled.add(jitted)
         if len(first) > 1:
             with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
@@ -165,115 +116,62 @@ class Plan:
 
         if not any(isinstance(value, Tracer) for value in values):
             self._compile(values)
-        for jitted, inputs, positions in self._calls:
-            results = jitted(*(values[i] for i in inputs))
-            for position, result in zip(positions, results, strict=True):
+        for call in self._calls:
+            results = call.jitted(*(values[i] for i in call.inputs))
+            for position, result in zip(call.positions, results, strict=True):
                 out[position] = result
         return out
 
 
 def plan(
-    closed: ClosedJaxpr,
+    closed: Any,
     shardings: list[Any],
     *,
-    key_of: Callable[[ClosedJaxpr, list[Any]], Hashable],
+    key_of: Callable[[Any, list[Any]], Hashable],
     is_fed: Callable[[Any], bool],
 ) -> Plan | None:
-    """`closed` (whose outputs go to `shardings`) in pieces, or `None` if no piece
-    repeats. Two pieces are the same program if `key_of` says so; constants for
-    which `is_fed` holds are inputs of the programs (read on every run), the
-    others stay constants of them."""
-    jaxpr = closed.jaxpr
-    if jaxpr.effects:
+    """`closed` (a traced program whose outputs go to `shardings`) in pieces, or
+    `None` if no piece repeats. Two pieces are the same program if `key_of` says
+    so; constants for which `is_fed` holds are inputs of the programs (read on
+    every run), the others stay constants of them. Raises
+    `_internals.routes.Unrecognised` where the program cannot be read."""
+    cut = jaxprs.cut(closed, is_fed=is_fed)
+    if cut is None:
         return None
-    sources: list[Var] = [*jaxpr.constvars, *jaxpr.invars]
-    const_of = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    key_eqns, rest = [], []
-    is_key = set(sources)
-    for eqn in jaxpr.eqns:
-        if _is_key_work(eqn) and all(
-            not isinstance(var, Var) or var in is_key for var in eqn.invars
-        ):
-            key_eqns.append(eqn)
-            is_key.update(eqn.outvars)
-        else:
-            rest.append(eqn)
-    made_by = {var: n for n, eqn in enumerate(rest) for var in eqn.outvars}
-
-    # Each output's equations, outside the keys; outputs sharing one are joined.
-    owner = list(range(len(jaxpr.outvars)))
-
-    def find(n: int) -> int:
-        while owner[n] != n:
-            owner[n] = owner[owner[n]]
-            n = owner[n]
-        return n
-
-    used_by: dict[int, int] = {}  # equation -> an output using it
-    needs: list[set[int]] = []
-    for position, var in enumerate(jaxpr.outvars):
-        needed: set[int] = set()
-        todo = [var] if isinstance(var, Var) else []
-        while todo:
-            n = made_by.get(todo.pop())
-            if n is None or n in needed:
-                continue
-            needed.add(n)
-            todo.extend(v for v in rest[n].invars if isinstance(v, Var))
-            if n in used_by:
-                owner[find(position)] = find(used_by[n])
-            else:
-                used_by[n] = position
-        needs.append(needed)
-    groups: dict[int, list[int]] = {}
-    for position in range(len(jaxpr.outvars)):
-        groups.setdefault(find(position), []).append(position)
-
-    # The distinct pieces, each with its uses: (inputs, output positions).
-    distinct: dict[Hashable, tuple[Callable[..., Any], int, list[Any], list[Any]]] = {}
-    key_outputs: dict[Var, None] = {}  # in order
-    for positions in groups.values():
-        eqn_ids = sorted(set().union(*(needs[p] for p in positions)))
-        eqns = [rest[n] for n in eqn_ids]
-        outvars = [jaxpr.outvars[p] for p in positions]
-        made = {var for eqn in eqns for var in eqn.outvars}
-        inputs: list[Var] = []
-        for var in [v for eqn in eqns for v in eqn.invars] + outvars:
-            if isinstance(var, Var) and var not in made and var not in inputs:
-                inputs.append(var)
-        consts = [v for v in inputs if v in const_of]
-        fixed = [v for v in consts if not is_fed(const_of[v])]
-        fed = [v for v in inputs if v not in fixed]
-        out_shardings = [shardings[p] for p in positions]
-        # Keyed with every constant in place, as the kept programs are.
-        key = key_of(
-            ClosedJaxpr(
-                _jaxpr(consts, [v for v in inputs if v not in const_of], outvars, eqns),
-                [const_of[v] for v in consts],
-            ),
-            out_shardings,
-        )
-        if key not in distinct:
-            run = jaxpr_as_fun(
-                ClosedJaxpr(
-                    _jaxpr(fixed, fed, outvars, eqns), [const_of[v] for v in fixed]
-                )
-            )
-            distinct[key] = (run, len(fed), out_shardings, [])
-        distinct[key][3].append((fed, positions))
-        key_outputs.update((v, None) for v in fed if v not in sources)
-
-    pieces = list(distinct.values())
+    pieces = _distinct(cut, shardings, key_of)
     if not pieces:  # nothing to build
         return None
-    uses = [len(piece[3]) for piece in pieces]
+    uses = [len(piece.uses) for piece in pieces]
     rounds = min(range(1, max(uses) + 1), key=lambda r: _cost(uses, r))
     if rounds == 1:
         return None
-    index = {var: n for n, var in enumerate([*sources, *key_outputs])}
+    fixed = [None if is_fed(c) else c for c in jaxprs.consts_of(closed)]
+    return Plan(fixed, cut.keys, _calls(pieces, uses, rounds), cut.outputs)
+
+
+def _distinct(
+    cut: jaxprs.Cut,
+    shardings: list[Any],
+    key_of: Callable[[Any, list[Any]], Hashable],
+) -> list[_Distinct]:
+    """The distinct pieces of `cut`, each with its uses, in order."""
+    distinct: dict[Hashable, _Distinct] = {}
+    for piece in cut.pieces:
+        out_shardings = [shardings[p] for p in piece.positions]
+        # Keyed with every constant in place, as the kept programs are.
+        key = key_of(piece.keyed, out_shardings)
+        if key not in distinct:
+            distinct[key] = _Distinct(
+                piece.function(), len(piece.fed), out_shardings, []
+            )
+        distinct[key].uses.append(piece)
+    return list(distinct.values())
+
+
+def _calls(pieces: list[_Distinct], uses: list[int], rounds: int) -> list[Call]:
+    """`rounds` calls of one program making `use // rounds` uses of each piece,
+    then one call of another making the uses left over."""
     calls = []
-    # `rounds` calls of one program making `use // rounds` uses of each piece,
-    # then one call of another making the uses left over.
     for first, counts, times in (
         (lambda n: 0, [u // rounds for u in uses], rounds),
         (lambda n: uses[n] // rounds * rounds, [u % rounds for u in uses], 1),
@@ -282,35 +180,33 @@ def plan(
             continue
         shardings_of_call = [
             sharding
-            for (_, _, out_shardings, _), count in zip(pieces, counts, strict=True)
+            for piece, count in zip(pieces, counts, strict=True)
             for _ in range(count)
-            for sharding in out_shardings
+            for sharding in piece.shardings
         ]
         jitted = jax.jit(
             _joined(
                 [
-                    (run, width, count)
-                    for (run, width, _, _), count in zip(pieces, counts)
+                    (piece.run, piece.width, count)
+                    for piece, count in zip(pieces, counts, strict=True)
                 ]
             ),
             out_shardings=shardings_of_call,
         )
         for call in range(times):
-            made_uses = [
+            made = [
                 use
-                for n, ((*_, piece_uses), count) in enumerate(zip(pieces, counts))
-                for use in piece_uses[first(n) + call * count :][:count]
+                for n, (piece, count) in enumerate(zip(pieces, counts, strict=True))
+                for use in piece.uses[first(n) + call * count :][:count]
             ]
             calls.append(
-                (
+                Call(
                     jitted,
-                    [index[v] for fed, _ in made_uses for v in fed],
-                    [p for _, positions in made_uses for p in positions],
+                    [i for use in made for i in use.fed],
+                    [p for use in made for p in use.positions],
                 )
             )
-    keys = ft.partial(_run_keys, key_eqns, sources, list(key_outputs))
-    fixed = [None if is_fed(c) else c for c in closed.consts]
-    return Plan(fixed, keys, calls, len(jaxpr.outvars))
+    return calls
 
 
 # What a program costs to compile, in pieces: on CPU, about 0.35 s for a program

@@ -30,10 +30,10 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._internals import jaxpr as jaxprs
 from .._mesh import same_mesh
 from .._spectree._derive import abstract_tree, derive_specs, follow_spec
 from .._spectree._specs import entry_axes
@@ -228,7 +228,10 @@ class Step:
 
     def replay(self, *arrays: Any) -> Any:
         """`call`, from its jaxpr."""
-        return jtu.tree_unflatten(self.out_tree, jaxpr_as_fun(self.jaxpr)(*arrays))
+        assert self.jaxpr is not None
+        return jtu.tree_unflatten(
+            self.out_tree, jaxprs.as_function(self.jaxpr)(*arrays)
+        )
 
     def _program(self, out_shardings: Any, donate: Sequence[int]) -> Any:
         """The step as `analyze_step` reads it: `fn`'s signature, one `jax.jit`

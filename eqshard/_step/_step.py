@@ -40,10 +40,12 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, Sharding
 
 from .._caches import register
+from .._internals.jaxpr import boundary_of
+from .._internals.routes import Unrecognised
 from .._internals.xla import Captured, captured_stderr
 from .._transforms._explicit import explained
 from .._tree import path_name
-from .._typing import typecheck
+from .._typing import typecheck, warn
 from ._hlo_flow import Program
 from ._hlo_text import text_error
 from ._step_args import Arguments, arguments, CALLER, placed_as_asked
@@ -181,30 +183,22 @@ class _Boundary:
 
 def _boundary(traced: Any, n_in: int, n_out: int) -> _Boundary | None:
     """`fn`'s own `jit` (a `jax.jit`, either `filter_jit` or `PartitionedFn`), when
-    the trace is exactly one call of it."""
-    jaxpr = traced.jaxpr.jaxpr
-    if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name not in ("jit", "pjit"):
+    the trace is exactly one call of it (read by `_internals.jaxpr.boundary_of`).
+    Where that read meets something it does not recognise, the step is read as
+    traced, without its own `jit`'s shardings and donations, said in a warning."""
+    try:
+        found = boundary_of(traced, n_in, n_out)
+    except Unrecognised as error:
+        warn(
+            f"eqshard.analyze_step: the step's `jit` holds something this JAX's "
+            f"reader does not recognise ({error}); it is analysed without its "
+            "`in_shardings`, `out_shardings` and donations.",
+            RuntimeWarning,
+        )
         return None
-    eqn = jaxpr.eqns[0]
-    position = {id(v): i for i, v in enumerate(jaxpr.invars)}
-    found = _Boundary([None] * n_in, [None] * n_out, [False] * n_in)
-    for var, sharding, donated in zip(
-        eqn.invars,
-        eqn.params["in_shardings"],
-        eqn.params["donated_invars"],
-        strict=True,
-    ):
-        i = position.get(id(var))
-        if i is not None:
-            found.in_shardings[i] = sharding if isinstance(sharding, Sharding) else None
-            found.donated[i] = bool(donated)
-    made = {
-        id(v): s for v, s in zip(eqn.outvars, eqn.params["out_shardings"], strict=True)
-    }
-    for k, var in enumerate(jaxpr.outvars):
-        sharding = made.get(id(var))
-        found.out_shardings[k] = sharding if isinstance(sharding, Sharding) else None
-    return found
+    if found is None:
+        return None
+    return _Boundary(found.in_shardings, found.out_shardings, found.donated)
 
 
 @dataclasses.dataclass(frozen=True)
