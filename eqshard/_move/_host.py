@@ -27,7 +27,9 @@ needed, converted on host, in one pass over its data:
    one is placed as it is, and the device buffers' addresses are compared with
    its memory: only if they lie in it is it placed again, from a private copy
    (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
-   placed on other devices are copied there anyway.
+   placed on other devices are copied there anyway. (These reads of XLA:CPU's
+   buffers are `_internals/cpu.py`'s; the copy engine's plain route,
+   `_copies.py`, reads none: it copies every array the devices could alias.)
 4. **Nothing read later.** `jax.device_put` returns before its transfers are
    done, so a device may read the caller's buffer after the call (writes made
    at once changed arrays on the mesh). `shard` waits for the transfers of the
