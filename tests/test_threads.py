@@ -119,3 +119,18 @@ def test_transfer_guards_see_every_array(mesh, capfd):
     for value in tree.values():
         rows, columns = value.shape
         assert f"float32[{rows},{columns}]" in logged
+
+
+def test_clear_cache_stops_the_copying_threads_and_they_start_again():
+    from eqshard._move import _threads
+
+    def work(indices):
+        return [threading.current_thread().name for _ in indices]
+
+    weights = [4 << 20, 4 << 20]
+    assert len(set(spread(work, weights, pinned=[False, False]))) == 2
+    workers = [t for t in threading.enumerate() if t.name.startswith("eqshard-copy")]
+    assert workers
+    _threads.clear_cache()
+    assert not any(t.is_alive() for t in workers)
+    assert len(set(spread(work, weights, pinned=[False, False]))) == 2

@@ -157,3 +157,8 @@ def why_no_order(mesh: Mesh, axes: tuple[str, ...], process: int | None = None) 
         "mesh so each process's devices are contiguous (as eqshard.create_mesh and "
         "eqshard.t5x.default_mesh do)"
     )
+
+
+def clear_cache() -> None:
+    """Forgets the meshes this module has looked at."""
+    blocks_by_process.cache_clear()
