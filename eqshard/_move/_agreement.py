@@ -126,7 +126,7 @@ def _records(
         for (path, leaf), spec in zip(path_leaves, spec_of, strict=True)
         if is_array(leaf)
     ]
-    return [list(dataclasses.astuple(r)) for r in records]
+    return [r.row() for r in records]
 
 
 def agreed_alone() -> None:
@@ -160,6 +160,16 @@ class _Record:
     dtype: str
     spec: str  # "" for no spec
     values: str  # a fingerprint of its values, "" where they may differ
+
+    def row(self) -> list[Any]:
+        """As JSON data."""
+        return [self.path, list(self.shape), self.dtype, self.spec, self.values]
+
+    @classmethod
+    def from_row(cls, row: list[Any]) -> "_Record":
+        """From `row`'s JSON data."""
+        path, shape, dtype, spec, values = row
+        return cls(path, tuple(shape), dtype, spec, values)
 
 
 def _record(
@@ -261,7 +271,7 @@ def _disagreement_message(
     """The message when processes passed different trees: each view is one
     process's `[header, records]`, as JSON data."""
     headers = [view[0] for view in views]
-    records = [[_Record(*row) for row in view[1]] for view in views]
+    records = [[_Record.from_row(row) for row in view[1]] for view in views]
     lines, kinds = _differences(records, processes, check_values)
     if any(h != headers[0] for h in headers):
         kinds.add("tree")
@@ -291,7 +301,7 @@ def _differences(
         return [line], {"tree"}
     how = "full" if check_values == "full" else "sample"
     checks = (
-        ("tree", lambda r: (list(r.shape), r.dtype), "shape {shape} {r.dtype}"),
+        ("tree", lambda r: (r.shape, r.dtype), "shape {shape} {r.dtype}"),
         ("tree", lambda r: r.spec, "spec {spec}"),
         ("values", lambda r: r.values, f"values with {how} hash {{r.values}}"),
     )
@@ -301,8 +311,7 @@ def _differences(
             if any(field(r) != field(rows[0]) for r in rows):
                 kinds.add(kind)
                 described = [
-                    text.format(r=r, shape=tuple(r.shape), spec=r.spec or None)
-                    for r in rows
+                    text.format(r=r, shape=r.shape, spec=r.spec or None) for r in rows
                 ]
                 lines.append(
                     f"  - '{rows[0].path}': {by_process(described, processes)}"
