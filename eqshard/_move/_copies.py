@@ -67,7 +67,7 @@ def to_devices(
     or (`host_local`) of this process's block."""
     values, shardings = list(values), list(shardings)
     if plain():
-        return _to_devices_plain(values, shardings, sources, put)
+        return _to_devices_plain(values, shardings, sources, donate, put)
     if put is None and donate is not None and any(donate):
         placed = jax.device_put(values, shardings, donate=list(donate))
     elif put is None:
@@ -119,6 +119,7 @@ def _to_devices_plain(
     values: list[Any],
     shardings: list[NamedSharding],
     sources: Sequence[Any],
+    donate: Sequence[bool] | None,
     put: Put | None,
 ) -> list[jax.Array]:
     """`to_devices` by `jax.device_put` alone: NumPy data of the caller's that
@@ -131,7 +132,11 @@ def _to_devices_plain(
                 values[i] = np.array(value, copy=True)
             else:
                 reading.append(i)
-    placed = (put or jax.device_put)(values, shardings)
+    if put is not None:
+        placed = put(values, shardings)
+    else:
+        donated = list(donate) if donate is not None else False
+        placed = jax.device_put(values, shardings, donate=donated)
     jax.block_until_ready([placed[i] for i in reading])
     return list(placed)
 
