@@ -73,16 +73,10 @@ ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
     {
         "eqshard._transforms._jit",
-        "eqshard._move._multiprocess",
-        "eqshard._move._shard",
         "eqshard._transforms._shard_map",
     }
 )
-ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset(
-    {
-        "eqshard._move._multiprocess._disagreement_message",
-    }
-)
+ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset({})
 
 # JAX's, XLA's and orbax's moving parts (issue 34, item 3): only `eqshard/_internals/`
 # reads them. Attributes read on anything, and those read on a jaxpr's equation (a
@@ -109,7 +103,6 @@ INTERNAL_BUT_ON_SELF = frozenset({"jaxpr", "consts"})
 # constants read traced programs for the kept programs' keys.
 ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset(
     {
-        ("eqshard._move._host", "unsafe_buffer_pointer"),
         ("eqshard._transforms._jit", "unsafe_buffer_pointer"),
         ("eqshard._transforms._explicit", "__closure__"),
         ("eqshard._transforms._programs", "jaxpr"),

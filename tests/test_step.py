@@ -21,7 +21,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from probes import Compiles
 
 import eqshard
-from eqshard._step._step import clear_cache
 
 
 # ---------------------------------------------------------------------------------
@@ -362,11 +361,11 @@ def test_capture_warnings_false_leaves_stderr_alone(mesh, capfd, monkeypatch):
     assert eqshard.analyze_step(fn, t, capture_warnings=False) is off
 
 
-def test_clear_cache_forgets_the_reports(mesh):
+def test_clear_caches_forgets_the_reports(mesh):
     model, x = placed(Unrolled, TP, mesh)
     step = jax.jit(sgd)
     first = eqshard.analyze_step(step, model, x)
-    clear_cache()
+    eqshard.clear_caches()
     with Compiles() as again:
         second = eqshard.analyze_step(step, model, x)
     assert second is not first and second == first and again.count == 1

@@ -343,12 +343,7 @@ def _pieces(closed: ClosedJaxpr, shardings: list[Any]) -> Plan | None:
 _PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
 
 
-def clear_cache() -> None:
-    """Forgets the programs kept by this module (`_PROGRAMS`)."""
-    _PROGRAMS.clear()
-
-
-register(clear_cache)
+register(_PROGRAMS.clear)
 
 
 def _program_key(

@@ -1,15 +1,15 @@
 """Copying pytrees from meshes to the host.
 
-Arrays whose shards this process can all see are copied straight to host with one
-`jax.device_get`, without leaving a host copy cached on the arrays (`fetch`, which
-`shard` also uses to bring JAX arrays in host memory kinds through the host). An
+Arrays whose shards this process can all see are copied straight to host, without
+leaving a host copy cached on the arrays, by the copy engine's `to_host`
+(`_copies.py`: on CPU from the device buffers, spread over the cores; else, and
+on its plain route, one `jax.device_get`). An
 array spread over several processes is first laid out again over the same
 devices, whole on each process and split across that process's devices, then
 copied to host from those local shards, one leaf at a time: no device ever holds
 a full replica (see `_multiprocess.py`).
 """
 
-import functools as ft
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +18,6 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from .._caches import register
 from .._keys import HostKey, is_key, key_data, key_impl_name
 from .._tree import (
     abstract_leaf_error,
@@ -30,6 +29,7 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, PyTreeDef, typecheck
+from ._copies import to_host
 from ._host import host_ready, leaf_casts, loss_error
 from ._multiprocess import (
     check_timeout,
@@ -38,111 +38,12 @@ from ._multiprocess import (
     needs_collective,
     wait_for_processes,
 )
-from ._threads import split_above, spread
-
-
-def _uncached(array: jax.Array) -> jax.Array:
-    """A new `jax.Array` over the same device buffers as `array`, copying nothing.
-
-    `jax.device_get(array)` caches its host copy on `array`, where it lives as long
-    as `array` does: a gathered model would keep a hidden second host copy, and
-    `iter_gather` would hold every leaf at once. Copying through this wrapper puts
-    the cache on the wrapper, which dies with it."""
-    return jax.make_array_from_single_device_arrays(
-        array.shape, array.sharding, [piece.data for piece in array.addressable_shards]
-    )
-
-
-@ft.lru_cache(maxsize=4096)
-def _cpu_blocks(
-    sharding: Any, shape: tuple[int, ...]
-) -> tuple[tuple[int, tuple[slice, ...]], ...] | None:
-    """For an array on CPU devices only: one `(k, index)` per distinct block of it,
-    `k` being the block's position in `array.addressable_data(k)` (the order of
-    `addressable_devices_indices_map`). `None` on other devices."""
-    mapping = sharding.addressable_devices_indices_map(shape)
-    if any(device.platform != "cpu" for device in mapping):
-        return None
-    blocks: dict[tuple[Any, ...], tuple[int, tuple[slice, ...]]] = {}
-    for k, index in enumerate(mapping.values()):
-        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
-        blocks.setdefault(key, (k, index))
-    return tuple(blocks.values())
-
-
-register(_cpu_blocks.cache_clear)
-
-
-def fetch(arrays: list[jax.Array], *, own: bool = False) -> list[np.ndarray]:
-    """The values of fully addressable arrays on this host, as `jax.device_get`
-    gives them, without leaving a host copy cached on the arrays.
-
-    `jax.device_get` caches an array's host copy on it, where it lives as long as
-    the array does: a gathered model would keep a hidden second host copy, and
-    `iter_gather` would hold every leaf at once. On CPU each distinct block is
-    read from its device buffer (no copy, so nothing is cached) into the result,
-    the blocks spread over the cores (`_threads.py`); elsewhere each array is
-    read through a short-lived `_uncached` wrapper.
-
-    An array of one distinct block (replicated, or on one device) comes back as
-    a read-only view of its device buffer on CPU, and read-only elsewhere (JAX's
-    host copy); with `own`, every value is a writeable array that owns its
-    memory, as `gather` promises (a copy where the value was not one)."""
-    out: list[Any] = [None] * len(arrays)
-    on_cpu: list[tuple[int, Any]] = []
-    elsewhere: list[tuple[int, Any]] = []
-    for i, array in enumerate(arrays):
-        blocks = _cpu_blocks(array.sharding, tuple(array.shape))
-        (elsewhere if blocks is None else on_cpu).append((i, blocks))
-    # The blocks are copied into the arrays they belong to, spread over the cores:
-    # an array's together, those of an array larger than a core's share each on
-    # its own. An array of one block is its device buffer, unless it must `own`.
-    several = [(i, blocks) for i, blocks in on_cpu if len(blocks) > 1 or own]
-    large = split_above(sum(arrays[i].nbytes for i, _ in several))
-    copies: list[tuple[int, Any]] = []  # (i, blocks of arrays[i])
-    for i, blocks in on_cpu:
-        if len(blocks) == 1 and not own:
-            out[i] = np.asarray(arrays[i].addressable_data(blocks[0][0]))
-            continue
-        out[i] = np.empty(arrays[i].shape, arrays[i].dtype)
-        if out[i].nbytes > large:
-            copies += [(i, (block,)) for block in blocks]
-        else:
-            copies.append((i, blocks))
-
-    def copy(units: list[int]) -> list[None]:
-        for i, blocks in (copies[u] for u in units):
-            for k, index in blocks:
-                out[i][index] = np.asarray(arrays[i].addressable_data(k))
-        return [None] * len(units)
-
-    spread(
-        copy,
-        [sum(out[i][index].nbytes for _, index in blocks) for i, blocks in copies],
-        pinned=[False] * len(copies),
-    )
-    if elsewhere:
-        values = jax.device_get([_uncached(arrays[i]) for i, _ in elsewhere])
-        for (i, _), value in zip(elsewhere, values, strict=True):
-            out[i] = _owned(value) if own else value
-    return out
-
-
-def _owned(value: Any) -> np.ndarray:
-    """`value` as a writeable array that owns its memory: itself, made writeable,
-    if it owns its memory already (JAX's host copy, which nothing else holds once
-    its `_uncached` wrapper is gone), else a copy."""
-    value = np.asarray(value)
-    if value.base is not None or not value.flags.owndata:
-        return np.array(value, copy=True)
-    value.flags.writeable = True
-    return value
 
 
 def _to_host(array: jax.Array) -> np.ndarray:
     """The full value of one array on this process's host."""
     if array.is_fully_addressable:
-        return np.asarray(fetch([array])[0])
+        return np.asarray(to_host([array])[0])
     return host_value(array)
 
 
@@ -252,7 +153,7 @@ def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> 
         if isinstance(x, jax.Array) and x.is_fully_addressable
     ]
     out = list(leaves)
-    fetched = fetch([leaves[i] for i in local], own=True)
+    fetched = to_host([leaves[i] for i in local], own=True)
     for i, value in zip(local, fetched, strict=True):
         out[i] = value
     shared = [(path, x) for (path, _), x in zip(path_leaves, leaves, strict=True)]

@@ -27,7 +27,9 @@ needed, converted on host, in one pass over its data:
    one is placed as it is, and the device buffers' addresses are compared with
    its memory: only if they lie in it is it placed again, from a private copy
    (one host copy, ~10 ms per 64 MiB; see `benchmarks/bench_host.py`). Arrays
-   placed on other devices are copied there anyway.
+   placed on other devices are copied there anyway. (These reads of XLA:CPU's
+   buffers are `_internals/cpu.py`'s; the copy engine's plain route,
+   `_copies.py`, reads none: it copies every array the devices could alias.)
 4. **Nothing read later.** `jax.device_put` returns before its transfers are
    done, so a device may read the caller's buffer after the call (writes made
    at once changed arrays on the mesh). `shard` waits for the transfers of the
@@ -50,11 +52,9 @@ and checks what its function reads (`_init._narrowed`).
 """
 
 import functools as ft
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -62,6 +62,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
+from .._internals import cpu
+from .._internals.cpu import aligned_empty as aligned_empty, may_alias
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
 
@@ -237,57 +239,11 @@ def converted(
     return out, cast_lost(value, out)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary, which XLA's
-    CPU client can use in place."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 # NumPy arrays smaller than this, placed where the devices could alias them, are
 # copied into a private buffer up front (cheaper than checking); larger ones are
 # placed as they are, and placed again from a private copy only if the devices
 # turn out to alias them.
 PRIVATE_BELOW = 1 << 20
-
-
-def has_dense_block(leaf: np.ndarray, sharding: NamedSharding) -> bool:
-    """Whether a block of `sharding` is a dense run of `leaf`'s memory (in C or
-    Fortran order), which `jax.device_put` may take in place on CPU; it copies a
-    strided block, as a device buffer is dense."""
-    return _dense_block(sharding, leaf.shape, leaf.strides, leaf.dtype.itemsize)
-
-
-@ft.lru_cache(maxsize=4096)
-def _dense_block(
-    sharding: NamedSharding,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    itemsize: int,
-) -> bool:
-    """`has_dense_block`, once per sharding and layout: a model's arrays share a
-    few, and trees are placed again and again."""
-    # A view of the layout alone, never read: only its flags are asked for. Its
-    # elements are raw bytes of the array's item size (NumPy cannot make such a
-    # view of every dtype JAX has, such as float8).
-    item = np.empty(1, np.dtype((np.void, itemsize)))
-    layout = np.lib.stride_tricks.as_strided(item, shape, strides)
-    return any(
-        layout[index].flags.c_contiguous or layout[index].flags.f_contiguous
-        for index in sharding.addressable_devices_indices_map(shape).values()
-    )
-
-
-register(_dense_block.cache_clear)
-
-
-def takes_in_place(leaf: np.ndarray, sharding: NamedSharding) -> bool:
-    """Whether `jax.device_put` of `leaf` onto `sharding` may use some of its memory
-    as a device buffer, without copying: on CPU devices or in a host memory, for a
-    dense block (`has_dense_block`)."""
-    return may_alias(sharding) and has_dense_block(leaf, sharding)
 
 
 @ft.lru_cache(maxsize=1024)
@@ -321,7 +277,7 @@ register(_blocks_replicated.cache_clear)
 
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
-    out = aligned_empty(leaf.shape, leaf.dtype)
+    out = cpu.aligned_empty(leaf.shape, leaf.dtype)
     np.copyto(out, leaf)
     return out
 
@@ -357,28 +313,6 @@ def _is_plain_numpy(x: Any) -> bool:
     return type(x) is np.ndarray and not x.dtype.hasobject
 
 
-def shares_memory(placed: jax.Array, leaf: np.ndarray) -> bool:
-    """Whether a device buffer of `placed` lies in the memory of `leaf`."""
-    start = leaf.ctypes.data
-    end = start + leaf.nbytes
-    return any(
-        start <= placed.addressable_data(k).unsafe_buffer_pointer() < end
-        for k in range(len(placed.sharding.addressable_devices))
-    )
-
-
-@ft.lru_cache(maxsize=1024)
-def may_alias(sharding: NamedSharding) -> bool:
-    """Whether `jax.device_put` may place host data on `sharding` without copying
-    it: on CPU devices, or in a host memory."""
-    return sharding.memory_kind not in (None, "device") or any(
-        device.platform == "cpu" for device in sharding.device_set
-    )
-
-
-register(may_alias.cache_clear)
-
-
 def unplaceable(dtype: np.dtype) -> str | None:
     """Why no device can hold NumPy arrays of `dtype`, or `None` if one can (a
     big-endian array is converted to native byte order, losslessly)."""
@@ -407,33 +341,32 @@ def unplaceable(dtype: np.dtype) -> str | None:
 
 
 def host_ready(
-    leaf: Any, cast: np.dtype | None, sharding: NamedSharding | None
+    leaf: Any,
+    cast: np.dtype | None,
+    sharding: NamedSharding | None,
+    *,
+    plain: bool = False,
 ) -> tuple[np.ndarray, str | None, bool]:
     """A NumPy leaf as it must be handed to `device_put` for `sharding` (`None`:
     to stay on host): cast to `cast` or to the dtype JAX places, in native byte
     order, and, if it is small and the devices could alias it, in a private
-    buffer (a large one is checked after placing, by `shares_memory`). Also
-    returns what the conversion lost (`None` if nothing), and whether it was
-    asked for (`cast`) rather than imposed by JAX."""
+    buffer (a large one is checked after placing, by `cpu.shares_memory`). With
+    `plain` (the copy engine's plain route, which reads no device buffer), every
+    leaf the devices could alias gets a private buffer. Also returns what the
+    conversion lost (`None` if nothing), and whether it was asked for (`cast`)
+    rather than imposed by JAX."""
     leaf = np.asarray(leaf)
     target = placed_dtype(leaf.dtype if cast is None else cast)
-    private = (
-        sharding is not None
-        and may_alias(sharding)
-        and (
-            _copied_per_device(sharding)
-            or (
-                (leaf.nbytes < PRIVATE_BELOW or _blocks_replicated(sharding))
-                and takes_in_place(leaf, sharding)
-            )
+    private = sharding is not None and may_alias(sharding)
+    if private and not plain and sharding is not None:
+        private = _copied_per_device(sharding) or (
+            (leaf.nbytes < PRIVATE_BELOW or _blocks_replicated(sharding))
+            and cpu.takes_in_place(leaf, sharding)
         )
-    )
     if target == leaf.dtype and not private:
         return leaf, None, False
-    if private:
-        out = aligned_empty(leaf.shape, target)
-    else:
-        out = np.empty(leaf.shape, target)
+    allocate = cpu.aligned_empty if private and not plain else np.empty
+    out = allocate(leaf.shape, target)
     with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         np.copyto(out, leaf, casting="unsafe")
     lost = cast_lost(leaf, out)

@@ -45,23 +45,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
-from jaxtyping import PyTree
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._caches import register
-from .._keys import is_key, key_data
-from .._mesh import find_mesh, mesh_repr
-from .._spectree._specs import axes_repr, entry_axes, is_spec_leaf, leaf_specs
-from .._tree import is_array, path_str, paths_text
-from .._typing import CheckValues, KeyPath
+from .._internals import distributed
+from .._spectree._specs import axes_repr, entry_axes
+from .._tree import paths_text
+from .._typing import KeyPath
 from ._process_blocks import (
     blocks_by_process,
     not_one_slice,
     slice_order,
-    spanning_axes,
     why_no_order,
 )
 
@@ -135,7 +130,7 @@ def host_local_shape(
     return tuple(global_shape), reasons, PartitionSpec(*fixed)
 
 
-def _is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> bool:
+def is_whole_block(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> bool:
     """Whether a host-local block of `shape` is the whole array: `spec` does not
     split it across processes (and can take host-local blocks at all)."""
     try:
@@ -231,17 +226,6 @@ def host_value(array: jax.Array) -> np.ndarray:
     return out
 
 
-def _distributed_client() -> Any:
-    """The client of `jax.distributed.initialize`, or `None`.
-
-    JAX 0.10 has no public accessor for it. This reads the one attribute
-    `jax.experimental.multihost_utils` itself uses (`distributed.global_state.client`),
-    through that public module rather than `jax._src`, and gives `None` if a
-    later JAX moves it (the barrier is then skipped, as without a client)."""
-    state = getattr(getattr(multihost_utils, "distributed", None), "global_state", None)
-    return getattr(state, "client", None)
-
-
 # Per-process count of barriers met with each set of processes: every process of
 # the set makes the same calls in the same order, so the ids agree across them.
 _barriers: dict[tuple[int, ...], itertools.count] = {}
@@ -277,18 +261,15 @@ def meet(
     With a `status`, every process also posts its own to the client's key-value
     store before the barrier, and gets everyone's after it: `{process: status}`.
     Nothing happens without a distributed client, or with one process (`{}`)."""
-    client = _distributed_client()
-    if client is None or len(processes) < 2:
+    if distributed.client() is None or len(processes) < 2:
         return {}
     count = next(_barriers.setdefault(processes, itertools.count()))
     barrier = f"eqshard.{caller}:{','.join(map(str, processes))}:{count}"
     others = None if processes == tuple(range(jax.process_count())) else processes
     if status is not None:
-        client.key_value_set(f"{barrier}/{jax.process_index()}", status)
+        distributed.post(f"{barrier}/{jax.process_index()}", status)
     try:
-        client.wait_at_barrier(
-            barrier, timeout_in_ms=max(1, math.ceil(timeout * 1000)), process_ids=others
-        )
+        distributed.barrier(barrier, timeout, others)
     except jax.errors.JaxRuntimeError as e:
         raise _not_all_came(
             caller, processes, timeout, e, cannot=cannot, rule=rule
@@ -297,10 +278,10 @@ def meet(
         return {}
     found = {
         int(key.rsplit("/", 1)[1]): value
-        for key, value in client.key_value_dir_get(f"{barrier}/")
+        for key, value in distributed.read_under(f"{barrier}/")
     }
     # Every process has passed this barrier, so has read the previous statuses.
-    _replace_posted(client, processes, f"{barrier}/{jax.process_index()}")
+    _replace_posted(processes, f"{barrier}/{jax.process_index()}")
     return found
 
 
@@ -321,42 +302,39 @@ def post_status(
     raises the same `ValueError` as `meet` if they do not all post within
     `timeout` seconds (a process that comes after one gave up raises too).
     Nothing happens without a distributed client, or with one process (`{}`)."""
-    client = _distributed_client()
-    if client is None or len(processes) < 2:
+    if distributed.client() is None or len(processes) < 2:
         return dict
     count = next(_barriers.setdefault(processes, itertools.count()))
     prefix = f"eqshard.{caller}:{','.join(map(str, processes))}:{count}"
     me = jax.process_index()
-    client.key_value_set(f"{prefix}/{me}", status)
+    distributed.post(f"{prefix}/{me}", status)
 
     def read() -> dict[int, str]:
         found = {me: status}
         try:
             for p in processes:
                 if p != me:
-                    found[p] = client.blocking_key_value_get(
-                        f"{prefix}/{p}", max(1, math.ceil(timeout * 1000))
-                    )
+                    found[p] = distributed.read(f"{prefix}/{p}", timeout)
         except jax.errors.JaxRuntimeError as e:
             # Withdrawn, so that a process that comes later waits in vain and
             # raises too, instead of going on alone.
-            client.key_value_delete(f"{prefix}/{me}")
+            distributed.delete(f"{prefix}/{me}")
             raise _not_all_came(
                 caller, processes, timeout, e, cannot=cannot, rule=rule
             ) from e
         # Every other process posted its status after reading the previous ones.
-        _replace_posted(client, processes, f"{prefix}/{me}")
+        _replace_posted(processes, f"{prefix}/{me}")
         return found
 
     return read
 
 
-def _replace_posted(client: Any, processes: tuple[int, ...], key: str) -> None:
+def _replace_posted(processes: tuple[int, ...], key: str) -> None:
     """Removes the key this process posted last with `processes` (every one of
     them has read it), and remembers `key` instead."""
     previous = _posted.get(processes)
     if previous is not None:
-        client.key_value_delete(previous)
+        distributed.delete(previous)
     _posted[processes] = key
 
 
@@ -442,6 +420,14 @@ def fail_together(
     if len({d for _, d in views.values()}) < 2:
         return
     tables = meet(caller, processes, timeout, cannot=cannot, rule=rule, status=table)
+    raise _different_trees(caller, tables, cannot=cannot, rule=rule)
+
+
+def _different_trees(
+    caller: str, tables: dict[int, str], *, cannot: str, rule: str
+) -> ValueError:
+    """The error of `fail_together` when the processes passed different rows
+    (`tables`: each process's, in JSON), naming the arrays that differ."""
     by_name = [
         {name: f"shape {tuple(shape)} {dtype}" for name, shape, dtype in json.loads(t)}
         for _, t in sorted(tables.items())
@@ -449,222 +435,18 @@ def fail_together(
     names = list(dict.fromkeys(n for table in by_name for n in table))
     lines = [
         f"  - '{name}': "
-        + _by_process([t.get(name, "absent") for t in by_name], sorted(tables))
+        + by_process([t.get(name, "absent") for t in by_name], sorted(tables))
         for name in names
         if len({t.get(name) for t in by_name}) > 1
     ]
-    if len(lines) > _MAX_LINES:
-        lines[_MAX_LINES:] = [f"  ... and {len(lines) - _MAX_LINES} more."]
-    raise ValueError(
-        "\n".join(
-            [
-                f"eqshard.{caller}: the processes passed different trees, so {cannot}:",
-                *lines,
-                f"{rule}, with the same tree.",
-            ]
-        )
-    )
+    if len(lines) > MAX_LINES:
+        lines[MAX_LINES:] = [f"  ... and {len(lines) - MAX_LINES} more."]
+    head = f"eqshard.{caller}: the processes passed different trees, so {cannot}:"
+    return ValueError("\n".join([head, *lines, f"{rule}, with the same tree."]))
 
 
-# ---------------------------------------------------------------------------------
-# All processes must pass the same tree.
-# ---------------------------------------------------------------------------------
-
-
-def start_agreement(
-    caller: str,
-    tree: PyTree,
-    specs: PyTree,
-    mesh: Mesh | AbstractMesh | None,
-    *,
-    root: KeyPath,
-    host_local: bool,
-    check_values: CheckValues = "sample",
-    timeout: float | int = 300.0,
-) -> Callable[[], None]:
-    """Checks that every process of the call's meshes passed the same paths,
-    shapes, dtypes and specs, and equal values where the values must be equal
-    (every full copy; with `host_local`, every block that is the whole array): a
-    sample of 64 of them, or with `check_values="full"` a hash of every byte.
-    Nothing here depends on whether the specs fit, which each process checks
-    afterwards: processes that agree then fail, or not, together.
-
-    In two steps: posts this process's digest now (a meeting of the processes of
-    the meshes, `post_status`, if there are several), and returns the function that
-    finishes the check (reads the others' digests and raises the same
-    `ValueError` on every process if they differ, or if the others do not post
-    theirs within `timeout` seconds; `agreed_alone` if there is no other
-    process). In between, a process may do work that involves no
-    other process, such as placing full copies or host-local blocks (not laying
-    out a global array again: a collective), and so not wait for the others
-    idle; it must then finish the check before it raises what that work raised,
-    so that every process raises the same error when the trees differ."""
-    mesh = find_mesh(mesh)
-    meshes = _meshes(specs, mesh)
-    devices = _leaders(tuple(meshes))
-    if not devices:
-        return agreed_alone
-    path_leaves = jtu.tree_flatten_with_path(tree)[0]
-    try:
-        spec_of = [spec for _, spec in leaf_specs(specs, tree, caller=caller)]
-    except (TypeError, ValueError):  # raised again, on every process, afterwards
-        spec_of = [None] * len(path_leaves)
-    records = [
-        _record(root + path, leaf, spec, mesh, host_local, check_values)
-        for (path, leaf), spec in zip(path_leaves, spec_of, strict=True)
-        if is_array(leaf)
-    ]
-    header = [caller, host_local, [_describe_mesh(m) for m in meshes]]
-    payload = json.dumps([header, records]).encode()
-    digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
-    read = post_status(
-        caller,
-        tuple(device.process_index for device in devices),
-        timeout,
-        cannot="they cannot compare their trees",
-        rule="Every process of the mesh must make the same call at the same point",
-        status=digest,
-    )
-
-    def finish() -> None:
-        digests = read()
-        if not digests:  # no distributed client: one XLA all-gather instead
-            row = np.frombuffer(bytes.fromhex(digest), np.uint8)
-            rows = _allgather_rows(row, devices)
-            digests = dict(enumerate(row.tobytes().hex() for row in rows))
-        if len(set(digests.values())) == 1:
-            return
-        views = [json.loads(view) for view in _allgather_bytes(payload, devices)]
-        processes = [device.process_index for device in devices]
-        spanning = tuple(dict.fromkeys(a for m in meshes for a in spanning_axes(m)))
-        raise ValueError(
-            _disagreement_message(
-                caller, views, processes, host_local, spanning, check_values
-            )
-        )
-
-    return finish
-
-
-def agreed_alone() -> None:
-    """The end of the check of a process with no other to agree with."""
-
-
-def _meshes(specs: PyTree, mesh: Mesh | AbstractMesh | None) -> list[Mesh]:
-    """The concrete meshes a `shard` call may place arrays on."""
-    found = {}
-    if isinstance(mesh, Mesh):
-        found[mesh] = None
-    for leaf in jtu.tree_leaves(specs, is_leaf=is_spec_leaf):
-        if isinstance(leaf, NamedSharding) and isinstance(leaf.mesh, Mesh):
-            found[leaf.mesh] = None
-    return list(found)
-
-
-@ft.lru_cache(maxsize=64)
-def _describe_mesh(mesh: Mesh) -> str:
-    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
-    return f"{mesh_repr(mesh)} over devices {ids.tolist()}"
-
-
-register(_describe_mesh.cache_clear)
-
-
-def _record(
-    path: KeyPath,
-    leaf: Any,
-    spec: Any,
-    mesh: Mesh | AbstractMesh | None,
-    host_local: bool,
-    check_values: CheckValues,
-) -> tuple[str, tuple[int, ...], str, str, str]:
-    """What all processes must agree on for one array: its path, shape, dtype and
-    spec, and a fingerprint of its values if they must be equal everywhere."""
-    if isinstance(spec, NamedSharding):
-        spec, mesh = spec.spec, spec.mesh
-    shape = tuple(np.shape(leaf))
-    same = isinstance(spec, PartitionSpec) and not is_global(leaf)
-    if same and host_local:
-        same = isinstance(mesh, Mesh) and _is_whole_block(shape, spec, mesh)
-    return (
-        path_str(path),
-        shape,
-        str(leaf.dtype),
-        "" if spec is None else str(spec),
-        _fingerprint(
-            key_data(leaf) if is_key(leaf) else leaf, full=check_values == "full"
-        )
-        if same
-        else "",
-    )
-
-
-# Elements sampled from each array to compare values across processes.
-_SAMPLE = 64
-
-
-@ft.lru_cache(maxsize=1024)
-def _sample_index(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    flat = np.unique(np.linspace(0, math.prod(shape) - 1, _SAMPLE).astype(np.int64))
-    return np.unravel_index(flat, shape)
-
-
-register(_sample_index.cache_clear)
-
-
-def _fingerprint(value: Any, *, full: bool) -> str:
-    """A hash of a sample of the values of a host array (of all of them if it is
-    small, or if `full`): equal on processes that hold equal arrays. The sample
-    is cheap; `full` reads every byte once (no copy of a contiguous array)."""
-    value = np.asarray(value)
-    if value.size > _SAMPLE and not full:
-        value = value[_sample_index(value.shape)]
-    data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-    return hashlib.blake2b(data.data, digest_size=8).hexdigest()
-
-
-@ft.lru_cache(maxsize=64)
-def _leaders(meshes: tuple[Mesh, ...]) -> tuple[Any, ...]:
-    """One device of each process of `meshes` (its lowest id), by process index;
-    empty unless this process is one of several."""
-    first: dict[int, Any] = {}
-    for mesh in meshes:
-        for device in np.asarray(mesh.devices).flat:
-            p = device.process_index
-            if p not in first or device.id < first[p].id:
-                first[p] = device
-    if len(first) < 2 or jax.process_index() not in first:
-        return ()
-    return tuple(first[p] for p in sorted(first))
-
-
-register(_leaders.cache_clear)
-
-
-def _allgather_rows(row: np.ndarray, devices: tuple[Any, ...]) -> np.ndarray:
-    """Every process's `row` (of one length everywhere), stacked in process order.
-    `devices` has one device of each process."""
-    mesh = Mesh(np.array(devices, dtype=object), ("processes",), (AxisType.Auto,))
-    stacked = jax.make_array_from_callback(
-        (len(devices), row.size),
-        NamedSharding(mesh, PartitionSpec("processes")),
-        lambda index: row[None],
-    )
-    return host_value(stacked)
-
-
-def _allgather_bytes(payload: bytes, devices: tuple[Any, ...]) -> list[bytes]:
-    """Every process's `payload`, in process order."""
-    length = np.array([len(payload)], dtype="<u4").view(np.uint8)
-    lengths = _allgather_rows(length, devices).view("<u4")[:, 0]
-    # Rounded up to a power of two, so few shapes (and compilations) occur.
-    row = np.zeros(1 << max(int(lengths.max()) - 1, 63).bit_length(), np.uint8)
-    row[: len(payload)] = np.frombuffer(payload, np.uint8)
-    rows = _allgather_rows(row, devices)
-    return [rows[i, :n].tobytes() for i, n in enumerate(lengths)]
-
-
-def _by_process(values: list[Any], processes: list[int]) -> str:
+def by_process(values: list[Any], processes: list[int]) -> str:
+    """Which processes gave each of the distinct `values` (one per process)."""
     groups: dict[str, list[int]] = {}
     for value, p in zip(values, processes, strict=True):
         groups.setdefault(str(value), []).append(p)
@@ -674,89 +456,5 @@ def _by_process(values: list[Any], processes: list[int]) -> str:
     )
 
 
-_MAX_LINES = 10
-
-
-def _disagreement_message(
-    caller: str,
-    views: list[Any],
-    processes: list[int],
-    host_local: bool,
-    spanning: tuple[str, ...],
-    check_values: CheckValues,
-) -> str:
-    """The message when processes passed different trees: each view is one
-    process's `[header, records]`, as JSON data."""
-    lines = []
-    kinds = set()
-    how = "full" if check_values == "full" else "sample"
-    headers = [view[0] for view in views]
-    if any(h != headers[0] for h in headers):
-        kinds.add("tree")
-        lines.append(f"  - the meshes: {_by_process(headers, processes)}")
-    records = [view[1] for view in views]
-    paths = [[r[0] for r in rs] for rs in records]
-    if any(p != paths[0] for p in paths):
-        kinds.add("tree")
-        i = next(
-            i
-            for i in range(max(map(len, paths)))
-            if len({tuple(p[i : i + 1]) for p in paths}) > 1
-        )
-        named = [f"'{p[i]}'" if i < len(p) else "no more arrays" for p in paths]
-        lines.append(
-            f"  - the trees differ at array {i}: {_by_process(named, processes)}"
-        )
-    else:
-        for rows in zip(*records):
-            path = rows[0][0]
-            for field, kind, describe in (
-                (slice(1, 3), "tree", lambda r: f"shape {tuple(r[1])} {r[2]}"),
-                (slice(3, 4), "tree", lambda r: f"spec {r[3] or None}"),
-                (slice(4, 5), "values", lambda r: f"values with {how} hash {r[4]}"),
-            ):
-                if any(r[field] != rows[0][field] for r in rows):
-                    kinds.add(kind)
-                    described = [describe(r) for r in rows]
-                    lines.append(f"  - '{path}': {_by_process(described, processes)}")
-                    break
-    if len(lines) > _MAX_LINES:
-        lines[_MAX_LINES:] = [f"  ... and {len(lines) - _MAX_LINES} more."]
-    head = f"eqshard.{caller}: the processes passed different inputs:"
-    fixes = []
-    if "tree" in kinds:
-        fixes.append(
-            "Every process must make this call with the same tree: the same "
-            "paths, shapes, dtypes and specs, on the same mesh"
-            + (
-                " (with host-local blocks, every process's block has the same shape)."
-                if host_local
-                else "."
-            )
-        )
-    if "values" in kinds and host_local:
-        fixes.append(
-            "The specs of the arrays whose values differ do not split them across "
-            "processes, so every process's devices hold all of them and every "
-            "process must pass the same value. To give each process its own part, "
-            "shard a dimension over a mesh axis that spans processes ("
-            + (", ".join(map(repr, spanning)) or "this mesh has none")
-            + ")."
-        )
-    elif "values" in kinds:
-        fixes.append(
-            "eqshard.shard takes a full copy of every array on every process, so "
-            "the copies must be equal (compared on "
-            + (
-                "every byte). "
-                if check_values == "full"
-                else "a sample of the values; `check_values='full'` compares "
-                "every byte). "
-            )
-            + "If "
-            "each process holds only its own part, e.g. of the batch, use "
-            "`Partitioner.move_to_devices(tree, specs, host_local=True)`; if the "
-            "copies should be equal, make them so (e.g. initialise from the same "
-            "key on every process)."
-        )
-    return "\n".join([head, *lines, *fixes])
+# Lines of differences quoted in one message, at most.
+MAX_LINES = 10

@@ -49,9 +49,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .._caches import register
+from .._internals import cpu
 from .._keys import is_key
 from .._tree import placed_dtype
-from ._host import aligned_empty, cast_lost, has_dense_block, Lost, more_lost
+from ._host import cast_lost, Lost, more_lost
 from ._threads import in_cpu_memory, movable, native, spread, SPREAD_UNIT
 
 
@@ -272,12 +273,12 @@ def _blocks(
         for k, source, target in copies:
             view = views.get(k)
             if view is None:  # the device buffer itself, not a copy
-                view = views[k] = np.asarray(x.addressable_data(k))
+                view = views[k] = cpu.device_buffer(x, k)
             parts.append((view[source], target))
         if len(parts) == 1 and dtype == x.dtype and not parts[0][0].flags.c_contiguous:
             value = parts[0][0]
         else:
-            value = aligned_empty(shape, dtype)
+            value = cpu.aligned_empty(shape, dtype)
             for part, target in parts:
                 with np.errstate(over="ignore", invalid="ignore"):  # `cast_lost`
                     value[target] = part
@@ -295,8 +296,8 @@ def _whole_and_strided(x: jax.Array, sharding: NamedSharding) -> np.ndarray | No
     `_blocks` would, on its own faster path. Else `None`."""
     if not x.sharding.is_fully_replicated:
         return None
-    whole = np.asarray(x.addressable_data(0))  # the buffer itself, not a copy
-    return None if has_dense_block(whole, sharding) else whole
+    whole = cpu.device_buffer(x, 0)  # the buffer itself, not a copy
+    return None if cpu.has_dense_block(whole, sharding) else whole
 
 
 def _move_some(

@@ -2,45 +2,41 @@
 
 How data moves, in the order of this file:
 
-1. **One record per leaf.** The tree is flattened once, and each leaf becomes a
-   `_Leaf`: its path, its value, the `NamedSharding` it must get (`None` for the
-   leaves that stay where they are: static fields, callables, Python scalars,
-   `None` specs) and the dtype it is cast to. The spec tree (or a prefix of one)
-   is broadcast against the tree to get there.
-2. **Validate first.** Every array's spec is checked against its shape and the
-   mesh before any data moves, and all the leaves that do not fit are reported in
-   one error; so are all the leaves that cannot move whatever their spec.
-3. **Place**, in three steps over the distinct arrays (`_Move`s):
+1. **One record per leaf, validated first** (`_leaves.py`): each leaf becomes a
+   `Leaf` (its path, value, the `NamedSharding` it must get or `None`, and its
+   cast), and every spec is checked before any data moves.
+2. **Place**, in three steps over the distinct arrays (`_Move`s):
    - *tied arrays*: an array that stands at several leaves with one sharding is
      placed once, and the result stands at all of them;
    - *staging*: each array is made ready to hand to JAX, losing nothing: NumPy
      data is cast and copied on host (`_host.py`); JAX arrays whose sharding or
      dtype must change, which `device_put` would move with a program compiled
-     per shape, are copied block by block on CPU (through the host for casts),
-     and move in one program for the tree on GPU and TPU (`_resident.py`); data
-     that would lose values is refused, naming every array;
-   - *placing*: in one process the rest move in one batched `jax.device_put`
-     (on CPU devices, NumPy arrays whose blocks are strided are spread over
-     the cores: `_threads.py`), and `shard` waits for the transfers that read
-     the caller's NumPy buffers, placing again from a private copy any array
-     whose device buffers are that memory (`_host.py`, 3-4);
-     in a multi-process run, each process supplies only the shards its own
-     devices hold, from a full copy of each array or (for
-     `Partitioner.move_to_devices(host_local=True)`) from its own block of it,
-     and checks with the others that they all passed the same tree (a 16-byte
-     digest each, through the distributed client), posting its digest before
-     placing and reading the others' after (`_multiprocess.py`).
+     per shape, are copied block by block on CPU (the copy engine's `between`,
+     `_copies.py`; through the host for host memory kinds), and move in one
+     program for the tree on GPU and TPU (`_resident.py`); data that would lose
+     values is refused, naming every array;
+   - *placing*, by the copy engine's `to_devices` (`_copies.py`): in one process
+     the rest move in one batched `jax.device_put` (on CPU devices, NumPy
+     arrays whose blocks are strided are spread over the cores: `_threads.py`),
+     and `shard` waits for the transfers that read the caller's NumPy buffers,
+     placing again from a private copy any array whose device buffers are that
+     memory (`_host.py`, 3-4); in a multi-process run, each process supplies
+     only the shards its own devices hold, from a full copy of each array or
+     (for `Partitioner.move_to_devices(host_local=True)`) from its own block of
+     it (`_multiprocess.py`), and checks with the others that they all passed
+     the same tree (a 16-byte digest each, through the distributed client),
+     posting its digest before placing and reading the others' after
+     (`_agreement.py`).
 
-After these come `named_shardings` and `make_shard_and_gather_fns`, for code that
-moves a tree piece by piece. Copying back to host is `_gather.py`;
-`with_sharding_constraint`, which moves nothing itself, is in `_constraint.py`.
+After these comes `named_shardings`, for code that moves a tree piece by piece.
+Copying back to host is `_gather.py`; `with_sharding_constraint`, which moves
+nothing itself, is in `_transforms/_constraint.py`.
 """
 
 import collections
 import dataclasses
-import functools as ft
 import typing
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.tree_util as jtu
@@ -52,179 +48,35 @@ from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh import concrete_mesh
 from .._spectree._spec_args import resolve_like, resolve_specs
 from .._spectree._specs import (
-    abstract_mesh_error,
     bad_spec_leaf_message,
-    check_leaves,
-    check_placeable,
-    check_spec,
-    check_spec_on_mesh,
     is_spec_leaf,
-    leaf_specs,
     named_sharding,
-    spec_error_message,
 )
 from .._tree import (
-    abstract_leaf_error,
-    deleted_error,
-    is_array,
-    is_deleted,
     listing,
-    path_str,
 )
 from .._typing import (
     check_choice,
     CHECK_VALUES,
     CheckValues,
     KeyPath,
-    PyTreeDef,
     typecheck,
 )
-from ._gather import fetch
+from ._agreement import agreed_alone, start_agreement
+from ._copies import between, plain as copies_plain, to_devices, to_host
 from ._host import (
-    borrowed,
     host_ready,
-    leaf_casts,
     loss_error,
     lost_text,
-    may_alias,
-    private_copy,
-    shares_memory,
-    takes_in_place,
-    unplaceable,
 )
+from ._leaves import Leaf, leaves_of
 from ._multiprocess import (
-    agreed_alone,
     check_timeout,
     from_host_copies,
     from_host_local,
-    host_local_shape,
     is_global,
-    start_agreement,
 )
-from ._resident import move_blocks, move_in_programs, Route, route
-from ._threads import device_put as spread_device_put
-
-
-# ---------------------------------------------------------------------------------
-# 1-2. One record per leaf, validated before anything moves.
-# ---------------------------------------------------------------------------------
-
-
-class _Leaf(NamedTuple):
-    """One leaf of the tree being placed."""
-
-    path: KeyPath  # from the root of the call's tree
-    value: Any
-    sharding: NamedSharding | None  # `None`: the leaf stays where it is
-    cast: np.dtype | None  # the dtype asked for with `dtype=`, if any
-
-
-def _unplaceable_error(
-    caller: str, found: list[tuple[KeyPath, np.dtype, str]]
-) -> TypeError:
-    return TypeError(
-        listing(
-            f"eqshard.{caller}: NumPy arrays of dtypes no device can hold:",
-            [f"'{path_str(p)}' ({dtype}): {reason}." for p, dtype, reason in found],
-        )
-    )
-
-
-def _check_movable(
-    caller: str, pairs: list[tuple[KeyPath, Any]], leaves: list[Any]
-) -> None:
-    """Raises a `TypeError` naming the leaves that cannot move whatever their spec:
-    structs without data, NumPy arrays no device can hold, and shardings on an
-    abstract mesh."""
-    given = list(zip(pairs, leaves, strict=True))
-    abstract = [p for (p, _), x in given if isinstance(x, jax.ShapeDtypeStruct)]
-    if abstract:
-        raise abstract_leaf_error(caller, abstract)
-    deleted = [p for (p, spec), x in given if spec is not None and is_deleted(x)]
-    if deleted:
-        raise deleted_error(caller, deleted)
-    untyped = [
-        (path, x.dtype, reason)
-        for (path, spec), x in given
-        if spec is not None
-        and isinstance(x, np.ndarray | np.generic)
-        and (reason := unplaceable(x.dtype)) is not None
-    ]
-    if untyped:
-        raise _unplaceable_error(caller, untyped)
-    unbound = [
-        path
-        for (path, spec), x in given
-        if isinstance(spec, NamedSharding)
-        and not isinstance(spec.mesh, Mesh)
-        and is_array(x)
-    ]
-    if unbound:
-        raise abstract_mesh_error(caller, unbound)
-
-
-def _check_block(
-    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh | AbstractMesh, leaf: Any
-) -> tuple[PartitionSpec, list[str]]:
-    """`check_spec` for one process's block of a global array (a host array with
-    `host_local`): each process's devices must hold one slice of the array, and the
-    array must fit `spec`."""
-    if is_global(leaf) or not isinstance(mesh, Mesh):
-        return check_spec(shape, spec, dict(mesh.shape))
-    full, block_reasons, block_fixed = host_local_shape(shape, spec, mesh)
-    fixed, reasons = check_spec(full, spec, dict(mesh.shape))
-    if reasons and full != shape:
-        reasons.insert(0, f"the blocks of all processes make an array of shape {full}")
-    if block_reasons:
-        return block_fixed, block_reasons + reasons
-    return fixed, reasons
-
-
-def _leaves(
-    tree: PyTree,
-    specs: PyTree,
-    mesh: Mesh | AbstractMesh | None,
-    *,
-    dtype: Any,
-    caller: str,
-    root: KeyPath,
-    host_local: bool,
-) -> tuple[list[_Leaf], PyTreeDef]:
-    """`tree` flattened once, one `_Leaf` per leaf, and its structure. All the
-    leaves that cannot move, and all whose spec does not fit, are reported in one
-    error each. With `host_local`, host arrays are each process's block of the
-    global array, whose shape is checked instead."""
-    path_leaves, treedef = jtu.tree_flatten_with_path(tree)
-    values = [value for _, value in path_leaves]
-    pairs = [(root + p, s) for p, s in leaf_specs(specs, tree, caller=caller)]
-    _check_movable(caller, pairs, values)
-    if any(
-        isinstance(spec, PartitionSpec) and is_array(value)
-        for (_, spec), value in zip(pairs, values, strict=True)
-    ):
-        mesh = concrete_mesh(mesh, caller=caller)
-    check = _check_block if host_local else check_spec_on_mesh
-    problems = check_leaves(
-        pairs, values, mesh, check=ft.partial(check_placeable, check)
-    )
-    if problems:
-        raise ValueError(spec_error_message(caller, problems))
-    casts = leaf_casts(dtype, tree, caller=caller, root=root, leaves=values)
-    leaves = []
-    made: dict[int, NamedSharding] = {}  # by the spec's `id`: its spelling kept
-    for (path, spec), value, cast in zip(pairs, values, casts, strict=True):
-        sharding = None
-        if isinstance(spec, NamedSharding) and is_array(value):
-            sharding = spec  # its memory kind included
-        elif isinstance(spec, PartitionSpec) and is_array(value):
-            sharding = made.get(id(spec))
-            if sharding is None:
-                # `mesh` is the concrete mesh found above; the spec is checked.
-                mesh = typing.cast(Mesh, mesh)
-                sharding = named_sharding(spec, mesh, caller=caller, path=path)
-                made[id(spec)] = sharding
-        leaves.append(_Leaf(path, value, sharding, cast))
-    return leaves, treedef
+from ._resident import move_in_programs, Route, route
 
 
 # ---------------------------------------------------------------------------------
@@ -236,14 +88,14 @@ def _leaves(
 class _Move:
     """One distinct array to place, filled in step by step."""
 
-    leaf: _Leaf  # the first leaf it stands at
+    leaf: Leaf  # the first leaf it stands at
     route: Route | None  # how a JAX array reaches its sharding (`_resident.py`)
     source: Any = None  # the value to stage: the leaf's, or its host copy
     ready: Any = None  # what `device_put` gets: staged, cast, private
     placed: jax.Array | None = None
 
 
-def _distinct(leaves: list[_Leaf]) -> tuple[list[_Move], list[_Move | None]]:
+def _distinct(leaves: list[Leaf]) -> tuple[list[_Move], list[_Move | None]]:
     """Tied arrays: one `_Move` per distinct (array, sharding, cast), and for each
     leaf the move that places it (`None` for a leaf that stays)."""
     moves: dict[tuple[int, NamedSharding, Any], _Move] = {}
@@ -263,14 +115,14 @@ def _distinct(leaves: list[_Leaf]) -> tuple[list[_Move], list[_Move | None]]:
 _Loss = tuple[KeyPath, np.dtype, np.dtype, str, bool]
 
 
-def _stage(moves: list[_Move]) -> list[_Loss]:
+def _stage(moves: list[_Move], *, plain: bool) -> list[_Loss]:
     """Staging: each move's `ready` value, for `device_put` (the `"program"` and
     `"blocks"` routes move in `_move_in_programs` instead). JAX arrays of the
     `"host"` route are fetched to host first. Returns what the conversions would
-    lose."""
+    lose. `plain`: the copy engine's plain route (`_copies.py`)."""
     by_host = [m for m in moves if m.route == "host"]
     for move, value in zip(
-        by_host, fetch([m.leaf.value for m in by_host]), strict=True
+        by_host, to_host([m.leaf.value for m in by_host]), strict=True
     ):
         move.source = value
     lost = []
@@ -283,7 +135,9 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
         if isinstance(source, jax.Array):
             move.ready = source if leaf.cast is None else source.astype(leaf.cast)
             continue
-        move.ready, what, asked = host_ready(source, leaf.cast, leaf.sharding)
+        move.ready, what, asked = host_ready(
+            source, leaf.cast, leaf.sharding, plain=plain
+        )
         if what is not None:
             found = np.asarray(source).dtype
             lost.append((leaf.path, found, move.ready.dtype, what, asked))
@@ -291,11 +145,11 @@ def _stage(moves: list[_Move]) -> list[_Loss]:
 
 
 def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
-    """The JAX arrays of the `"blocks"` route, placed (and cast) block by block,
-    and those of the `"program"` route, by one program for the tree; returns the
-    casts that lost values."""
+    """The JAX arrays of the `"blocks"` route, placed (and cast) by the copy
+    engine (`_copies.between`), and those of the `"program"` route, by one
+    program for the tree; returns the casts that lost values."""
     lost = []
-    for name, move in (("blocks", move_blocks), ("program", move_in_programs)):
+    for name, move in (("blocks", between), ("program", move_in_programs)):
         group = [m for m in moves if m.route == name]
         if not group:
             continue
@@ -314,64 +168,36 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     return lost
 
 
-def _put(moves: list[_Move], *, donate: bool) -> None:
-    """Placing, in one process: the moves not placed yet, in one batched
-    `jax.device_put` (strided NumPy data spread over the cores on CPU). With
-    `donate`, JAX arrays give up their old buffers, but an array that stands in
-    several moves cannot give its buffer twice."""
+def _put(moves: list[_Move], *, host_local: bool, donate: bool) -> None:
+    """Placing, by the copy engine (`_copies.to_devices`): the moves not placed
+    yet, in one batched `jax.device_put` in one process, or one process's shards
+    of each in a multi-process run. It returns once no device reads the caller's
+    NumPy memory, nor holds it as a buffer. With `donate` (one process), JAX
+    arrays give up their old buffers, but an array that stands in several moves
+    cannot give its buffer twice."""
     rest = [m for m in moves if m.placed is None]
-    ready = [m.ready for m in rest]
-    shardings = [m.leaf.sharding for m in rest]
+    donated = None
     if donate:
         moved_from = collections.Counter(id(m.leaf.value) for m in moves)
         donated = [
             isinstance(m.ready, jax.Array) and moved_from[id(m.leaf.value)] == 1
             for m in rest
         ]
-    else:
-        donated = [False] * len(rest)
-    if any(donated):
-        placed = jax.device_put(ready, shardings, donate=donated)
-    else:
-        placed = spread_device_put(ready, shardings)
-    for move, array in zip(rest, placed, strict=True):
-        move.placed = array
 
-
-def _aliases(move: _Move, host_local: bool) -> bool:
-    """Whether the device buffers of `move.placed` are the caller's own NumPy
-    memory (a large array placed as given; see `_host.py`). A host-local block
-    is not the array's shape, so only its addresses are compared."""
-    ready, sharding = move.ready, typing.cast(NamedSharding, move.leaf.sharding)
-    return (
-        may_alias(sharding)
-        and (host_local or takes_in_place(ready, sharding))
-        and shares_memory(typing.cast(jax.Array, move.placed), ready)
-    )
-
-
-def _release(moves: list[_Move], *, host_local: bool) -> None:
-    """Lets go of the caller's memory: waits for the transfers that read the
-    caller's NumPy buffers (`device_put` returns before they are done, and a data
-    loader writes its buffer again at once), then places again, from a private
-    copy, the arrays whose device buffers turn out to be that memory itself (in
-    one batched `device_put`, or one process's shards of each)."""
-    reading = [m for m in moves if borrowed(m.ready, m.leaf.value)]
-    if not reading:
-        return
-    jax.block_until_ready([m.placed for m in reading])
-    aliased = [m for m in reading if _aliases(m, host_local)]
-    if not aliased:
-        return
-    copies = [private_copy(m.ready) for m in aliased]
-    shardings = [typing.cast(NamedSharding, m.leaf.sharding) for m in aliased]
-    if jax.process_count() == 1:
-        again = jax.device_put(copies, shardings)
-    else:
-        again = [
-            _to_global(c, s, host_local) for c, s in zip(copies, shardings, strict=True)
+    def put(values: list[Any], shardings: list[NamedSharding]) -> list[jax.Array]:
+        return [
+            _to_global(v, s, host_local) for v, s in zip(values, shardings, strict=True)
         ]
-    for move, array in zip(aliased, again, strict=True):
+
+    placed = to_devices(
+        [m.ready for m in rest],
+        [typing.cast(NamedSharding, m.leaf.sharding) for m in rest],
+        [m.leaf.value for m in rest],
+        donate=donated,
+        put=None if jax.process_count() == 1 else put,
+        host_local=host_local,
+    )
+    for move, array in zip(rest, placed, strict=True):
         move.placed = array
 
 
@@ -391,22 +217,16 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
 
 
 def _place(
-    leaves: list[_Leaf], *, caller: str, host_local: bool, donate: bool
+    leaves: list[Leaf], *, caller: str, host_local: bool, donate: bool
 ) -> list[Any]:
     """The values of `leaves`, each array moved to its sharding and cast as asked.
     Raises, before anything is returned, if data would lose values."""
     moves, of_leaf = _distinct(leaves)
-    lost = _stage(moves)
+    lost = _stage(moves, plain=copies_plain())
     lost += _move_in_programs(moves)
     if lost:
         raise loss_error(caller, lost)
-    if jax.process_count() == 1:
-        _put(moves, donate=donate)
-    else:
-        for move in moves:
-            sharding = typing.cast(NamedSharding, move.leaf.sharding)
-            move.placed = _to_global(move.ready, sharding, host_local)
-    _release(moves, host_local=host_local)
+    _put(moves, host_local=host_local, donate=donate and jax.process_count() == 1)
     return [
         leaf.value if move is None else move.placed
         for leaf, move in zip(leaves, of_leaf, strict=True)
@@ -574,7 +394,7 @@ def shard_tree(
             agreed()
             agreed = agreed_alone
     try:
-        leaves, treedef = _leaves(
+        leaves, treedef = leaves_of(
             tree,
             specs,
             mesh,

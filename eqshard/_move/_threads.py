@@ -32,6 +32,7 @@ on the calling thread, and under a transfer guard nothing is spread.
 
 import functools as ft
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -40,7 +41,7 @@ import jax
 import numpy as np
 
 from .._caches import register
-from ._host import has_dense_block
+from .._internals import cpu
 
 
 T = TypeVar("T")
@@ -76,10 +77,18 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-@ft.cache
+_POOL_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []  # this process's copying threads, if started
+
+
 def _pool() -> ThreadPoolExecutor:
     """This process's copying threads, started when first needed."""
-    return ThreadPoolExecutor(_cores() - 1, thread_name_prefix="eqshard-copy")
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(
+                ThreadPoolExecutor(_cores() - 1, thread_name_prefix="eqshard-copy")
+            )
+        return _POOL[0]
 
 
 def _guarded() -> bool:
@@ -166,7 +175,7 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
     strided = [
         isinstance(value, np.ndarray)
         and in_cpu_memory(sharding)
-        and not has_dense_block(value, sharding)
+        and not cpu.has_dense_block(value, sharding)
         and movable(value.dtype)
         for value, sharding in zip(values, shardings, strict=True)
     ]

@@ -64,15 +64,8 @@ from ._step_rows import (
 _REPORTS: "weakref.WeakKeyDictionary[Any, dict[Any, StepReport]]" = (
     weakref.WeakKeyDictionary()
 )
+register(_REPORTS.clear)
 _KEEP = 32  # reports kept per function
-
-
-def clear_cache() -> None:
-    """Forgets every step report kept, so the next `analyze_step` compiles."""
-    _REPORTS.clear()
-
-
-register(clear_cache)
 
 
 @typecheck
