@@ -191,7 +191,8 @@ def with_sharding_constraint(
     A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
     divide, more entries than the array's rank, an axis used twice) is corrected to
     the nearest one that can (see [`eqshard.corrected_spec`][]), or raises, as
-    `on_invalid` says.
+    `on_invalid` says: unlike `jax.lax.with_sharding_constraint`, which always
+    raises, the default corrects it with a warning.
 
     **Arguments:**
 

@@ -65,7 +65,7 @@ def _context_error(mesh: Mesh | AbstractMesh, context: AbstractMesh) -> ValueErr
 def _no_out_spec_error(paths: list[KeyPath]) -> ValueError:
     shown = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return ValueError(
-        f"eqshard.{_CALLER}: `out_specs` has `None` at {shown}, where the function "
+        f"eqshard.{_CALLER}: `out_sharding` has `None` at {shown}, where the function "
         "returns arrays; an array leaving Auto axes needs its layout on the "
         "Explicit ones. Give each a spec (`P()` for a replicated one)."
     )
@@ -109,9 +109,9 @@ def _closed_over_error(
         f"{tuple(sorted(auto))} of mesh {mesh_repr(mesh)} are Auto, and only the "
         f"arrays passed as arguments are moved onto them; {what}, which JAX "
         "cannot mix with them. Pass those arrays as arguments, e.g. "
-        "`eqshard.auto_axes(lambda model, x: model(x), out_specs=...)(model, x)`, "
+        "`eqshard.auto_axes(lambda model, x: model(x), out_sharding=...)(model, x)`, "
         "or pass the model itself as `fn` (`eqshard.auto_axes(model, "
-        f"out_specs=...)(x)`), whose arrays are moved too. JAX says: {error}"
+        f"out_sharding=...)(x)`), whose arrays are moved too. JAX says: {error}"
     )
 
 
@@ -153,12 +153,12 @@ def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
 def auto_axes(
     fn: Callable[..., Any],
     *,
-    out_specs: PyTree,
+    out_sharding: PyTree,
     axes: str | Sequence[str] | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Callable[..., Any]:
     """Runs `fn` with the mesh's Explicit axes made Auto, and gives its outputs
-    the layout `out_specs` asks: the way to run a model whose layers do not name
+    the layout `out_sharding` asks: the way to run a model whose layers do not name
     their results' shardings on an Explicit mesh, the model unchanged.
 
     On Explicit axes JAX refuses an operation whose result's sharding it cannot
@@ -167,7 +167,7 @@ def auto_axes(
     projection) contracting a dimension that both it and its input shard. Inside
     `fn` those axes are Auto, so XLA chooses the layouts in between, as on an Auto
     mesh; the arrays going in keep their layouts along the other axes, and those
-    coming out are typed on the Explicit axes again by `out_specs`. This is the
+    coming out are typed on the Explicit axes again by `out_sharding`. This is the
     filtered `jax.sharding.auto_axes`: non-array arguments (an Equinox module's
     static fields and callables, Python scalars) reach `fn` unchanged and
     non-array outputs come back as `fn` returned them. On a mesh with no Explicit
@@ -180,7 +180,7 @@ def auto_axes(
       module (or a `functools.partial`): its arrays are moved onto the Auto axes
       as the arguments' are. Arrays it closes over are not: pass them as
       arguments.
-    - `out_specs`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
+    - `out_sharding`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
       all of it), partition rules, or a function of the abstract output, with
       [`eqshard.AxisNames`][] allowed, as for
       [`eqshard.with_sharding_constraint`][]; every array output needs a spec.
@@ -191,7 +191,7 @@ def auto_axes(
     **Returns:**
 
     A function taking what `fn` takes and returning what it returns, its arrays
-    laid out as `out_specs` says.
+    laid out as `out_sharding` says.
 
     **Raises:**
 
@@ -212,7 +212,7 @@ def auto_axes(
         @jax.jit
         def forward(embed, tokens):  # jax.vmap(embed)(tokens) alone raises
             lookup = eqshard.auto_axes(
-                lambda e, t: jax.vmap(e)(t), out_specs=P("dp", "tp"), mesh=mesh
+                lambda e, t: jax.vmap(e)(t), out_sharding=P("dp", "tp"), mesh=mesh
             )
             return lookup(embed, tokens)  # float32[8@dp,32@tp]
         ```
@@ -238,7 +238,9 @@ def auto_axes(
         )
         if not auto:  # nothing to make Auto: the function and a constraint
             out = fn(*args, **kwargs)
-            return with_sharding_constraint(out, out_specs, mesh=on, on_invalid="raise")
+            return with_sharding_constraint(
+                out, out_sharding, mesh=on, on_invalid="raise"
+            )
         with contextlib.ExitStack() as stack:
             if context.empty:  # JAX reshards over Explicit axes only under a mesh
                 stack.enter_context(jax.sharding.use_abstract_mesh(base))
@@ -260,10 +262,10 @@ def auto_axes(
                         raise
                     raise _closed_over_error(fn, auto, on, error) from error
             specs = resolve_specs(
-                out_specs, out, caller=_CALLER, argname="out_specs", mesh=on
+                out_sharding, out, caller=_CALLER, argname="out_sharding", mesh=on
             )
             pairs = leaf_specs(
-                specs, out, caller=_CALLER, logical=True, argname="out_specs"
+                specs, out, caller=_CALLER, logical=True, argname="out_sharding"
             )
             leaves = jtu.tree_leaves(out)
             missing = [
@@ -379,7 +381,7 @@ def sharding_type_error(caller: str, error: Exception) -> TypeError:
     return TypeError(
         f"eqshard.{caller}: on Explicit mesh axes JAX cannot work out the sharding "
         f"of a result in {what}, and Equinox's layers do not name it. JAX says: "
-        f"{error} Run the model under `eqshard.auto_axes(fn, out_specs=...)`, "
+        f"{error} Run the model under `eqshard.auto_axes(fn, out_sharding=...)`, "
         "which makes the Explicit axes Auto inside `fn` (the model unchanged), or "
         "build the mesh with Auto axes (`eqshard.create_mesh`'s default). See the "
         'how-to "Explicit axes".'

@@ -5,10 +5,12 @@ parameter and nested constant, and JAX's configuration; never under the identity
 or hash of a function, whose closure or globals may have changed since.
 `init_sharded` (`_init.py`) and eager `shard_map` (`_shard_map.py`) each add
 what else their program depends on, and keep the programs in a `Programs`
-store, which forgets the oldest past its size and can be cleared.
+store, which forgets the oldest past its size and can be cleared; `clear_cache()`
+clears every store.
 """
 
 import hashlib
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -27,6 +29,7 @@ class Programs(Generic[_T]):
     def __init__(self, size: int = 64):
         self.size = size
         self._kept: dict[Hashable, _T] = {}
+        _STORES.add(self)
 
     def get(self, key: Hashable, make: Callable[[], _T]) -> _T:
         """The program kept under `key`, made by `make()` (and kept) if there is
@@ -43,6 +46,16 @@ class Programs(Generic[_T]):
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+# Every store made, for `clear_cache` (weakly: a store dropped is forgotten).
+_STORES: "weakref.WeakSet[Programs[Any]]" = weakref.WeakSet()
+
+
+def clear_cache() -> None:
+    """Forgets the programs of every `Programs` store."""
+    for store in list(_STORES):
+        store.clear()
 
 
 # Parameters that running a program never reads: the rules for differentiating

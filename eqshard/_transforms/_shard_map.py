@@ -60,7 +60,7 @@ from .._typing import AxisRulesArg, KeyPath, typecheck
 from ._programs import program_key, Programs
 
 
-_CALLER = "shard_map"
+_CALLER = "filter_shard_map"
 # The options of `jax.shard_map` passed through (`axis_names`, `check_vma`).
 _JAX_OPTIONS = tuple(
     name
@@ -113,7 +113,7 @@ def _fn_error(arrays: list[KeyPath]) -> TypeError:
     return TypeError(
         f"eqshard.{_CALLER}: `fn` holds arrays (at {paths_text(arrays)}), which "
         "would be baked into the program without specs. Pass them as "
-        "arguments, e.g. `eqshard.shard_map(lambda model, x: model(x), ...)"
+        "arguments, e.g. `eqshard.filter_shard_map(lambda model, x: model(x), ...)"
         "(model, x)`."
     )
 
@@ -598,7 +598,7 @@ def _program(config: _Map, closed: ClosedJaxpr, blocks: Any) -> Any:
 
 
 @typecheck
-def shard_map(
+def filter_shard_map(
     fn: Callable[..., Any],
     *,
     out_specs: PyTree,
@@ -685,7 +685,7 @@ def shard_map(
         def local_sum(model, x):  # each device sees 2 rows of x
             return jax.lax.psum(jax.vmap(model)(x).sum(0), "dp")
 
-        total = eqshard.shard_map(local_sum, out_specs=P())(model, x)  # shape (2,)
+        total = eqshard.filter_shard_map(local_sum, out_specs=P())(model, x)  # (2,)
         ```
     """
     unknown = sorted(set(jax_options) - set(_JAX_OPTIONS))
