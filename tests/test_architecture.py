@@ -66,12 +66,10 @@ ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
     {
         "eqshard._build._init",
         "eqshard._readers._inspect",
-        "eqshard._transforms._jit",
         "eqshard._spectree._logical",
         "eqshard._mesh",
         "eqshard._move._multiprocess",
         "eqshard._move._shard",
-        "eqshard._transforms._shard_map",
         "eqshard._step._step",
         "eqshard._step._step_report",
         "eqshard._tree",
