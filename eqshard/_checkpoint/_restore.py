@@ -34,6 +34,7 @@ from ._disk import (
     NOTHING_HELD,
     Saved,
     saved_arrays,
+    SaveInProgressError,
     unreadable_error,
 )
 from ._swap import generation, lock_holder
@@ -274,7 +275,7 @@ def _during_save(caller: str, path: str, before: Any, error: Exception) -> Excep
     if (
         not isinstance(error, ValueError)
         or holder is None
-        or "is in progress" in str(error)
+        or isinstance(error, SaveInProgressError)
     ):
         return error
     failure = ValueError(
