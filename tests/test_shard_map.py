@@ -506,3 +506,15 @@ def test_logical_names_without_rules_are_refused(mesh):
 def _with_rules(mapped, x):
     with eqshard.logical_axis_rules([("batch", "dp")]):
         return mapped(x)
+
+
+def test_clear_cache_forgets_every_program(mesh):
+    from eqshard._transforms import _programs, _shard_map
+
+    mapped = eqshard.filter_shard_map(
+        lambda x: x * 2, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh
+    )
+    mapped(jnp.arange(8.0))
+    assert len(_shard_map._PROGRAMS) > 0
+    _programs.clear_cache()
+    assert len(_shard_map._PROGRAMS) == 0
