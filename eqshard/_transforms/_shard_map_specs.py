@@ -8,6 +8,7 @@ against the per-device blocks of the output.
 """
 
 import functools as ft
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -278,28 +279,19 @@ def leaf_paths(tree: Any) -> list[KeyPath]:
     return [path for path, _ in jtu.tree_leaves_with_path(tree)]
 
 
-def resolve_in_specs(
-    in_specs: Any,
-    args: tuple[Any, ...],
+def _leaf_specs(
+    given: list[Any],
     leaves: list[Any],
     layouts: list[Any],
     mesh: Mesh | AbstractMesh,
     manual: frozenset[str],
-    rules: LogicalRules,
-) -> tuple[PartitionSpec, ...]:
-    """One spec per array of `args`, checked against it; raises the errors above,
-    each listing every array it concerns. `layouts` are those of `_layout`."""
-    if in_specs is None:  # every layout read: no spec tree to match
-        given: list[Any] = [None] * len(leaves)
-        paths: list[KeyPath] | None = None
-    else:
-        pairs = _logical_pairs(
-            in_specs, args, argname="in_specs", mesh=mesh, rules=rules, per_item=True
-        )
-        paths = [path for path, _ in pairs]
-        given = [spec for _, spec in pairs]
+    where: Callable[[], list[KeyPath]],
+) -> list[Any]:
+    """The spec of each leaf (`None` for non-arrays): the one given, else the
+    array's own layout; raises for layouts that cannot be read and arrays on
+    another mesh."""
     cannot, elsewhere = [], []
-    specs: list[Any] = []  # one for each leaf, None for non-arrays
+    specs: list[Any] = []
     for i, (spec, leaf, layout) in enumerate(zip(given, leaves, layouts, strict=True)):
         if not is_array(leaf):
             specs.append(None)
@@ -318,12 +310,69 @@ def resolve_in_specs(
         if not same_mesh(on, mesh):
             elsewhere.append((i, on))
         specs.append(spec)
-    if cannot or elsewhere:
-        where = paths or leaf_paths(args)
-        if cannot:
-            raise _infer_error([(where[i], why) for i, why in cannot], mesh)
-        found = [(where[i], on) for i, on in elsewhere]
+    if cannot:
+        paths = where()
+        raise _infer_error([(paths[i], why) for i, why in cannot], mesh)
+    if elsewhere:
+        paths = where()
+        found = [(paths[i], on) for i, on in elsewhere]
         raise _other_mesh_error("in_specs", found, mesh)
+    return specs
+
+
+def _check_explicit(
+    specs: list[Any],
+    leaves: list[Any],
+    mesh: Mesh | AbstractMesh,
+    manual: frozenset[str],
+    where: Callable[[], list[KeyPath]],
+) -> None:
+    """On a mesh all Explicit and all mapped over, raises for arrays whose spec is
+    not their own layout (their type)."""
+    if manual != frozenset(mesh.axis_names) or set(mesh.axis_types) != {
+        AxisType.Explicit
+    }:
+        return
+    differ = []
+    for i, spec in enumerate(specs):
+        if spec is None:
+            continue
+        typed, ndim = jax.typeof(leaves[i]).sharding, leaves[i].ndim
+        if _placement(typed.spec, ndim) != _placement(spec, ndim):
+            explicit = set(typed.mesh.axis_types) == {AxisType.Explicit}
+            differ.append((i, typed.spec if explicit else None, spec))
+    if differ:
+        paths = where()
+        raise _explicit_error(
+            [(paths[i], have, want) for i, have, want in differ], mesh
+        )
+
+
+def resolve_in_specs(
+    in_specs: Any,
+    args: tuple[Any, ...],
+    leaves: list[Any],
+    layouts: list[Any],
+    mesh: Mesh | AbstractMesh,
+    manual: frozenset[str],
+    rules: LogicalRules,
+) -> tuple[PartitionSpec, ...]:
+    """One spec per array of `args`, checked against it; raises the errors above,
+    each listing every array it concerns. `layouts` are those of `array_layout`."""
+    if in_specs is None:  # every layout read: no spec tree to match
+        given: list[Any] = [None] * len(leaves)
+        paths: list[KeyPath] | None = None
+    else:
+        pairs = _logical_pairs(
+            in_specs, args, argname="in_specs", mesh=mesh, rules=rules, per_item=True
+        )
+        paths = [path for path, _ in pairs]
+        given = [spec for _, spec in pairs]
+
+    def where() -> list[KeyPath]:
+        return paths or leaf_paths(args)
+
+    specs = _leaf_specs(given, leaves, layouts, mesh, manual, where)
     if paths is not None:  # given specs: checked (read layouts fit already)
         given = [s.spec if isinstance(s, NamedSharding) else s for s in given]
         problems = check_leaves(
@@ -334,22 +383,8 @@ def resolve_in_specs(
         )
         if problems:
             raise ValueError(spec_error_message(CALLER, problems))
-    at = [i for i, spec in enumerate(specs) if spec is not None]
-    if manual == frozenset(mesh.axis_names) and set(mesh.axis_types) == {
-        AxisType.Explicit
-    }:
-        differ = []
-        for i in at:
-            typed, spec = jax.typeof(leaves[i]).sharding, specs[i]
-            ndim = leaves[i].ndim
-            if _placement(typed.spec, ndim) != _placement(spec, ndim):
-                explicit = set(typed.mesh.axis_types) == {AxisType.Explicit}
-                differ.append((i, typed.spec if explicit else None, spec))
-        if differ:
-            where = paths or leaf_paths(args)
-            found = [(where[i], have, want) for i, have, want in differ]
-            raise _explicit_error(found, mesh)
-    return tuple(specs[i] for i in at)
+    _check_explicit(specs, leaves, mesh, manual, where)
+    return tuple(spec for spec in specs if spec is not None)
 
 
 def resolve_out_specs(
