@@ -149,6 +149,22 @@ def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def _lay_out(out: Any, out_sharding: PyTree, on: Mesh | AbstractMesh) -> Any:
+    """`out` constrained as `out_sharding` says, every array output given a spec."""
+    specs = resolve_specs(
+        out_sharding, out, caller=_CALLER, argname="out_sharding", mesh=on
+    )
+    pairs = leaf_specs(specs, out, caller=_CALLER, logical=True, argname="out_sharding")
+    missing = [
+        path
+        for (path, spec), leaf in zip(pairs, jtu.tree_leaves(out), strict=True)
+        if spec is None and eqx.is_array(leaf)
+    ]
+    if missing:
+        raise _no_out_spec_error(missing)
+    return with_sharding_constraint(out, specs, mesh=on, on_invalid="raise")
+
+
 @typecheck
 def auto_axes(
     fn: Callable[..., Any],
@@ -261,21 +277,7 @@ def auto_axes(
                     if _MIXED_MESHES not in str(error):
                         raise
                     raise _closed_over_error(fn, auto, on, error) from error
-            specs = resolve_specs(
-                out_sharding, out, caller=_CALLER, argname="out_sharding", mesh=on
-            )
-            pairs = leaf_specs(
-                specs, out, caller=_CALLER, logical=True, argname="out_sharding"
-            )
-            leaves = jtu.tree_leaves(out)
-            missing = [
-                path
-                for (path, spec), leaf in zip(pairs, leaves, strict=True)
-                if spec is None and eqx.is_array(leaf)
-            ]
-            if missing:
-                raise _no_out_spec_error(missing)
-            return with_sharding_constraint(out, specs, mesh=on, on_invalid="raise")
+            return _lay_out(out, out_sharding, on)
 
     return run
 
