@@ -89,7 +89,7 @@ from ._transforms._constraint import (
 )
 from ._transforms._explicit import auto_axes as auto_axes
 from ._transforms._filter_jit import filter_jit as filter_jit
-from ._transforms._shard_map import shard_map as shard_map
+from ._transforms._shard_map import filter_shard_map as filter_shard_map
 from ._tree import is_array as is_array, tree_path_to_string as tree_path_to_string
 from ._tree_utils import (
     flatten_tree as flatten_tree,
@@ -150,7 +150,7 @@ __all__ = [
     "auto_axes",
     "corrected_spec",
     "named_shardings",
-    "shard_map",
+    "filter_shard_map",
     # Checkpoints.
     "save",
     "restore",

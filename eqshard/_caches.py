@@ -29,7 +29,7 @@ def clear_caches() -> None:
     Equinox.
 
     eqshard keeps the programs that [`eqshard.init_sharded`][] and
-    [`eqshard.shard_map`][] compile (with the arrays their programs hold), the
+    [`eqshard.filter_shard_map`][] compile (with the arrays their programs hold), the
     reports of [`eqshard.analyze_step`][], and small caches of what it computed
     from shardings, meshes and devices. Calling again after this gives the same
     results, compiling and computing them anew. JAX's own caches are JAX's: call

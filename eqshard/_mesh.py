@@ -292,6 +292,10 @@ def axis_size(names: str | Sequence[str]) -> int:
     """Inside `shard_map`: the number of devices along one axis, or the product
     over several.
 
+    It differs from `jax.lax.axis_size` on purpose: `names` may be any sequence,
+    and an unbound name raises `ValueError` saying where to call it (JAX's raises
+    `NameError`).
+
     **Arguments:**
 
     - `names`: an axis name or a sequence of them (empty gives 1).
@@ -325,6 +329,10 @@ def axis_size(names: str | Sequence[str]) -> int:
 def axis_index(names: str | Sequence[str]) -> jax.Array:
     """Inside `shard_map`: this device's index along one axis, or its row-major
     linear index over several (the first name is the most significant).
+
+    It differs from `jax.lax.axis_index` on purpose: `names` may be any sequence,
+    and an unbound name raises `ValueError` saying where to call it (JAX's raises
+    `NameError`).
 
     For `("dp", "tp")` on a `{"dp": 2, "tp": 4}` mesh the index is
     `4 * dp_index + tp_index`; an empty sequence gives `0`.

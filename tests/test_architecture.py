@@ -70,12 +70,7 @@ MAX_FUNCTION_LINES = 80
 ALLOWED_CYCLES: tuple[frozenset[str], ...] = ()
 ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset()
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
-ALLOWED_LONG_MODULES: frozenset[str] = frozenset(
-    {
-        "eqshard._transforms._jit",
-        "eqshard._transforms._shard_map",
-    }
-)
+ALLOWED_LONG_MODULES: frozenset[str] = frozenset({})
 ALLOWED_LONG_FUNCTIONS: frozenset[str] = frozenset({})
 
 # JAX's, XLA's and orbax's moving parts (issue 34, item 3): only `eqshard/_internals/`
@@ -101,20 +96,7 @@ INTERNAL_BUT_ON_SELF = frozenset({"jaxpr", "consts"})
 # Today's readers outside the door, as (module, attribute): the distributed client,
 # orbax and the CPU buffers are moving into it; `program_key` and `_shard_map`'s
 # constants read traced programs for the kept programs' keys.
-ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("eqshard._transforms._jit", "unsafe_buffer_pointer"),
-        ("eqshard._transforms._explicit", "__closure__"),
-        ("eqshard._transforms._programs", "jaxpr"),
-        ("eqshard._transforms._programs", "consts"),
-        ("eqshard._transforms._programs", "eqns"),
-        ("eqshard._transforms._programs", "invars"),
-        ("eqshard._transforms._programs", "outvars"),
-        ("eqshard._transforms._programs", "params"),
-        ("eqshard._transforms._programs", "primitive"),
-        ("eqshard._transforms._shard_map", "consts"),
-    }
-)
+ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

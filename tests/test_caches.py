@@ -56,7 +56,7 @@ def test_clear_caches_empties_each_kind_and_results_stay_right(mesh):
     batch = np.arange(8.0, dtype=np.float32).reshape(2, 4)
 
     def fill():
-        doubled = eqshard.shard_map(
+        doubled = eqshard.filter_shard_map(
             _double, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")
         )(x)
         built = eqshard.init_sharded(

@@ -897,8 +897,9 @@ def test_a_save_during_a_restore_is_refused(tmp_path, monkeypatch):
     # A save in progress (its lock there), while the path is not: said so.
     os.rename(path, path + "-moved")
     _lock(path, host=socket.gethostname(), pid=os.getpid(), staging="s")
-    with pytest.raises(ValueError, match="A save to it is in progress"):
+    with pytest.raises(ValueError, match="A save to it is in progress") as error:
         eqshard.restore(path, like)
+    assert "in progress meanwhile" not in str(error.value)  # said once
 
 
 def test_overwrite_keeps_what_is_not_the_checkpoints(tmp_path):

@@ -149,7 +149,7 @@ def _forward(static):
     """The model's forward on a batch, under `eqshard.auto_axes`."""
     return eqshard.auto_axes(
         lambda params, tokens: jax.vmap(eqx.combine(params, static))(tokens),
-        out_specs=P("dp"),
+        out_sharding=P("dp"),
     )
 
 
@@ -318,25 +318,29 @@ def test_auto_axes(mesh, explicit_mesh):
     ):
         eqshard.analyze_step(matmul, x, w)
     # No `jax.set_mesh`: `mesh=` sets it (abstractly) for the call.
-    for on, out_specs in [(explicit_mesh, (P("dp"), None)), (mesh, [(".*", P("dp"))])]:
-        mapped = eqshard.auto_axes(fn, out_specs=out_specs, axes="tp", mesh=on)
+    for on, out_sharding in [
+        (explicit_mesh, (P("dp"), None)),
+        (mesh, [(".*", P("dp"))]),
+    ]:
+        mapped = eqshard.auto_axes(fn, out_sharding=out_sharding, axes="tp", mesh=on)
         args = eqshard.shard((x, w), (P("dp", "tp"), P("tp")), on)
         y, label = eqx.filter_jit(mapped)(*args, "label")
         assert label == "label"
         assert y.sharding.is_equivalent_to(NamedSharding(on, P("dp")), 2)
         np.testing.assert_array_equal(y, expected)
     assert jax.typeof(y).sharding.spec == P(None, None)  # Auto: not in the type
-    with pytest.raises(ValueError, match=r"`out_specs` has `None` at '0'"):
+    with pytest.raises(ValueError, match=r"`out_sharding` has `None` at '0'"):
         jax.jit(
-            eqshard.auto_axes(fn, out_specs=None, mesh=explicit_mesh), static_argnums=2
+            eqshard.auto_axes(fn, out_sharding=None, mesh=explicit_mesh),
+            static_argnums=2,
         ).trace(x, w, "label")
     with pytest.raises(ValueError, match=r"`axes` names 'sp'"):
         jax.jit(
-            eqshard.auto_axes(fn, out_specs=P(), axes="sp", mesh=explicit_mesh),
+            eqshard.auto_axes(fn, out_sharding=P(), axes="sp", mesh=explicit_mesh),
             static_argnums=2,
         ).trace(x, w, "label")
     with pytest.raises(ValueError, match=r"^eqshard.auto_axes: no mesh"):
-        eqshard.auto_axes(fn, out_specs=P())(x, w, "label")
+        eqshard.auto_axes(fn, out_sharding=P())(x, w, "label")
 
 
 def test_filter_shard_fails_on_explicit_axes_with_sharding_constraint_does_not(
@@ -395,7 +399,7 @@ def test_plan_training_on_explicit_axes(life, mesh, explicit_mesh):
 def test_shard_map_on_explicit_axes(life, explicit_mesh):
     # A per-device kernel over the model's blocks, its specs read from the arrays'
     # types (inside `eqx.filter_jit`), the output laid out as the parameters.
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         lambda params: jax.tree.map(jnp.square, params), out_specs=life["specs"]
     )
     with jax.set_mesh(explicit_mesh):
@@ -415,7 +419,7 @@ PAGE = (
 # forward, and what runs it there.
 FORWARD = "jax.vmap(model)(tokens[:, :-1])"
 UNDER_AUTO_AXES = (
-    "eqshard.auto_axes(lambda m, t: jax.vmap(m)(t), out_specs=P('dp'))"
+    "eqshard.auto_axes(lambda m, t: jax.vmap(m)(t), out_sharding=P('dp'))"
     "(model, tokens[:, :-1])"
 )
 
@@ -480,7 +484,7 @@ def test_auto_axes_with_a_model_read_from_outside(explicit_mesh):
     head = eqshard.shard(head, rules, explicit_mesh)
     xs = eqshard.shard(x, P("dp", "tp"), explicit_mesh)
     forward = eqshard.auto_axes(
-        eqx.filter_vmap(head), out_specs=P("dp"), mesh=explicit_mesh
+        eqx.filter_vmap(head), out_sharding=P("dp"), mesh=explicit_mesh
     )
     y = forward(xs)
     assert jax.typeof(y).sharding.spec == P("dp", None)
@@ -495,12 +499,14 @@ def test_auto_axes_with_a_model_read_from_outside(explicit_mesh):
         r"not as arguments: `head` \(its arrays at 'weight', 'bias'\).*"
         r"Pass those arrays as arguments",
     ):
-        eqshard.auto_axes(closing_over, out_specs=P("dp"), mesh=explicit_mesh)(xs)
+        eqshard.auto_axes(closing_over, out_sharding=P("dp"), mesh=explicit_mesh)(xs)
     _HEAD = head
     try:
         with pytest.raises(ValueError, match=r"(?s)`_global_head` reads .*`_HEAD`"):
             jax.jit(
-                eqshard.auto_axes(_global_head, out_specs=P("dp"), mesh=explicit_mesh)
+                eqshard.auto_axes(
+                    _global_head, out_sharding=P("dp"), mesh=explicit_mesh
+                )
             )(xs)
     finally:
         _HEAD = None

@@ -104,7 +104,7 @@ def test_init_sharded_reads_no_host_buffer_after_it_returns(mesh, busy):
 
 
 def test_eager_shard_map_reads_no_host_buffer_after_it_returns(mesh, busy):
-    doubled = eqshard.shard_map(
+    doubled = eqshard.filter_shard_map(
         lambda x: x * 2.0, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")
     )
     assert _changed_after_write(lambda b: doubled(b) / 2.0, busy, in_place=True) == 0

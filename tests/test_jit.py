@@ -299,3 +299,15 @@ def test_filter_jit_refuses_abstract_arguments_meshes_and_unknown_axes(mesh):
     gone.delete()
     with pytest.raises(ValueError, match=r"arrays at '1' have been deleted"):
         eqshard.filter_jit(jnp.add)(jnp.ones(3), gone)
+
+
+def test_the_functions_own_error_is_not_replaced(mesh):
+    # An error the function raises while traced is its own, whatever its text;
+    # only JAX's errors before tracing become eqshard's messages.
+    def fn(x):
+        raise ValueError("the step's own mistake")
+
+    x = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P()))  # placed otherwise
+    step = eqshard.filter_jit(fn, in_specs=P("dp"), mesh=mesh)
+    with pytest.raises(ValueError, match="^the step's own mistake"):
+        step(x)

@@ -739,3 +739,15 @@ def test_stacked_rule_values_read_the_spec_from_the_end():
         TypeError, match=r"eqshard.stacked: .*auto_fsdp\(\.\.\., stacked=n\)"
     ):
         eqshard.stacked(eqshard.auto_fsdp("dp"))
+
+
+def test_cli_hints_a_last_rule_only_when_no_rule_matches():
+    # The command decides by the error's type, never by its text.
+    from eqshard._cli._fit import _match, UsageError
+
+    tree = {"a": np.zeros((3,)), "b": np.zeros((4,))}
+    with pytest.raises(UsageError, match="a last rule"):
+        _match([("a", P())], tree, "rules.txt")
+    with pytest.raises(UsageError) as error:  # another mistake: a bad pattern
+        _match([("(", P())], tree, "rules.txt")
+    assert "a last rule" not in str(error.value)

@@ -132,7 +132,7 @@ def test_models_equal_plain_jit_with_specs_read_from_shard(
     model, x, reference = _placed(name, on)
     specs = eqshard.get_partition_spec(model)  # static: no arrays in it
     assert type(specs) is type(model)
-    mapped = eqshard.shard_map(kernel, out_specs=P("dp"), check_vma=False)
+    mapped = eqshard.filter_shard_map(kernel, out_specs=P("dp"), check_vma=False)
     out = mapped(model, specs, x)
     assert _on(out, P("dp"), on)
     _assert_same(out, reference, exact=name != "attention")
@@ -140,7 +140,9 @@ def test_models_equal_plain_jit_with_specs_read_from_shard(
     flipped = eqshard.shard(np.asarray(x)[::-1], P("dp"), on)
     with Compiles() as compiles:
         again = mapped(model, specs, flipped)
-        eqshard.shard_map(kernel, out_specs=P("dp"), check_vma=False)(model, specs, x)
+        eqshard.filter_shard_map(kernel, out_specs=P("dp"), check_vma=False)(
+            model, specs, x
+        )
     assert compiles.count == 0
     _assert_same(again, np.asarray(reference)[::-1], exact=False)
 
@@ -152,7 +154,7 @@ def test_inside_filter_jit_on_auto_axes(mesh):
     @eqx.filter_jit
     def step(model, x):
         # Traced arrays on Auto axes carry no layout: the specs are given.
-        mapped = eqshard.shard_map(
+        mapped = eqshard.filter_shard_map(
             kernel, in_specs=(specs, None, P("dp")), out_specs=P("dp"), check_vma=False
         )
         return mapped(model, specs, x) * 2
@@ -173,7 +175,7 @@ def test_inside_filter_jit_on_explicit_axes_reads_the_types(explicit_mesh):
     @eqx.filter_jit
     def step(model, x):
         # No mesh given or set: the traced arrays' types name it.
-        mapped = eqshard.shard_map(kernel, out_specs=P("dp"), check_vma=False)
+        mapped = eqshard.filter_shard_map(kernel, out_specs=P("dp"), check_vma=False)
         return mapped(model, specs, x)
 
     out = step(model, x)
@@ -184,18 +186,18 @@ def test_inside_filter_jit_on_explicit_axes_reads_the_types(explicit_mesh):
 def test_auto_tracers_without_in_specs_say_what_to_pass(mesh):
     model, x, _ = _placed("mlp", mesh)
     specs = eqshard.get_partition_spec(model)
-    mapped = eqshard.shard_map(kernel, out_specs=P("dp"), mesh=mesh)
+    mapped = eqshard.filter_shard_map(kernel, out_specs=P("dp"), mesh=mesh)
     with pytest.raises(ValueError, match="0/layers/0/weight") as info:
         eqx.filter_jit(mapped)(model, specs, x)
     message = str(info.value)
-    assert message.startswith("eqshard.shard_map: cannot read the layout of 7")
+    assert message.startswith("eqshard.filter_shard_map: cannot read the layout of 7")
     assert "'2' is traced on Auto axes" in message
     assert "Pass `in_specs`" in message and "every input is static" in message
 
 
 def test_unplaced_arrays_without_in_specs_say_what_to_pass(mesh):
     with pytest.raises(ValueError, match="'1' is a NumPy array") as info:
-        eqshard.shard_map(jnp.add, out_specs=P(), mesh=mesh)(
+        eqshard.filter_shard_map(jnp.add, out_specs=P(), mesh=mesh)(
             jnp.zeros(8, jnp.float32), np.zeros(8, np.float32)
         )
     assert "'0' has a SingleDeviceSharding" in str(info.value)
@@ -212,14 +214,14 @@ def test_a_wrong_spec_tree_names_every_offending_path(mesh):
         specs,
         (P("x", None), P(("dp", "tp")), P(None, None, "tp")),
     )
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         lambda m, x: x, in_specs=(specs, P()), out_specs=P(), mesh=mesh
     )
     with pytest.raises(ValueError) as info:
         mapped(model, jnp.zeros(8))
     message = str(info.value)
     assert message.startswith(
-        "eqshard.shard_map: 3 leaves have specs that cannot apply on mesh "
+        "eqshard.filter_shard_map: 3 leaves have specs that cannot apply on mesh "
         "{'dp': 2, 'tp': 4}:"
     )
     for line in [
@@ -235,13 +237,13 @@ def test_a_wrong_spec_tree_names_every_offending_path(mesh):
 
 def test_a_prefix_that_does_not_match_names_the_path(mesh):
     model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         lambda m, x: x, in_specs=({"weight": P()}, P()), out_specs=P(), mesh=mesh
     )
     with pytest.raises(ValueError, match="`in_specs` does not match .* at '0'"):
         mapped(model, jnp.zeros(8))
     with pytest.raises(ValueError, match="`out_specs` does not match .* at '1'"):
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             lambda x: (x, [x, x]), in_specs=P(), out_specs=(P(), (P(), P())), mesh=mesh
         )(jnp.zeros(8))
 
@@ -251,19 +253,19 @@ def test_out_specs_are_checked_against_the_blocks(mesh):
         return {"a": x, "b": x.sum(), "name": "f"}
 
     with pytest.raises(ValueError) as info:
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             f,
             in_specs=P("dp"),
             out_specs={"a": P("dp", "tp"), "b": P("x"), "name": None},
             mesh=mesh,
         )(jnp.zeros(8))
     message = str(info.value)
-    assert message.startswith("eqshard.shard_map: 2 leaves have specs")
+    assert message.startswith("eqshard.filter_shard_map: 2 leaves have specs")
     assert "'a' (shape (4,)), spec P('dp', 'tp'): the spec has 2 entries" in message
     assert "'b' (shape ()), spec P('x',): the spec has 1 entries" in message
     assert "one device's block of the outputs" in message
     with pytest.raises(ValueError, match=r"`out_specs` has `None` at 'b'"):
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             f,
             in_specs=P("dp"),
             out_specs={"a": P("dp"), "b": None, "name": None},
@@ -274,7 +276,7 @@ def test_out_specs_are_checked_against_the_blocks(mesh):
 def test_explicit_axes_take_arrays_as_they_are_laid_out(explicit_mesh):
     x = eqshard.shard(jnp.zeros((8, 4)), P("dp"), explicit_mesh)
     y = eqshard.shard(jnp.zeros((8, 4)), P(None, "tp"), explicit_mesh)
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         lambda x, y: x, in_specs=(P("tp"), P("dp")), out_specs=P()
     )
     with pytest.raises(ValueError) as info:
@@ -284,7 +286,7 @@ def test_explicit_axes_take_arrays_as_they_are_laid_out(explicit_mesh):
     assert "'1': laid out as P(None, 'tp'), `in_specs` asks P('dp',)" in message
     assert "Omit `in_specs`" in message
     with pytest.raises(ValueError, match="'0': its type has no layout"):
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             lambda x: x, in_specs=P("dp"), out_specs=P("dp"), mesh=explicit_mesh
         )(np.zeros(8))
 
@@ -293,7 +295,7 @@ def test_arrays_on_another_mesh_are_named(mesh):
     other = eqshard.create_mesh((4, 2), ("dp", "tp"))
     x = eqshard.shard(jnp.zeros(8), P("dp"), other)
     with pytest.raises(ValueError, match="'0': on mesh {'dp': 4, 'tp': 2}"):
-        eqshard.shard_map(lambda x: x, out_specs=P("dp"), mesh=mesh)(x)
+        eqshard.filter_shard_map(lambda x: x, out_specs=P("dp"), mesh=mesh)(x)
 
 
 def test_non_array_outputs_come_back_as_returned(mesh):
@@ -301,7 +303,7 @@ def test_non_array_outputs_come_back_as_returned(mesh):
         rows = x.shape[0]  # this device's rows: a Python int
         return x * 2, (label, rows, jax.nn.relu, None), 1.5
 
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         f, in_specs=(P("dp"), None), out_specs=P("dp"), mesh=mesh
     )
     y, (label, rows, fn, nothing), scale = mapped(jnp.arange(8.0), "eight")
@@ -322,7 +324,7 @@ def test_static_arguments_are_told_apart_by_type(mesh):
         seen.append(type(k))
         return x * k
 
-    mapped = eqshard.shard_map(f, in_specs=(P("dp"), None), out_specs=P("dp"))
+    mapped = eqshard.filter_shard_map(f, in_specs=(P("dp"), None), out_specs=P("dp"))
     with jax.set_mesh(mesh):
         x = jnp.arange(8)
         assert mapped(x, 2).dtype == jnp.int32
@@ -341,7 +343,7 @@ def test_prefix_rules_and_logical_specs_give_the_same_result(mesh):
 
     def run(in_specs, out_specs, specs=specs):
         with jax.set_mesh(mesh):
-            mapped = eqshard.shard_map(
+            mapped = eqshard.filter_shard_map(
                 kernel, in_specs=in_specs, out_specs=out_specs, check_vma=False
             )
             return np.asarray(mapped(model, specs, x))
@@ -367,7 +369,7 @@ def test_rules_as_in_specs_apply_to_each_argument(mesh):
         seen["shapes"] = (a["w"].shape, b["w"].shape)
         return a["w"].sum() + b["w"].sum()
 
-    mapped = eqshard.shard_map(
+    mapped = eqshard.filter_shard_map(
         f, in_specs=[("w", P("tp"))], out_specs=P(), mesh=mesh, check_vma=False
     )
     mapped({"w": jnp.ones(8)}, {"w": jnp.ones(4)})
@@ -376,11 +378,13 @@ def test_rules_as_in_specs_apply_to_each_argument(mesh):
 
 def test_partial_manual_axes(mesh):
     x = eqshard.shard(jnp.arange(32.0).reshape(8, 4), P("dp", "tp"), mesh)
-    mapped = eqshard.shard_map(lambda x: x * 2, out_specs=P("dp"), axis_names={"dp"})
+    mapped = eqshard.filter_shard_map(
+        lambda x: x * 2, out_specs=P("dp"), axis_names={"dp"}
+    )
     out = mapped(x)  # the inferred spec keeps the manual axis only
     np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
     with pytest.raises(ValueError, match=r"'0' .*'tp' not among the manual axes"):
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             lambda x: x, in_specs=P("dp", "tp"), out_specs=P("dp"), axis_names={"dp"}
         )(x)
 
@@ -395,7 +399,7 @@ def test_a_ring_with_check_vma_passed_on(mesh):
         return total
 
     x = jnp.arange(8.0)
-    out = eqshard.shard_map(
+    out = eqshard.filter_shard_map(
         ring_sum, in_specs=P("dp"), out_specs=P(), mesh=mesh, check_vma=False
     )(x)
     np.testing.assert_array_equal(np.asarray(out), x[:4] + x[4:])
@@ -403,15 +407,15 @@ def test_a_ring_with_check_vma_passed_on(mesh):
 
 @pytest.mark.parametrize("where", ["set_mesh", "named_sharding"])
 def test_the_mesh_of_host_arrays(mesh, where):
-    add = eqshard.shard_map(lambda x: x + 1, in_specs=P("dp"), out_specs=P("dp"))
+    add = eqshard.filter_shard_map(lambda x: x + 1, in_specs=P("dp"), out_specs=P("dp"))
     if where == "set_mesh":
         with jax.set_mesh(mesh):
             out = add(np.arange(8.0))
     else:  # a `NamedSharding` names its mesh
         sharding = NamedSharding(mesh, P("dp"))
-        out = eqshard.shard_map(lambda x: x + 1, in_specs=sharding, out_specs=P("dp"))(
-            np.arange(8.0)
-        )
+        out = eqshard.filter_shard_map(
+            lambda x: x + 1, in_specs=sharding, out_specs=P("dp")
+        )(np.arange(8.0))
     assert out.sharding == NamedSharding(mesh, P("dp"))
     np.testing.assert_array_equal(np.asarray(out), np.arange(8.0) + 1)
 
@@ -419,23 +423,25 @@ def test_the_mesh_of_host_arrays(mesh, where):
 def test_usage_errors(mesh):
     x = jnp.zeros(8)
     with pytest.raises(TypeError, match="unknown option 'donate'"):
-        eqshard.shard_map(lambda x: x, out_specs=P(), donate=True)
+        eqshard.filter_shard_map(lambda x: x, out_specs=P(), donate=True)
     with pytest.raises(TypeError, match="keyword arguments 'x'"):
-        eqshard.shard_map(lambda x: x, out_specs=P(), mesh=mesh)(x=x)
+        eqshard.filter_shard_map(lambda x: x, out_specs=P(), mesh=mesh)(x=x)
     model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
     with pytest.raises(TypeError, match="`fn` holds arrays .*'weight'"):
-        eqshard.shard_map(model, in_specs=P(), out_specs=P(), mesh=mesh)(x)
+        eqshard.filter_shard_map(model, in_specs=P(), out_specs=P(), mesh=mesh)(x)
     with pytest.raises(TypeError, match="arguments at '1/0' cannot be hashed"):
-        eqshard.shard_map(lambda x, s: x, in_specs=P(), out_specs=P(), mesh=mesh)(
-            x, [{1}]
-        )
+        eqshard.filter_shard_map(
+            lambda x, s: x, in_specs=P(), out_specs=P(), mesh=mesh
+        )(x, [{1}])
     with pytest.raises(ValueError, match="no mesh"):
-        eqshard.shard_map(lambda x: x, in_specs=P(), out_specs=P())(np.zeros(8))
+        eqshard.filter_shard_map(lambda x: x, in_specs=P(), out_specs=P())(np.zeros(8))
 
 
 def test_gradients_flow_through(mesh):
     x = eqshard.shard(jnp.arange(8.0), P("dp"), mesh)
-    sin = eqshard.shard_map(jnp.sin, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
+    sin = eqshard.filter_shard_map(
+        jnp.sin, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh
+    )
     grad = jax.grad(lambda x: sin(x).sum())(x)
     np.testing.assert_allclose(np.asarray(grad), np.cos(np.arange(8.0)), rtol=1e-6)
 
@@ -447,7 +453,7 @@ def test_an_eager_call_reads_what_fn_closes_over_again(mesh):
     def f(x):
         return x * scale + table
 
-    mapped = eqshard.shard_map(f, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
+    mapped = eqshard.filter_shard_map(f, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh)
     x = jnp.arange(8.0)
     np.testing.assert_array_equal(np.asarray(mapped(x)), np.arange(8.0) * 2 + 1)
     scale = 5.0  # as an eager `jax.shard_map` would, the new value is read
@@ -463,7 +469,7 @@ def test_an_eager_call_reads_what_fn_closes_over_again(mesh):
 
 def test_logical_names_without_rules_are_refused(mesh):
     x = jnp.arange(8.0)
-    double = eqshard.shard_map(
+    double = eqshard.filter_shard_map(
         lambda x: {"y": x * 2},
         in_specs=(eqshard.AxisNames("batch"),),
         out_specs={"y": eqshard.AxisNames("batch")},
@@ -478,14 +484,14 @@ def test_logical_names_without_rules_are_refused(mesh):
     ):
         double(x)
     with pytest.raises(ValueError, match=r"`out_specs` .*AxisNames.* at 'y'"):
-        eqshard.shard_map(
+        eqshard.filter_shard_map(
             lambda x: {"y": x * 2},
             in_specs=P("dp"),
             out_specs={"y": eqshard.AxisNames("batch")},
             mesh=mesh,
         )(x)
     # Given or set, the rules resolve them.
-    with_rules = eqshard.shard_map(
+    with_rules = eqshard.filter_shard_map(
         lambda x: {"y": x * 2},
         in_specs=(eqshard.AxisNames("batch"),),
         out_specs={"y": eqshard.AxisNames("batch")},

@@ -90,7 +90,9 @@ def test_init_and_shard_map_take_each_form(mesh):
     for form, specs in FORMS.items():
         tree = eqshard.init_sharded(make, key, specs=specs, mesh=mesh)
         assert tree["w"].sharding == NamedSharding(mesh, P("dp", "tp")), form
-        mapped = eqshard.shard_map(local, in_specs=(specs,), out_specs=P(), mesh=mesh)
+        mapped = eqshard.filter_shard_map(
+            local, in_specs=(specs,), out_specs=P(), mesh=mesh
+        )
         np.testing.assert_allclose(mapped(tree), eager.sum(), rtol=1e-5)
 
 
@@ -100,7 +102,7 @@ def test_a_list_of_logical_names_is_a_prefix_not_rules(mesh):
     x = eqshard.shard(jnp.arange(16.0).reshape(8, 2), P("dp"), mesh)
     names = eqshard.AxisNames("batch", None)
     with eqshard.logical_axis_rules([("batch", "dp")]):
-        mapped = eqshard.shard_map(
+        mapped = eqshard.filter_shard_map(
             lambda x: x * 2, in_specs=(names,), out_specs=names, mesh=mesh
         )
         np.testing.assert_array_equal(mapped(x), 2 * np.asarray(x))

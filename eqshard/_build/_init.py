@@ -49,7 +49,8 @@ from .._spectree._specs import (
     check_placeable,
     check_spec_on_mesh,
 )
-from .._transforms._programs import program_key, Programs
+from .._internals.program_keys import program_key
+from .._transforms._programs import Programs
 from .._tree import is_array, path_str, paths_text
 from .._typing import KeyPath, typecheck
 from ._init_pieces import Plan, plan

@@ -105,6 +105,11 @@ class Saved(NamedTuple):
     position: int | None  # among the leaves of orbax's tree; `None`: zero-size
 
 
+class SaveInProgressError(ValueError):
+    """No checkpoint, and a save to it holds its lock: the message says so
+    (`restore` adds nothing then)."""
+
+
 def _no_checkpoint(path: str, caller: str) -> ValueError:
     holder = lock_holder(path)
     old = sorted(glob.glob(glob.escape(path + OLD) + "*"))
@@ -120,7 +125,8 @@ def _no_checkpoint(path: str, caller: str) -> ValueError:
         )
     else:
         hint = " Check the path, and that `eqshard.save` finished there."
-    return ValueError(
+    kind = ValueError if holder is None else SaveInProgressError
+    return kind(
         f"eqshard.{caller}: there is no checkpoint at {path!r} (no such "
         f"directory).{hint}"
     )

@@ -35,6 +35,7 @@ from ._disk import (
     NOTHING_HELD,
     Saved,
     saved_arrays,
+    SaveInProgressError,
     unreadable_error,
 )
 from ._restore_target import needs_arguments, restore_target
@@ -284,7 +285,7 @@ def _during_save(caller: str, path: str, before: Any, error: Exception) -> Excep
     if (
         not isinstance(error, ValueError)
         or holder is None
-        or "is in progress" in str(error)
+        or isinstance(error, SaveInProgressError)
     ):
         return error
     failure = ValueError(

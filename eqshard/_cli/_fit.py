@@ -42,7 +42,7 @@ from .._readers._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
-from .._spectree._rules import match_partition_rules
+from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
 
@@ -276,7 +276,7 @@ def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) ->
     except (ValueError, TypeError) as error:
         lines = str(error).splitlines()
         hint = ""
-        if "no rule matches" in str(error):
+        if isinstance(error, NoRuleMatchesError):
             hint = " (a last rule '.*  ()' replicates the rest)"
         summary = " ".join(line.strip() for line in lines[:2])
         raise UsageError(f"{origin}: {summary}{hint}") from None

@@ -84,6 +84,18 @@ def _read_by(obj: Any, todo: list[Any]) -> list[tuple[str, Any]]:
     return values
 
 
+def direct_reads(fn: Any) -> list[tuple[str, Any]]:
+    """What `fn`'s own code reads besides its arguments, by name: its closure's
+    filled variables, then the globals it names (one level, nothing followed)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or ())
+    found = [(name, cell.cell_contents) for name, cell in cells if _filled(cell)]
+    space = getattr(fn, "__globals__", {})
+    return found + [(name, space[name]) for name in code.co_names if name in space]
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 

@@ -35,7 +35,7 @@ needed, converted on host, in one pass over its data:
    at once changed arrays on the mesh). `shard` waits for the transfers of the
    arrays placed as they are (`borrowed`) before it returns, and before it
    compares addresses; a private copy is the devices' own, and is not waited
-   for. `filter_jit`, `init_sharded` and `shard_map` hand JAX NumPy arguments
+   for. `filter_jit`, `init_sharded` and `filter_shard_map` hand JAX NumPy arguments
    that it reads later still, in a program: they give it private copies
    instead (`host_private`), which keeps the call asynchronous.
 
@@ -297,7 +297,7 @@ def borrowed(ready: Any, value: Any) -> bool:
 def host_private(tree: PyTree) -> PyTree:
     """`tree` with every NumPy array replaced by a private copy (`private_copy`),
     for a call that hands its arguments to JAX and returns before JAX has read
-    them (`jax.jit`, an eager `shard_map`): the caller may then write its
+    them (`jax.jit`, an eager `filter_shard_map`): the caller may then write its
     buffers at once. The same object if it holds no NumPy array."""
     leaves, treedef = jtu.tree_flatten(tree)
     if not any(map(_is_plain_numpy, leaves)):

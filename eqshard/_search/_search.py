@@ -104,7 +104,7 @@ def _all_untyped_error(skipped: list[tuple[str, str]]) -> ValueError:
     return search_error(
         f"no candidate could be compiled: on the mesh's Explicit axes JAX cannot "
         f"type the step with any of {names}. The first: {skipped[0][1]}. Run "
-        "the model under `eqshard.auto_axes(fn, out_specs=...)`, which makes the "
+        "the model under `eqshard.auto_axes(fn, out_sharding=...)`, which makes the "
         "Explicit axes Auto inside `fn`, or search on a mesh of Auto axes."
     )
 

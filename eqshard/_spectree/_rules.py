@@ -560,6 +560,10 @@ def _leaf_spec(
     return spec, problem
 
 
+class NoRuleMatchesError(ValueError):
+    """Leaves without a valid spec, some because no rule matches them."""
+
+
 def _check_bad_leaves(
     bad: list[tuple[str, tuple[int, ...], str, PartitionSpec]],
     compiled: Compiled,
@@ -574,7 +578,8 @@ def _check_bad_leaves(
         bad, compiled, sep, caller, source, corrected=on_invalid == "warn"
     )
     if on_invalid == "raise":
-        raise ValueError(message)
+        unmatched = any(reason == "no rule matches" for _, _, reason, _ in bad)
+        raise (NoRuleMatchesError if unmatched else ValueError)(message)
     warn(message)
 
 

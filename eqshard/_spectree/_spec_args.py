@@ -1,7 +1,7 @@
 """What every `specs=` argument accepts: the one resolver of the spec-tree family.
 
 Every function that takes specs for a tree (`shard`, `init_sharded`,
-`with_sharding_constraint`, `restore`, `check_layout`, `shard_map`'s `in_specs`,
+`with_sharding_constraint`, `restore`, `check_layout`, `filter_shard_map`'s `in_specs`,
 ...) calls `resolve_specs` first, on the tree at hand, and works on the spec tree
 it returns. It accepts three things, told apart by one test each:
 
@@ -20,7 +20,7 @@ it returns. It accepts three things, told apart by one test each:
 3. **A spec tree or a prefix of one**: anything else, returned as it is.
 
 Rules and functions may also stand at a node of a prefix, for the subtree there
-(`{"model": rules, "opt_state": P()}`; `shard_map`'s `(rules, P("dp"))`), with
+(`{"model": rules, "opt_state": P()}`; `filter_shard_map`'s `(rules, P("dp"))`), with
 paths that start inside it.
 """
 

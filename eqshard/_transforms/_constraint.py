@@ -7,6 +7,7 @@ corrects the spec to the nearest one that can (`check_spec`, in `_specs.py`), an
 `corrected_spec` exposes that correction.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -170,6 +171,36 @@ _APPLY = {
 }
 
 
+@dataclasses.dataclass
+class _Batch:
+    """The leaves constrained one way (`_APPLY`'s), by position, with their
+    shardings."""
+
+    indices: list[int] = dataclasses.field(default_factory=list)
+    shardings: list[Any] = dataclasses.field(default_factory=list)
+
+
+def _apply(kind: AxisType, batch: _Batch, out: list[Any]) -> None:
+    """Constrains the leaves of `out` at `batch.indices`, in place."""
+    xs = [out[i] for i in batch.indices]
+    shardings = batch.shardings
+    unconstrained = any(
+        PartitionSpec.UNCONSTRAINED in tuple(getattr(s, "spec", s)) for s in shardings
+    )
+    if (
+        not unconstrained
+        and all(isinstance(s, NamedSharding) for s in shardings)
+        and not any(isinstance(x, Tracer) for x in xs)
+    ):
+        # Outside `jit` a constraint is a placement; JAX's eager
+        # constraint gives size-0 arrays malformed shards.
+        constrained = jax.device_put(xs, shardings)
+    else:
+        constrained = _APPLY[kind](xs, shardings)
+    for i, leaf in zip(batch.indices, constrained, strict=True):
+        out[i] = leaf
+
+
 @renamed_keywords("with_sharding_constraint", rules="axis_rules")
 @typecheck
 def with_sharding_constraint(
@@ -191,7 +222,8 @@ def with_sharding_constraint(
     A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
     divide, more entries than the array's rank, an axis used twice) is corrected to
     the nearest one that can (see [`eqshard.corrected_spec`][]), or raises, as
-    `on_invalid` says.
+    `on_invalid` says: unlike `jax.lax.with_sharding_constraint`, which always
+    raises, the default corrects it with a warning.
 
     **Arguments:**
 
@@ -248,10 +280,7 @@ def with_sharding_constraint(
         raise abstract_leaf_error(caller, abstract)
     problems: list[ShardingProblem] = []
     deleted: list[KeyPath] = []
-    batches: dict[AxisType, tuple[list[int], list[Any]]] = {
-        AxisType.Auto: ([], []),
-        AxisType.Explicit: ([], []),
-    }
+    batches = {AxisType.Auto: _Batch(), AxisType.Explicit: _Batch()}
     for i, ((path, spec), leaf) in enumerate(
         zip(
             leaf_specs(specs, tree, caller=caller, logical=True, axis_rules=table),
@@ -272,9 +301,8 @@ def with_sharding_constraint(
         _check_abstract(fixed, spec_mesh, path)
         kind = _constraint_kind(fixed, spec_mesh, path)
         _check_context(kind, fixed, spec_mesh, path, isinstance(leaf, Tracer))
-        indices, shardings = batches[kind]
-        indices.append(i)
-        shardings.append(
+        batches[kind].indices.append(i)
+        batches[kind].shardings.append(
             NamedSharding(spec_mesh, fixed) if isinstance(spec_mesh, Mesh) else fixed
         )
     if deleted:
@@ -284,25 +312,9 @@ def with_sharding_constraint(
     if problems and on_invalid == "warn":
         warn(spec_error_message(caller, problems, corrected=True))
     out = list(leaves)
-    for kind, (indices, shardings) in batches.items():
-        if indices:
-            xs = [out[i] for i in indices]
-            unconstrained = any(
-                PartitionSpec.UNCONSTRAINED in tuple(getattr(s, "spec", s))
-                for s in shardings
-            )
-            if (
-                not unconstrained
-                and all(isinstance(s, NamedSharding) for s in shardings)
-                and not any(isinstance(x, Tracer) for x in xs)
-            ):
-                # Outside `jit` a constraint is a placement; JAX's eager
-                # constraint gives size-0 arrays malformed shards.
-                constrained = jax.device_put(xs, shardings)
-            else:
-                constrained = _APPLY[kind](xs, shardings)
-            for i, leaf in zip(indices, constrained, strict=True):
-                out[i] = leaf
+    for kind, batch in batches.items():
+        if batch.indices:
+            _apply(kind, batch, out)
     return jtu.tree_unflatten(treedef, out)
 
 

@@ -24,7 +24,7 @@ import functools as ft
 import os
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -32,6 +32,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._internals.closures import direct_reads
 from .._mesh import mesh_repr, require_mesh, same_mesh
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs
@@ -65,7 +66,7 @@ def _context_error(mesh: Mesh | AbstractMesh, context: AbstractMesh) -> ValueErr
 def _no_out_spec_error(paths: list[KeyPath]) -> ValueError:
     shown = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
     return ValueError(
-        f"eqshard.{_CALLER}: `out_specs` has `None` at {shown}, where the function "
+        f"eqshard.{_CALLER}: `out_sharding` has `None` at {shown}, where the function "
         "returns arrays; an array leaving Auto axes needs its layout on the "
         "Explicit ones. Give each a spec (`P()` for a replicated one)."
     )
@@ -76,16 +77,10 @@ def _closed_over_error(
 ) -> ValueError:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     found = []
-    code = getattr(fn, "__code__", None)
-    reads: list[tuple[str, Any]] = []  # the closure's cells, and globals named
-    if code is not None:
-        reads += zip(code.co_freevars, fn.__closure__ or ())
-        space = getattr(fn, "__globals__", {})
-        reads += [(n, _Cell(space[n])) for n in code.co_names if n in space]
-    for var, cell in reads:
+    for var, value in direct_reads(fn):
         try:
-            leaves = jtu.tree_leaves_with_path(cell.cell_contents)
-        except Exception:  # an empty cell, or a value JAX cannot flatten
+            leaves = jtu.tree_leaves_with_path(value)
+        except Exception:  # a value JAX cannot flatten
             continue
         paths = [
             path_str(path)
@@ -109,16 +104,10 @@ def _closed_over_error(
         f"{tuple(sorted(auto))} of mesh {mesh_repr(mesh)} are Auto, and only the "
         f"arrays passed as arguments are moved onto them; {what}, which JAX "
         "cannot mix with them. Pass those arrays as arguments, e.g. "
-        "`eqshard.auto_axes(lambda model, x: model(x), out_specs=...)(model, x)`, "
+        "`eqshard.auto_axes(lambda model, x: model(x), out_sharding=...)(model, x)`, "
         "or pass the model itself as `fn` (`eqshard.auto_axes(model, "
-        f"out_specs=...)(x)`), whose arrays are moved too. JAX says: {error}"
+        f"out_sharding=...)(x)`), whose arrays are moved too. JAX says: {error}"
     )
-
-
-class _Cell(NamedTuple):
-    """A global's value, read as a closure's cell is."""
-
-    cell_contents: Any
 
 
 def _typed_on(x: Any, auto: frozenset[str]) -> bool:
@@ -149,16 +138,32 @@ def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def _lay_out(out: Any, out_sharding: PyTree, on: Mesh | AbstractMesh) -> Any:
+    """`out` constrained as `out_sharding` says, every array output given a spec."""
+    specs = resolve_specs(
+        out_sharding, out, caller=_CALLER, argname="out_sharding", mesh=on
+    )
+    pairs = leaf_specs(specs, out, caller=_CALLER, logical=True, argname="out_sharding")
+    missing = [
+        path
+        for (path, spec), leaf in zip(pairs, jtu.tree_leaves(out), strict=True)
+        if spec is None and eqx.is_array(leaf)
+    ]
+    if missing:
+        raise _no_out_spec_error(missing)
+    return with_sharding_constraint(out, specs, mesh=on, on_invalid="raise")
+
+
 @typecheck
 def auto_axes(
     fn: Callable[..., Any],
     *,
-    out_specs: PyTree,
+    out_sharding: PyTree,
     axes: str | Sequence[str] | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Callable[..., Any]:
     """Runs `fn` with the mesh's Explicit axes made Auto, and gives its outputs
-    the layout `out_specs` asks: the way to run a model whose layers do not name
+    the layout `out_sharding` asks: the way to run a model whose layers do not name
     their results' shardings on an Explicit mesh, the model unchanged.
 
     On Explicit axes JAX refuses an operation whose result's sharding it cannot
@@ -167,7 +172,7 @@ def auto_axes(
     projection) contracting a dimension that both it and its input shard. Inside
     `fn` those axes are Auto, so XLA chooses the layouts in between, as on an Auto
     mesh; the arrays going in keep their layouts along the other axes, and those
-    coming out are typed on the Explicit axes again by `out_specs`. This is the
+    coming out are typed on the Explicit axes again by `out_sharding`. This is the
     filtered `jax.sharding.auto_axes`: non-array arguments (an Equinox module's
     static fields and callables, Python scalars) reach `fn` unchanged and
     non-array outputs come back as `fn` returned them. On a mesh with no Explicit
@@ -180,7 +185,7 @@ def auto_axes(
       module (or a `functools.partial`): its arrays are moved onto the Auto axes
       as the arguments' are. Arrays it closes over are not: pass them as
       arguments.
-    - `out_specs`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
+    - `out_sharding`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
       all of it), partition rules, or a function of the abstract output, with
       [`eqshard.AxisNames`][] allowed, as for
       [`eqshard.with_sharding_constraint`][]; every array output needs a spec.
@@ -191,7 +196,7 @@ def auto_axes(
     **Returns:**
 
     A function taking what `fn` takes and returning what it returns, its arrays
-    laid out as `out_specs` says.
+    laid out as `out_sharding` says.
 
     **Raises:**
 
@@ -212,7 +217,7 @@ def auto_axes(
         @jax.jit
         def forward(embed, tokens):  # jax.vmap(embed)(tokens) alone raises
             lookup = eqshard.auto_axes(
-                lambda e, t: jax.vmap(e)(t), out_specs=P("dp", "tp"), mesh=mesh
+                lambda e, t: jax.vmap(e)(t), out_sharding=P("dp", "tp"), mesh=mesh
             )
             return lookup(embed, tokens)  # float32[8@dp,32@tp]
         ```
@@ -238,7 +243,9 @@ def auto_axes(
         )
         if not auto:  # nothing to make Auto: the function and a constraint
             out = fn(*args, **kwargs)
-            return with_sharding_constraint(out, out_specs, mesh=on, on_invalid="raise")
+            return with_sharding_constraint(
+                out, out_sharding, mesh=on, on_invalid="raise"
+            )
         with contextlib.ExitStack() as stack:
             if context.empty:  # JAX reshards over Explicit axes only under a mesh
                 stack.enter_context(jax.sharding.use_abstract_mesh(base))
@@ -259,21 +266,7 @@ def auto_axes(
                     if _MIXED_MESHES not in str(error):
                         raise
                     raise _closed_over_error(fn, auto, on, error) from error
-            specs = resolve_specs(
-                out_specs, out, caller=_CALLER, argname="out_specs", mesh=on
-            )
-            pairs = leaf_specs(
-                specs, out, caller=_CALLER, logical=True, argname="out_specs"
-            )
-            leaves = jtu.tree_leaves(out)
-            missing = [
-                path
-                for (path, spec), leaf in zip(pairs, leaves, strict=True)
-                if spec is None and eqx.is_array(leaf)
-            ]
-            if missing:
-                raise _no_out_spec_error(missing)
-            return with_sharding_constraint(out, specs, mesh=on, on_invalid="raise")
+            return _lay_out(out, out_sharding, on)
 
     return run
 
@@ -379,7 +372,7 @@ def sharding_type_error(caller: str, error: Exception) -> TypeError:
     return TypeError(
         f"eqshard.{caller}: on Explicit mesh axes JAX cannot work out the sharding "
         f"of a result in {what}, and Equinox's layers do not name it. JAX says: "
-        f"{error} Run the model under `eqshard.auto_axes(fn, out_specs=...)`, "
+        f"{error} Run the model under `eqshard.auto_axes(fn, out_sharding=...)`, "
         "which makes the Explicit axes Auto inside `fn` (the model unchanged), or "
         "build the mesh with Auto axes (`eqshard.create_mesh`'s default). See the "
         'how-to "Explicit axes".'

@@ -29,7 +29,9 @@ from .._spectree._specs import (
 )
 from .._tree import path_str
 from .._typing import check_choice, KeyPath, typecheck
-from ._jit import JitFunction
+from ._jit import Front, JitFunction
+from ._jit_checks import Donation
+from ._jit_keys import KeyReads, Shardings
 
 
 _CALLER = "filter_jit"
@@ -73,7 +75,7 @@ def _own_layout(leaf: Any) -> NamedSharding | None:
 
 class _Specs:
     """Resolves `filter_jit`'s `in_specs` and `out_specs` for the first arguments
-    of a structure: `(in_shardings, out_shardings, mesh)`."""
+    of a structure (`JitFunction`'s `Resolver`)."""
 
     def __init__(
         self,
@@ -95,12 +97,12 @@ class _Specs:
         ins = jtu.tree_leaves(in_specs, is_leaf=_is_out_entry)
         outs = jtu.tree_leaves(out_specs, is_leaf=_is_out_entry)
         computed = [e for e in ins + outs if is_partition_rules(e) or _is_spec_fn(e)]
-        self.reads_shapes = bool(computed)
-        self.reads_statics = any(map(_is_spec_fn, ins)) or any(
-            is_partition_rules(e) or _is_spec_fn(e) for e in outs
-        )
-        self.reads_placements = mesh is None or any(
-            isinstance(e, int) and not isinstance(e, bool) for e in outs
+        self.reads = KeyReads(
+            shapes=bool(computed),
+            statics=any(map(_is_spec_fn, ins))
+            or any(is_partition_rules(e) or _is_spec_fn(e) for e in outs),
+            placements=mesh is None
+            or any(isinstance(e, int) and not isinstance(e, bool) for e in outs),
         )
 
     def _mesh(self, leaves: list[Any]) -> Mesh | AbstractMesh | None:
@@ -154,9 +156,7 @@ class _Specs:
                 )
         return None
 
-    def __call__(
-        self, args: tuple[Any, ...]
-    ) -> tuple[PyTree, PyTree, Mesh | AbstractMesh | None]:
+    def __call__(self, args: tuple[Any, ...]) -> Shardings:
         leaves, treedef = jtu.tree_flatten(args)
         if isinstance(self.mesh, AbstractMesh) and not any(
             isinstance(leaf, Tracer) for leaf in leaves
@@ -195,8 +195,7 @@ class _Specs:
                 for leaf, sharding in zip(leaves, shardings, strict=True)
             ],
         )
-        out_shardings = self._out(args, layouts, mesh)
-        return in_shardings, out_shardings, mesh
+        return Shardings(in_shardings, self._out(args, layouts, mesh), mesh)
 
     def _out(self, args: tuple[Any, ...], layouts: Any, mesh: Any) -> PyTree:
         specs = self.out_specs
@@ -333,12 +332,11 @@ def filter_jit(
             "`eqshard.filter_jit(fn, in_specs=..., out_specs=...)`, or as a "
             "decorator `@eqshard.filter_jit(in_specs=..., out_specs=...)`."
         )
+    donation = Donation(
+        start={"none": None}.get(donate, 1 if "except" in donate else 0),
+        text=f"`donate={donate!r}`",
+        quiet=donate in ("all", "all-except-first"),
+    )
     return JitFunction(
-        fn,
-        caller=_CALLER,
-        resolve=_Specs(fn, in_specs, out_specs, mesh),
-        donate_from={"none": None}.get(donate, 1 if "except" in donate else 0),
-        donate_text=f"`donate={donate!r}`",
-        quiet_donation=donate in ("all", "all-except-first"),
-        mesh=mesh,
+        fn, Front(_CALLER), _Specs(fn, in_specs, out_specs, mesh), donation
     )

@@ -19,7 +19,9 @@ from jaxtyping import PyTree
 from .._mesh import mesh_repr
 from .._spectree._logical import axis_names_resolver, AxisNames, LogicalRules
 from .._spectree._specs import bad_spec_leaf_message, is_spec_leaf, named_sharding
-from .._transforms._jit import JitFunction
+from .._transforms._jit import Front, JitFunction
+from .._transforms._jit_checks import Donation
+from .._transforms._jit_keys import Shardings
 from .._typing import KeyPath
 
 
@@ -98,15 +100,17 @@ class PartitionedFn(JitFunction):
     ):
         super().__init__(
             fn,
-            caller="t5x.PartitionedFn",
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            static_argnums=static_argnums,
-            donate_argnums=donate_argnums,
-            donate_text=f"`donate_argnums={tuple(sorted(donate_argnums))}`",
-            mesh=mesh,
-            rules=rules,
-            place_hint="`partitioner.move_to_devices` (or `eqshard.shard`)",
+            Front(
+                "t5x.PartitionedFn",
+                place_hint="`partitioner.move_to_devices` (or `eqshard.shard`)",
+                static_argnums=static_argnums,
+                rules=rules,
+            ),
+            Shardings(in_shardings, out_shardings, mesh),
+            Donation(
+                positions=frozenset(donate_argnums),
+                text=f"`donate_argnums={tuple(sorted(donate_argnums))}`",
+            ),
         )
 
     def __repr__(self) -> str:
