@@ -730,3 +730,17 @@ def test_an_unrecognised_program_takes_the_plain_route_once(mesh, monkeypatch):
     assert len([w for w in record if "frobnicate" in str(w.message)]) == 1
     _assert_same_build(built, eqx.filter_jit(make)(jax.random.key(1)))
     eqshard.clear_caches()
+
+
+def test_a_size_0_array_split_over_an_axis_is_readable(mesh):
+    # JAX's program gives such an output a whole (size-0) array on each device,
+    # which `np.asarray` cannot read; found by the lifecycle property suite.
+    built = eqshard.init_sharded(
+        lambda key: jax.random.normal(key, (2, 0)),
+        jax.random.key(0),
+        specs=P("dp"),
+        mesh=mesh,
+    )
+    assert built.sharding == NamedSharding(mesh, P("dp"))
+    assert {s.data.shape for s in built.addressable_shards} == {(1, 0)}
+    np.testing.assert_array_equal(np.asarray(built), np.zeros((2, 0), np.float32))

@@ -24,13 +24,13 @@ model.
 
 import functools as ft
 import hashlib
-import inspect
 import typing
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import ClosedJaxpr
@@ -40,7 +40,8 @@ from jaxtyping import PyTree
 from .._caches import register
 from .._internals import jaxpr as jaxprs, routes
 from .._internals.closures import closed_over
-from .._mesh import concrete_mesh, find_mesh
+from .._internals.program_keys import program_key
+from .._mesh import concrete_mesh
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree
 from .._spectree._spec_args import resolve_specs
@@ -49,7 +50,6 @@ from .._spectree._specs import (
     check_placeable,
     check_spec_on_mesh,
 )
-from .._internals.program_keys import program_key
 from .._transforms._programs import Programs
 from .._tree import is_array, path_str, paths_text
 from .._typing import KeyPath, typecheck
@@ -100,13 +100,22 @@ def sharded_init(
     shardings = [leaf.sharding for leaf, out in zip(leaves, outputs) if out]
 
     def assemble(arrays: Sequence[jax.Array]) -> PyTree:
-        built = iter(arrays)
+        built = map(_readable, arrays)
         model = [next(built) if out else leaf for leaf, out in zip(leaves, outputs)]
         return jtu.tree_unflatten(treedef, model)
 
     program, plan, consts = _program(closed, shardings)
     run = program if plan is None else plan.run
     return run, program, (consts, dynamic), shapes, assemble
+
+
+def _readable(array: jax.Array) -> jax.Array:
+    """`array`, or for a size-0 one a copy placed anew: JAX's compiled programs
+    give size-0 outputs split over an axis malformed shards (each the whole
+    array), which `np.asarray` cannot read."""
+    if array.size or jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+        return array
+    return jax.device_put(np.zeros(array.shape, array.dtype), array.sharding)
 
 
 def _on_one_mesh(shapes: PyTree, mesh: Mesh | None, *, caller: str) -> PyTree:
