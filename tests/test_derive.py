@@ -373,3 +373,13 @@ def test_stack_specs_puts_the_layer_entry_in_front_of_axis_names():
 def test_stack_specs_refuses_axes_that_are_not_names(bad):
     with pytest.raises(TypeError, match=r"eqshard.stack_specs: .*axis"):
         eqshard.stack_specs({"w": P("tp")}, bad)
+
+
+def test_restrict_specs_names_an_entry_that_is_no_axis_name(mesh):
+    # Found by the checkpoint property suite: `P(1)` reached a helper typed for
+    # axis names and raised the type checker's error, not eqshard's.
+    like = {"w": jax.ShapeDtypeStruct((4, 4), np.float32)}
+    with pytest.raises(
+        ValueError, match=r"'w': P\(1,\) -> P\(\): 1 is not a mesh axis"
+    ):
+        eqshard.restrict_specs({"w": P(1)}, mesh, like=like, on_invalid="raise")

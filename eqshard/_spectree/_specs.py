@@ -157,9 +157,10 @@ def entry_axes(entry: Any) -> tuple[Any, ...]:
     return (entry,)
 
 
-def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+def spec_entry(axes: Sequence[Any]) -> Any:
     """The entry of a spec for one dimension split over `axes`: `None` for none,
-    the axis for one, a tuple for several (the inverse of `entry_axes`)."""
+    the axis for one, a tuple for several (the inverse of `entry_axes`, so that
+    what is not a name, such as `P(1)`'s `1`, comes back as it was)."""
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
