@@ -703,3 +703,16 @@ def test_a_model_or_step_that_raises_exits_3_with_its_traceback(
     err = capsys.readouterr().err
     assert "--step mlp.py:training: the step raised RuntimeError: no step yet" in err
     assert re.search(r"mlp\.py:\d+ in step: raise RuntimeError", err)
+    # A ValueError whose text looks like eqshard's is still the step's own (the
+    # command tells them apart by where they were raised, never by their text).
+    (tmp_path / "mlp2.py").write_text(
+        STEP_MODULE.replace(
+            "    loss = lambda",
+            "    raise ValueError('eqshard.like: not ours')\n    loss = lambda",
+        )
+    )
+    step = ("--model", "mlp2.py:model", "--step", "mlp2.py:training")
+    assert _main(*step, *fit) == 3
+    assert (
+        "the step raised ValueError: eqshard.like: not ours" in capsys.readouterr().err
+    )

@@ -28,6 +28,7 @@ from jaxtyping import PyTree
 import eqshard
 
 from .._report import format_bytes
+from .._transforms._jit_checks import is_traced
 from .._tree import is_array
 from ._demo import timed
 from ._fit import (
@@ -120,7 +121,7 @@ def run_step(
             )
         )
     except (ValueError, TypeError) as error:
-        if not str(error).startswith("eqshard."):  # the step's own error
+        if is_traced(error):  # raised by the step, while traced
             raise user_code_error(f"--step {args.step}: the step", error) from None
         raise UsageError(f"--step {args.step}: {_one_line(error)}") from None
     except Exception as error:  # the step raised while traced

@@ -39,6 +39,7 @@ from .._spectree._derive import abstract_tree, derive_specs, follow_spec
 from .._spectree._specs import entry_axes
 from .._step._step import analysis_report
 from .._step._step_report import StepReport
+from .._transforms._jit_checks import mark_traced
 from .._tree import is_array, path_name
 from ._uses import parameter_uses, Use
 
@@ -223,7 +224,11 @@ class Step:
         full = list(self.leaves)
         for i, array in zip(self.array_index, arrays, strict=True):
             full[i] = array
-        out = self.fn(*jtu.tree_unflatten(self.treedef, full))
+        try:
+            out = self.fn(*jtu.tree_unflatten(self.treedef, full))
+        except Exception as error:  # the step's own, whatever its text
+            mark_traced(error)
+            raise
         return jtu.tree_map(lambda x: x if isinstance(x, jax.Array) else None, out)
 
     def replay(self, *arrays: Any) -> Any:
