@@ -13,13 +13,12 @@ Cases: `P("dp")`, `P("dp", "tp")` and `P()` at 16 and 64 MiB of float32, from an
 array NumPy allocated (as a loader's is). Each case runs both routes in turn
 `--runs` times with the garbage collector fixed (`benchmarks/_timing.py`; both
 are blocked on before the clock stops), and prints the min and median of each
-and their ratios (target: a median ratio at or under 1.1), then the same rows as
-JSON on stdout, or into `--json PATH`. Run with
+and their ratios (target: a median ratio at or under 1.1), and writes them as
+JSON (`--json PATH`, by default `benchmarks/results/bench_shard_host.json`). Run with
 `python benchmarks/bench_shard_host.py` (under a minute).
 """
 
 import argparse
-import json
 
 import jax
 
@@ -27,7 +26,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np
-from _timing import interleaved, table
+from _timing import add_json_option, interleaved, table, write_json
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
@@ -41,10 +40,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64], help="MiB")
-    parser.add_argument("--json", help="write the rows here instead of stdout")
+    add_json_option(parser)
     args = parser.parse_args()
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    rows, records = [], []
+    rows = []
     for mib in args.sizes:
         host = np.arange(mib << 18, dtype=np.float32).reshape(-1, 1024)
         for spec in (P("dp"), P("dp", "tp"), P()):
@@ -66,26 +65,8 @@ def main() -> None:
             )
             case = f"shard {mib} MiB {spec}"
             rows.append((case, times["eqshard"], times["by hand"]))
-            records.append(
-                {
-                    "case": case,
-                    "eqshard_s": list(times["eqshard"].seconds),
-                    "by_hand_s": list(times["by hand"].seconds),
-                    "x_median": times["eqshard"].median / times["by hand"].median,
-                    "x_min": times["eqshard"].min / times["by hand"].min,
-                }
-            )
-    table(rows, unit="ms", theirs="copy+put+block")
-    result = {
-        "device": str(jax.devices()[0].platform),
-        "runs": args.runs,
-        "rows": records,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    else:
-        print(json.dumps(result))
+    result = table(rows, unit="ms", theirs="copy+put+block")
+    write_json(__file__, {"main": result}, path=args.json)
 
 
 if __name__ == "__main__":
