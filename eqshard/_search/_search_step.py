@@ -30,11 +30,12 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._internals import jaxpr as jaxprs
-from .._mesh import same_mesh
+from .._mesh._current import same_mesh
 from .._spectree._derive import abstract_tree, derive_specs, follow_spec
 from .._spectree._specs import entry_axes
 from .._step._step import analysis_report
@@ -231,17 +232,18 @@ class Step:
             raise
         return jtu.tree_map(lambda x: x if isinstance(x, jax.Array) else None, out)
 
-    def replay(self, *arrays: Any) -> Any:
-        """`call`, from its jaxpr."""
-        assert self.jaxpr is not None
-        return jtu.tree_unflatten(
-            self.out_tree, jaxprs.as_function(self.jaxpr)(*arrays)
-        )
+    def replay(self, jaxpr: ClosedJaxpr, *arrays: Any) -> Any:
+        """`call`, from its `jaxpr`."""
+        return jtu.tree_unflatten(self.out_tree, jaxprs.as_function(jaxpr)(*arrays))
 
     def _program(self, out_shardings: Any, donate: Sequence[int]) -> Any:
         """The step as `analyze_step` reads it: `fn`'s signature, one `jax.jit`
         with these output shardings and donations inside."""
-        body = self.call if self.jaxpr is None else self.replay
+        body = (
+            self.call
+            if self.jaxpr is None
+            else functools.partial(self.replay, self.jaxpr)
+        )
 
         def inner(*arrays: Any) -> Any:
             return body(*arrays)
