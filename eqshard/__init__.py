@@ -21,15 +21,15 @@ from ._checkpoint import (
 )
 from ._deprecated import moved as _moved, moved_table as _moved_table
 from ._keys import HostKey as HostKey
-from ._mesh import (
+from ._mesh._build import (
+    create_hybrid_mesh as create_hybrid_mesh,
+    create_mesh as create_mesh,
+)
+from ._mesh._current import (
     axis_index as axis_index,
     axis_size as axis_size,
     current_mesh as current_mesh,
     mesh_axis_size as mesh_axis_size,
-)
-from ._mesh_build import (
-    create_hybrid_mesh as create_hybrid_mesh,
-    create_mesh as create_mesh,
 )
 from ._move._gather import gather as gather, iter_gather as iter_gather
 from ._move._shard import named_shardings as named_shardings, shard as shard

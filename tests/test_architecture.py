@@ -31,6 +31,7 @@ NAME = "eqshard"
 # `__init__.py`), which imports every wing but the command.
 WINGS: tuple[tuple[str, ...], ...] = (
     ("base",),
+    ("_mesh",),
     ("_internals",),
     ("_spectree",),
     ("_move",),
@@ -50,8 +51,6 @@ BASE = frozenset(
         "_typing",
         "_tree",
         "_tree_utils",
-        "_mesh",
-        "_mesh_build",
         "_keys",
         "_report",
         "_deprecated",

@@ -10,7 +10,7 @@ from fakes import HostDevice, TpuDevice
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import eqshard
-from eqshard._mesh import require_mesh
+from eqshard._mesh._current import require_mesh
 
 
 def _ids(mesh: Mesh) -> list:

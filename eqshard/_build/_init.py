@@ -41,7 +41,7 @@ from .._caches import register
 from .._internals import jaxpr as jaxprs, routes
 from .._internals.closures import closed_over
 from .._internals.program_keys import program_key
-from .._mesh import concrete_mesh
+from .._mesh._current import concrete_mesh
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree
 from .._spectree._spec_args import resolve_specs

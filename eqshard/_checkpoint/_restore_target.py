@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import find_mesh
+from .._mesh._current import find_mesh
 from .._spectree._derive import restricted
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs

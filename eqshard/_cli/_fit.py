@@ -37,7 +37,7 @@ from jaxtyping import PyTree
 
 import eqshard
 
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._readers._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text

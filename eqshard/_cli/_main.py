@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import eqshard
 
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
 from ._demo import (
     builtin_rules,

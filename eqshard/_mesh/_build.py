@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ._typing import AxisTypesArg, Int, typecheck
+from .._typing import AxisTypesArg, Int, typecheck
 
 
 # One builder per kind of message.

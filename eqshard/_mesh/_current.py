@@ -1,7 +1,7 @@
 """Finding the mesh a call runs on: the current mesh (`current_mesh`), a call's
 mesh (`find_mesh`, `require_mesh`, `concrete_mesh`), printing (`mesh_repr`) and
 comparing (`same_mesh`) meshes, and the axis queries (`mesh_axis_size`,
-`axis_size`, `axis_index`, ...). Building meshes is `_mesh_build.py`."""
+`axis_size`, `axis_index`, ...). Building meshes is `_build.py`."""
 
 import math
 from collections.abc import Iterable, Sequence
@@ -10,7 +10,7 @@ from typing import Any, Literal, overload
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
-from ._typing import typecheck
+from .._typing import typecheck
 
 
 # One builder per kind of message.

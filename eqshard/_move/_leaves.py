@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import concrete_mesh
+from .._mesh._current import concrete_mesh
 from .._spectree._specs import (
     abstract_mesh_error,
     check_leaves,

@@ -45,7 +45,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
-from .._mesh import concrete_mesh
+from .._mesh._current import concrete_mesh
 from .._spectree._spec_args import resolve_like, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,

@@ -23,7 +23,7 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_attribute
-from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import format_bytes, Report, text_table
 from .._spectree._specs import (
     ShardingProblem,

@@ -21,7 +21,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import Report
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import check_spec, entry_axes, leaf_specs

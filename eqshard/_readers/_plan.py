@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._spec_args import resolve_specs

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_literals
-from .._mesh import mesh_repr, require_mesh, same_mesh
+from .._mesh._current import mesh_repr, require_mesh, same_mesh
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
     check_leaf,

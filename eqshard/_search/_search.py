@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import require_mesh
+from .._mesh._current import require_mesh
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from .._mesh import current_mesh
+from .._mesh._current import current_mesh
 from .._typing import Int, typecheck
 from ._specs import entry_axes, spec_entry
 

@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import mesh_repr, require_mesh
+from .._mesh._current import mesh_repr, require_mesh
 from .._tree import is_array, listing, path_str
 from .._typing import (
     check_choice,

@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_keywords
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._tree import is_array, path_name
 from .._typing import (
     check_choice,

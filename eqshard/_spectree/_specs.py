@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._tree import broadcast_prefix, is_array, path_str, paths_text
 from .._typing import KeyPath, SpecLeaf
 from ._logical import axis_names_resolver, AxisNames, normalize_rules

@@ -18,7 +18,7 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._tree import is_array, path_name
 
 

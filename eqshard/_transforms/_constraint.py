@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_keywords
-from .._mesh import find_mesh, mesh_repr
+from .._mesh._current import find_mesh, mesh_repr
 from .._spectree._logical import normalize_rules
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (

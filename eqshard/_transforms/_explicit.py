@@ -33,7 +33,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._internals.closures import direct_reads
-from .._mesh import mesh_repr, require_mesh, same_mesh
+from .._mesh._current import mesh_repr, require_mesh, same_mesh
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs
 from .._tree import path_str

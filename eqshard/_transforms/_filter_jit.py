@@ -19,7 +19,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,

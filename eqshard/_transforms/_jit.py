@@ -40,7 +40,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh
 from jaxtyping import PyTree
 
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._move._host import host_private
 from .._spectree._logical import LogicalRules, RulesContext
 from .._spectree._specs import is_spec_leaf

@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .._mesh import find_mesh, mesh_repr, same_mesh
+from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._spectree._logical import (
     AxisNames,
     LogicalRules,

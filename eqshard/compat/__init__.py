@@ -13,11 +13,11 @@ counterpart at the root of `eqshard` where there is one (for example
 [`eqshard.compat.get_jax_mesh`][]).
 """
 
-from .._mesh import (
+from .._mesh._build import get_jax_mesh as get_jax_mesh
+from .._mesh._current import (
     get_mesh_axis_names as get_mesh_axis_names,
     names_in_current_mesh as names_in_current_mesh,
 )
-from .._mesh_build import get_jax_mesh as get_jax_mesh
 from .._readers._inspect import (
     extract_sharding_structure as extract_sharding_structure,
 )

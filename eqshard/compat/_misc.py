@@ -17,7 +17,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._caches import register
 from .._keys import is_key
-from .._mesh import concrete_mesh
+from .._mesh._current import concrete_mesh
 from .._move._gather import gather
 from .._move._host import check_cast_dtype
 from .._move._shard import shard_tree

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._move._process_blocks import not_one_slice, slice_order, why_no_order
 from .._typing import typecheck
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._deprecated import renamed_attribute, renamed_keywords
-from .._mesh import mesh_repr
+from .._mesh._current import mesh_repr
 from .._move._shard import shard_tree
 from .._spectree._logical import (
     AxisNames,

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from .._mesh_build import create_hybrid_mesh, resolve_devices
+from .._mesh._build import create_hybrid_mesh, resolve_devices
 from .._typing import typecheck
 
 

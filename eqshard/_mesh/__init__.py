@@ -1,0 +1,10 @@
+"""Meshes: built, found and described.
+
+`_build.py` makes meshes (`create_mesh` from sizes or a mesh string such as
+`"dp:2,tp:-1"`, `create_hybrid_mesh` over ICI x DCN, fjformer's `get_jax_mesh`),
+with Auto axes unless asked otherwise. `_current.py` answers, for every other
+wing, which mesh a call runs on (`current_mesh`, `find_mesh`, `require_mesh`,
+`concrete_mesh`: the `mesh=` given, else `jax.set_mesh`'s), prints one
+(`mesh_repr`), compares two (`same_mesh`), and gives the axis queries
+(`mesh_axis_size`, `axis_size`, `axis_index`). Nothing here moves data.
+"""
