@@ -7,6 +7,12 @@
 
 import os
 
+
+# The suite runs on CPU. With the `tpu` and `gpu` extras installed, JAX would
+# otherwise try libtpu and the CUDA plugin at the first backend use (seconds each,
+# and warnings) before falling back to CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
