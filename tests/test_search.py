@@ -27,6 +27,7 @@ import eqshard
 from eqshard._cli._main import parse_rules
 from eqshard._search._candidates import Param, tensor_pairs
 from eqshard._search._uses import Use
+from eqshard._spectree._select import select
 
 
 D = 32
@@ -265,7 +266,9 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
         best = result.best
         assert best is not None
         monkeypatch.setattr(_search_step, "_OPTIONS", None)
-        default = _search_step.Step(fn, params, (state, x), mesh).report(best.specs)
+        args = (params, state, x)
+        selection = select(args, 0, caller="search_layout")
+        default = _search_step.Step(fn, args, selection, mesh).report(best.specs)
         assert default.to_json() == best.report.to_json()
 
 

@@ -147,8 +147,10 @@ def _import(module: str, option: str) -> Any:
 _EXAMPLES = {
     "--model": "mymodels:llama_7b or models.py:llama_7b (a function of no "
     "arguments returning the model)",
-    "--step": "mymodels:training or models.py:training (a function of no "
-    "arguments returning (step, optimizer, batch))",
+    "--step": "mymodels:train_step or models.py:train_step (the training step "
+    "as you call it: a function or an eqshard.filter_jit object)",
+    "--args": "mymodels:step_args or models.py:step_args (a function of no "
+    "arguments returning the step's arguments, as a tuple)",
 }
 
 
@@ -455,9 +457,10 @@ def _same_file(a: str, b: str) -> bool:
 
 def _check_not_an_input(path: str, args: argparse.Namespace) -> None:
     """Refuses a `--save-rules` file that the command reads: the `--rules` file,
-    or the file of `--model` or `--step`."""
+    or the file of `--model`, `--step` or `--args`."""
     inputs = [("--rules", args.rules)]
-    for option, text in (("--model", args.model), ("--step", args.step)):
+    named = (("--model", args.model), ("--step", args.step), ("--args", args.args))
+    for option, text in named:
         module = (text or "").rpartition(":")[0]
         if module.endswith(".py") or "/" in module:
             inputs.append((option, module))

@@ -140,14 +140,31 @@ def _what_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step",
+        metavar="MODULE:STEP",
+        help=(
+            "compile your training step as you call it (a function, or an "
+            "eqx.filter_jit or eqshard.filter_jit object) with the parameters "
+            "laid out by the rules, and print its report; with --fit, choose "
+            "the layout by compiling it (eqshard.search_layout). Needs --args"
+        ),
+    )
+    parser.add_argument(
+        "--args",
         metavar="MODULE:CALLABLE",
         help=(
-            "with --model, compile your training step and print its report: "
-            "CALLABLE() returns (step, optimizer, batch), step(params, opt_state, "
-            "batch) the step, optimizer the optax optimizer it updates (or None), "
-            "batch one batch (arrays or ShapeDtypeStructs; its leading dimension "
-            "is split over the mesh's data axes dp, fsdp, data). With --fit, "
-            "choose the layout by compiling the step (eqshard.search_layout)"
+            "with --step, CALLABLE() returns the step's arguments as a tuple "
+            "(arrays or ShapeDtypeStructs; called under eqx.filter_eval_shape); "
+            "an argument holding no parameter, not placed, is split over the "
+            "mesh's data axes dp, fsdp, data"
+        ),
+    )
+    parser.add_argument(
+        "--params",
+        metavar="SELECTOR",
+        help=(
+            "with --step, which part of the arguments is the parameters: an "
+            "index (default 0) or a dotted path such as 1.0 (the model of a "
+            "(model, opt_state) second argument)"
         ),
     )
 
@@ -201,7 +218,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help=(
             "with --fit, also write the proposed rules to FILE (a --rules file) if "
-            "they fit; never the --rules, --model or --step file, and it says "
+            "they fit; never the --rules, --model, --step or --args file, and it says "
             "when it replaces a file"
         ),
     )
@@ -361,6 +378,7 @@ def run(
     setup = Setup(mesh, rules, origin, timer)
     # --model, --size, --fit and --device-memory plan; they imply --plan-only.
     planning = args.plan_only or size is not None or args.model is not None
+    planning = planning or args.step is not None
     planning = planning or args.fit or args.device_memory is not None
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
@@ -369,10 +387,10 @@ def run(
         f"eqshard {eqshard.__version__} on {jax.device_count()} {kind} devices, "
         f"mesh {mesh_repr(mesh)}"
     )
+    if options is not None and args.step is not None:
+        return run_step(args, setup, options)
     if options is not None and args.model is not None:
         shapes, specs = show_model(args, setup)
-        if args.step is not None:
-            return run_step(args, shapes, setup, options)
         return training_memory(shapes, specs, setup, options)
     key = jax.random.key(0)
     config = demo_config(mesh) if size is None else config_for_size(size, mesh)
@@ -413,9 +431,20 @@ def run(
 
 def _check_step_options(args: argparse.Namespace) -> None:
     if args.step is None:
+        for option, value in (("--args", args.args), ("--params", args.params)):
+            if value is not None:
+                raise UsageError(f"{option} gives the arguments of --step: give --step")
         return
-    if args.model is None:
-        raise UsageError("--step compiles the step of --model's model: give --model")
+    if args.args is None:
+        raise UsageError(
+            "--step needs its arguments: give --args MODULE:CALLABLE, a function "
+            "returning them as a tuple"
+        )
+    if args.model is not None or args.size is not None:
+        raise UsageError(
+            "--step takes its parameters from --args (--params picks them): leave "
+            f"{'--model' if args.model is not None else '--size'} out"
+        )
     for option, value in (
         ("--optimizer", args.optimizer),
         ("--param-dtype", args.param_dtype),
@@ -424,7 +453,7 @@ def _check_step_options(args: argparse.Namespace) -> None:
         if value is not None:
             raise UsageError(
                 f"{option} plans the parameters without a step; with --step the "
-                "step is compiled with the model's dtypes and the optimizer it "
+                "step is compiled with the dtypes and the optimizer state of its "
                 f"returns: leave {option} out"
             )
 
@@ -461,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mesh = build_mesh(args.mesh)
         if user_rules is not None:
             rules = user_rules
-        elif args.model is not None:
+        elif args.model is not None or args.step is not None:
             rules, origin = REPLICATED, "the default rule '.* ()' (all replicated)"
         else:
             rules = builtin_rules(mesh)

@@ -141,6 +141,39 @@ def boundary_of(traced: Any, n_in: int, n_out: int) -> Boundary | None:
     return found
 
 
+def without_boundary(closed: ClosedJaxpr) -> Callable[..., list[Any]] | None:
+    """`closed` (as `jax.make_jaxpr` makes it) as a function of its inputs with
+    its one `jit` call's body run in place of the call, so that another `jit`
+    gives it other shardings and donations; `None` when its program is not
+    exactly one `jit` call."""
+    jaxpr = closed.jaxpr
+    if len(jaxpr.eqns) != 1 or _name(jaxpr.eqns[0]) not in ("jit", "pjit"):
+        return None
+    eqn = jaxpr.eqns[0]
+    body = _param(eqn, "jaxpr")
+    if not isinstance(body, ClosedJaxpr):
+        raise Unrecognised(f"a 'jit' whose program is a {type(body).__name__}")
+    run = jaxpr_as_fun(body)
+    consts = dict(zip(map(id, jaxpr.constvars), closed.consts, strict=True))
+
+    def value(var: Any, known: dict[int, Any]) -> Any:
+        if isinstance(var, Literal):
+            return var.val
+        if id(var) in known:
+            return known[id(var)]
+        if id(var) in consts:
+            return consts[id(var)]
+        raise Unrecognised("a program output that is no variable of it")
+
+    def function(*args: Any) -> list[Any]:
+        known = {id(v): x for v, x in zip(jaxpr.invars, args, strict=True)}
+        outs = run(*[value(v, known) for v in eqn.invars])
+        known.update(zip(map(id, eqn.outvars), outs, strict=True))
+        return [value(v, known) for v in jaxpr.outvars]
+
+    return function
+
+
 # ----------------------------------------------------- how a step uses its inputs
 
 

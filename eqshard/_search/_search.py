@@ -39,6 +39,7 @@ from .._mesh._current import require_mesh
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules
+from .._spectree._select import check_parameters, select
 from .._step._step_report import StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
@@ -301,7 +302,7 @@ def _checked_options(
             "rule lists as `candidates=`, or leave `builtin` on."
         )
     if not any(is_array(leaf) for leaf in jtu.tree_leaves(params)):
-        raise search_error("`params` has no arrays to lay out.")
+        raise search_error("the parameters `params` selects have no arrays to lay out.")
     return given
 
 
@@ -358,10 +359,10 @@ def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
 @typecheck
 def search_layout(
     fn: Callable[..., Any],
-    params: PyTree,
     *args: Any,
+    params: int | Callable[..., Any] = 0,
     mesh: Mesh | AbstractMesh | None = None,
-    device_memory: Int | float | str,
+    device_memory: Int | float | str | None = None,
     candidates: Any = None,
     builtin: bool = True,
     bandwidth: Mapping[str, Int | float | np.floating] | None = None,
@@ -369,41 +370,53 @@ def search_layout(
     time_budget: int | float | None = None,
     progress: bool = True,
 ) -> LayoutSearch:
-    """Chooses a layout of `params` by compiling the step `fn(params, *args)` for
+    """Chooses a layout of the parameters by compiling the step `fn(*args)` for
     each candidate: those whose compiled peak memory fits `device_memory`, ranked
     by the communication XLA put in.
+
+    `fn` is the step as you call it, and `args` its arguments as you pass them:
+    the same step object goes to [`eqshard.filter_jit`][],
+    [`eqshard.analyze_step`][] and here, whatever its signature. `params` picks
+    the parameters among the arguments: an index (the default 0: `fn(params,
+    *rest)`), or a function of the argument tuple returning them, as
+    `eqx.tree_at`'s `where` picks a subtree (`params=lambda args: args[1][0]`
+    for `train_step(batch, (model, opt_state))`). The arrays that follow the
+    parameters ([`eqshard.derive_specs`][]'s rule: an optimizer state, beside
+    the model or not) follow each candidate; every other array keeps its
+    layout: the one `fn`'s own `in_specs` give it (an [`eqshard.filter_jit`][]
+    object), else the one it is placed with, else replicated.
 
     Candidates are partition rules a person can read and keep: yours
     (`candidates`), and built-in strategies over the mesh's axes: replicated
     (data parallel); FSDP ([`eqshard.auto_fsdp`][]) over the data axes and over
-    all axes; tensor parallel on the step's attention and MLP pairs (found from
-    paths and shapes: the first matrices split on their output, the second on its
-    input), with and without the vocabulary, alone or with FSDP. The *data axes*
-    are the mesh axes that split the leading dimension of the arguments that
-    carry shardings (the batch, kept as it is); all axes if none does. Leading
-    axes a `lax.scan` iterates over (stacked layers) are never split. An argument
-    whose arrays follow the parameters (an optimizer state, as
-    [`eqshard.derive_specs`][] reads it) follows each candidate; others are
-    replicated.
+    all axes; tensor parallel on the step's attention and MLP pairs, with and
+    without the vocabulary, alone or with FSDP. The *data axes* are the mesh
+    axes that split the leading dimension of the arrays that keep their layout
+    (the batch); all axes if none does. Leading axes a `lax.scan` iterates over
+    (stacked layers) are never split.
 
-    Each candidate is compiled once with [`eqshard.analyze_step`][], for
-    abstract arguments: nothing is allocated. Outputs with the structure of
-    `params` (or of an argument that follows it) get its shardings, and those
-    arguments are donated. On a mesh of Explicit axes, a layout with which JAX
-    cannot type the step (an operation whose result's sharding is ambiguous) is
-    not compiled: it is listed in the result's `skipped` with JAX's reason, and
-    the others are ranked. The figures are XLA's for the backend compiled for:
-    a search on virtual CPU devices ranks layouts; it does not forecast GPU or
-    TPU time.
+    Each candidate is compiled once, for abstract arguments (nothing is
+    allocated), as the step compiles when you call it with those rules, and
+    read as [`eqshard.analyze_step`][] reads it: outputs with the structure of
+    an argument that holds the parameters (the state a step returns) get that
+    argument's layout, other outputs the `out_specs` of `fn`'s own `jit`, if
+    any; the donations are `fn`'s own `jit`'s (a plain function's returned
+    state is donated, as a training step's is). On a mesh of Explicit axes, a
+    layout with which JAX cannot type the step (an operation whose result's
+    sharding is ambiguous) is not compiled: it is listed in the result's
+    `skipped` with JAX's reason, and the others are ranked. The figures are
+    XLA's for the backend compiled for: a search on virtual CPU devices ranks
+    layouts; it does not forecast GPU or TPU time.
 
     **Arguments:**
 
-    - `fn`: the step, called as `fn(params, *args)`: a plain function or an
-      `eqx.filter_jit` one (a `jax.jit` with `in_shardings` fixes the layout
-      itself).
-    - `params`: the tree the candidates lay out, concrete or abstract.
-    - `*args`: the step's other arguments, concrete or abstract (the batch with
-      its shardings, e.g. `eqshard.abstract(batch, P("dp"), mesh)`).
+    - `fn`: the step: a plain function, an `eqx.filter_jit`,
+      [`eqshard.filter_jit`][] or `jax.jit` one (its own specs for the
+      parameters and what follows them are replaced by each candidate's).
+    - `*args`: its arguments as you call it, concrete or abstract (the batch
+      with its shardings, e.g. `eqshard.abstract(batch, P("dp"), mesh)`).
+    - `params`: which part of `args` the candidates lay out: an argument's
+      index, or a function of the argument tuple returning a subtree of it.
     - `mesh`: a concrete mesh; defaults to the one set by `jax.set_mesh`.
     - `device_memory`: the budget per device: bytes (an int, or a float such as
       `16e9`, rounded to whole bytes), or a string such as `"16GiB"`.
@@ -429,31 +442,50 @@ def search_layout(
     **Raises:**
 
     `ValueError` for an `AbstractMesh` (compiling needs devices: use virtual CPU
-    devices), an argument on another mesh, rules of yours that cannot lay out
-    `params` (naming the candidate and the paths), two candidates of one name,
-    no candidate that JAX can type on Explicit axes, or bad options.
+    devices), an argument on another mesh, a `params` that selects nothing or
+    selects a state whose items follow one another (`(model, opt_state)`: the
+    message gives the `params=` that selects the model), rules of yours that
+    cannot lay out the parameters (naming the candidate and the paths), two
+    candidates of one name, no candidate that JAX can type on Explicit axes, or
+    bad options; `TypeError` for a `params` that is neither an index nor a
+    function.
 
     !!! Example
 
         ```python
-        tokens = jax.ShapeDtypeStruct((64, 128), jnp.int32)
-        batch = eqshard.abstract(tokens, P("dp"), mesh)
+        def train_step(batch, state):  # state: (model, opt_state)
+            ...
+            return state, loss
+
+        step = eqshard.filter_jit(
+            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()),
+            donate="all-except-first", mesh=mesh,
+        )
         result = eqshard.search_layout(
-            train_step, model, opt_state, batch, mesh=mesh, device_memory="16GiB"
+            step, batch, (model, opt_state), params=lambda args: args[1][0],
+            mesh=mesh, device_memory="16GiB",
         )
         print(result)  # the layouts ranked, the best one's rules
-        specs = eqshard.match_partition_rules(result.best.rules, model, mesh=mesh)
         ```
     """
     found = require_mesh(mesh, caller=CALLER)
     if not isinstance(found, Mesh):
         raise _abstract_mesh_error(found)
     mesh = found
+    if device_memory is None:
+        raise search_error(
+            "give `device_memory`, the budget per device (bytes, or a string "
+            'such as "16GiB").'
+        )
     budget = _memory(device_memory)
     weights = _bandwidth(bandwidth, mesh)
-    given = _checked_options(params, candidates, builtin, max_candidates, time_budget)
+    selection = select(args, params, caller=CALLER)
+    check_parameters(selection, caller=CALLER)
+    given = _checked_options(
+        selection.tree, candidates, builtin, max_candidates, time_budget
+    )
     start = time.perf_counter()
-    step = Step(fn, params, args, mesh)
+    step = Step(fn, args, selection, mesh)
     layouts, skipped = _layouts(given, builtin, step, mesh)
     if max_candidates is not None:
         skipped += [

@@ -1,26 +1,33 @@
 """The step as [`eqshard.search_layout`][] compiles it, once per layout of its
 parameters (`_search.py` makes the layouts and ranks them).
 
-1. **Arguments.** `fn(params, *args)`. Each argument after `params` is one of
-   three kinds: it *follows* the parameters when some of its arrays follow a
-   parameter as [`eqshard.derive_specs`][] reads it (an optimizer state: it then
-   takes each layout's specs); else it is *placed* when its arrays carry
-   shardings (the batch: they are kept); else it is replicated.
-2. **Data axes**: the mesh axes that split the leading dimension of the placed
-   arguments' arrays; all axes if none does. Axis names are never read.
-3. **One trace** of the step over its arrays (`jax.make_jaxpr`, nothing
-   compiled) gives how each parameter is used (`_uses.py`) and the output's
-   structure. On a mesh of Auto axes the trace does not depend on the
-   arguments' shardings, so every layout compiles that jaxpr.
-4. **A program per layout**: one `jax.jit` whose outputs with the structure,
-   shapes and dtypes of `params` (or of an argument that follows it) get that
-   argument's shardings, and whose arguments returned that way are donated, as
-   a training step's are; compiled for abstract arguments as
+1. **Arguments.** `fn(*args)`, as the user calls it; `params=` selects the
+   parameters among them (`_spectree/_select.py`). Every other array *follows*
+   the parameters when it follows one as [`eqshard.derive_specs`][] reads it
+   (an optimizer state, inside the same state tuple or not: it then takes each
+   layout's specs); else it *keeps* its layout: the one `fn`'s own `jit` gives
+   it (an [`eqshard.filter_jit`][]'s `in_specs`), else the one it is placed
+   with, else replicated.
+2. **One trace** of the step over its arrays (`jax.make_jaxpr`, nothing
+   compiled), the parameters first, gives how each parameter is used
+   (`_uses.py`), the output's structure and, where `fn` is one `jit` call (a
+   `filter_jit` object), that call's shardings and donations (its boundary).
+3. **Data axes**: the mesh axes that split the leading dimension of the kept
+   arrays; all axes if none does. Axis names are never read.
+4. **A program per layout**: one `jax.jit` of the traced program (of the body
+   of `fn`'s own `jit`, on a mesh of Auto axes, where the trace does not depend
+   on the arguments' shardings; else `fn`, unwrapped, traced again). Outputs
+   with the structure, shapes and dtypes of an argument holding parameters (or
+   arrays that follow them) get that argument's shardings; the other outputs
+   those `fn`'s own `jit` gives them, if any. The donations are `fn`'s own
+   `jit`'s; a step without them donates what it returns that way, as a
+   training step does. So a layout compiles as the step with those rules
+   compiles when the user calls it. It is compiled for abstract arguments as
    [`eqshard.analyze_step`][] compiles, with `fn`'s signature, so that the
-   report names the leaves `params/...`, `opt_state/...`, `out/...`, but at
-   XLA's backend optimisation level 0: the machine code is not optimised, which
-   changes neither the program's text nor its memory analysis (all a report
-   reads), and halves the compile.
+   report names the leaves as `analyze_step` does, but at XLA's backend
+   optimisation level 0: the machine code is not optimised, which changes
+   neither the program's text nor its memory analysis (all a report reads),
+   and halves the compile.
 """
 
 import functools
@@ -30,18 +37,21 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jax.extend.core import ClosedJaxpr
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .._internals import jaxpr as jaxprs
+from .._internals.routes import Unrecognised
 from .._mesh._current import same_mesh
-from .._spectree._derive import abstract_tree, derive_specs, follow_spec
+from .._spectree._derive import abstract_tree
+from .._spectree._follow import followed, without_dim
+from .._spectree._select import Selection
 from .._spectree._specs import entry_axes
 from .._step._step import analysis_report
 from .._step._step_report import StepReport
 from .._transforms._jit_checks import mark_traced
 from .._tree import is_array, path_name
+from .._typing import KeyPath
 from ._uses import parameter_uses, Use
 
 
@@ -78,87 +88,6 @@ def _struct(leaf: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding, weak_type=weak)
 
 
-def _follows(tree: Any, params: Any) -> bool:
-    """Whether some array of `tree` follows a parameter (an optimizer state)."""
-    by_path = {
-        tuple(path): (tuple(int(n) for n in leaf.shape), None)
-        for path, leaf in jtu.tree_flatten_with_path(params)[0]
-        if is_array(leaf)
-    }
-    return any(
-        follow_spec(path, tuple(int(n) for n in leaf.shape), by_path)[0]
-        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
-        if is_array(leaf) and leaf.shape
-    )
-
-
-def _carries_shardings(tree: Any) -> bool:
-    for leaf in jtu.tree_leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.committed:
-            continue
-        if is_array(leaf) and isinstance(
-            getattr(leaf, "sharding", None), NamedSharding
-        ):
-            return True
-    return False
-
-
-class Argument:
-    """An argument of the step: its kind (`"params"`, `"follows"`, `"placed"` or
-    `"replicated"`), its tree, and its arrays' positions among the step's."""
-
-    def __init__(self, name: str, tree: Any, kind: str, start: int, mesh: Mesh):
-        self.name, self.tree, self.kind = name, tree, kind
-        self.count = sum(is_array(leaf) for leaf in jtu.tree_leaves(tree))
-        self.positions = list(range(start, start + self.count))
-        filtered = jtu.tree_map(lambda x: x if is_array(x) else None, tree)
-        self.structure = jtu.tree_structure(filtered)
-        self.signature = _signature(filtered)
-        self.placed = self._placed(mesh) if kind == "placed" else []
-
-    def _placed(self, mesh: Mesh) -> list[NamedSharding]:
-        """The shardings its arrays carry (replicated where none)."""
-        out = []
-        for path, leaf in jtu.tree_flatten_with_path(self.tree)[0]:
-            if not is_array(leaf):
-                continue
-            sharding = getattr(leaf, "sharding", None)
-            if isinstance(leaf, jax.Array) and not leaf.committed:
-                sharding = None
-            if isinstance(sharding, NamedSharding):
-                if not same_mesh(sharding.mesh, mesh):
-                    where = "/".join(filter(None, (self.name, path_name(path, "/"))))
-                    raise _other_mesh_error(where, sharding.mesh, mesh)
-                out.append(NamedSharding(mesh, sharding.spec))
-            else:
-                out.append(NamedSharding(mesh, PartitionSpec()))
-        return out
-
-    def split_axes(self) -> set[str]:
-        """The mesh axes that split the leading dimension of its arrays."""
-        leaves = [x for x in jtu.tree_leaves(self.tree) if is_array(x)]
-        return {
-            str(axis)
-            for leaf, sharding in zip(leaves, self.placed, strict=True)
-            if len(leaf.shape) and len(sharding.spec)
-            for axis in entry_axes(sharding.spec[0])
-        }
-
-    def abstract(self, specs: PyTree, params: PyTree, mesh: Mesh) -> PyTree:
-        """The argument as structs, laid out for the parameters' `specs`."""
-        if self.kind == "params":
-            return abstract_tree(self.tree, specs, mesh, caller=CALLER)
-        if self.kind == "follows":
-            derived = derive_specs(self.tree, params, specs, on_invalid="ignore")
-            return abstract_tree(self.tree, derived, mesh, caller=CALLER)
-        if self.kind == "placed":
-            kept = iter(self.placed)
-            return jtu.tree_map(
-                lambda x: _struct(x, next(kept)) if is_array(x) else x, self.tree
-            )
-        return abstract_tree(self.tree, PartitionSpec(), mesh, caller=CALLER)
-
-
 def function_name(fn: Any) -> str:
     return str(getattr(fn, "__name__", type(fn).__name__))
 
@@ -180,127 +109,276 @@ def _argument_names(fn: Callable[..., Any], count: int) -> list[str]:
     return names
 
 
+def _own_sharding(leaf: Any) -> NamedSharding | None:
+    """The `NamedSharding` an argument is placed with (not an uncommitted array's)."""
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return None
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _on(sharding: Sharding | None, mesh: Mesh, path: str) -> NamedSharding | None:
+    """`sharding` on the search's `mesh` (a mesh of the same shape and axes)."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    if not same_mesh(sharding.mesh, mesh):
+        raise _other_mesh_error(path, sharding.mesh, mesh)
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _boundary(closed: Any, n_in: int, n_out: int) -> jaxprs.Boundary | None:
+    """The shardings and donations of `fn`'s own `jit`, if it is one `jit` call
+    that has some."""
+    try:
+        found = jaxprs.boundary_of(closed, n_in, n_out)
+    except Unrecognised:
+        return None
+    if found is None or not (
+        any(found.in_shardings) or any(found.out_shardings) or any(found.donated)
+    ):
+        return None
+    return found
+
+
+class _Target:
+    """A node of the arguments whose arrays the step may return: its structure,
+    the shapes and dtypes of its arrays, and their positions."""
+
+    def __init__(self, node: Any, positions: list[int]):
+        filtered = jtu.tree_map(lambda x: x if is_array(x) else None, node)
+        self.structure = jtu.tree_structure(filtered)
+        self.signature = _signature(filtered)
+        self.positions = positions
+
+    def matches(self, node: Any) -> bool:
+        return (
+            node is not None
+            and jtu.tree_structure(node) == self.structure
+            and _signature(node) == self.signature
+        )
+
+
 class Step:
-    """The step over its array leaves: its arguments sorted, what one trace of
-    it tells, and its step report for a layout of the parameters."""
+    """The step over its array leaves: which are the parameters, which follow
+    them and which keep their layout, what one trace of it tells, and its step
+    report for a layout of the parameters."""
 
     def __init__(
-        self, fn: Callable[..., Any], params: PyTree, args: Sequence[Any], mesh: Mesh
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        selection: Selection,
+        mesh: Mesh,
     ):
-        self.fn, self.params, self.mesh = fn, params, mesh
-        self.leaves, self.treedef = jtu.tree_flatten((params, *args))
+        self.fn, self.mesh, self.params = fn, mesh, selection.tree
+        self.leaves, self.treedef = jtu.tree_flatten(args)
         self.array_index = [i for i, x in enumerate(self.leaves) if is_array(x)]
-        names = _argument_names(fn, len(args) + 1)
-        self.arguments: list[Argument] = []
-        position = 0
-        for k, tree in enumerate((params, *args)):
-            if k == 0:
-                kind = "params"
-            elif _follows(tree, params):
-                kind = "follows"
-            elif _carries_shardings(tree):
-                kind = "placed"
-            else:
-                kind = "replicated"
-            self.arguments.append(Argument(names[k], tree, kind, position, mesh))
-            position += self.arguments[-1].count
+        position = {leaf: k for k, leaf in enumerate(self.array_index)}
+        paths = [path for path, _ in jtu.tree_flatten_with_path(args)[0]]
+        self.paths = [paths[i] for i in self.array_index]
+        # Array positions: the parameters' (in the order of `params`' leaves).
+        self.param_positions = [position[i] for i in selection.leaves if i in position]
+        self.follows = self._followers()
+        chosen = set(self.param_positions) | set(self.follows)
+        rest = [k for k in range(len(self.array_index)) if k not in chosen]
+        self.order = self.param_positions + list(self.follows) + rest
+        structs = [_struct(self._leaf(k)) for k in self.order]
+        with jax.set_mesh(mesh):
+            closed, self.out = jax.make_jaxpr(self.call, return_shape=True)(*structs)
+        self.uses: list[Use] = parameter_uses(closed, len(self.param_positions))
+        self.out_tree = jtu.tree_structure(self.out)
+        n_out = self.out_tree.num_leaves
+        found = _boundary(closed, len(structs), n_out)
+        self.own_in: list[Sharding | None] = [None] * len(self.array_index)
+        self.own_donated: list[bool] | None = None
+        self.own_out: list[Sharding | None] = [None] * n_out
+        if found is not None:
+            for j, k in enumerate(self.order):
+                self.own_in[k] = found.in_shardings[j]
+            self.own_donated = [False] * len(self.array_index)
+            for j, k in enumerate(self.order):
+                self.own_donated[k] = found.donated[j]
+            self.own_out = list(found.out_shardings)
+        self.kept = {k: self._kept(k) for k in rest}
         split: set[str] = set()
-        for argument in self.arguments:
-            split |= argument.split_axes() if argument.kind == "placed" else set()
+        for k, sharding in self.kept.items():
+            if self._leaf(k).shape and len(sharding.spec):
+                split |= {str(a) for a in entry_axes(sharding.spec[0])}
         axes = tuple(str(a) for a in mesh.axis_names)
         self.data_axes = tuple(a for a in axes if a in split) or axes
-        structs = [_struct(self.leaves[i]) for i in self.array_index]
-        with jax.set_mesh(mesh):
-            jaxpr, self.out = jax.make_jaxpr(self.call, return_shape=True)(*structs)
-        self.uses: list[Use] = parameter_uses(jaxpr, self.arguments[0].count)
         # On Auto axes, the trace does not depend on the arguments' shardings:
-        # each layout compiles this jaxpr rather than tracing `fn` again.
+        # each layout compiles this program (without `fn`'s own `jit` call)
+        # rather than tracing `fn` again.
         auto = set(mesh.axis_types) == {AxisType.Auto}
-        self.jaxpr = jaxpr if auto else None
-        self.out_tree = jtu.tree_structure(self.out)
+        body: Callable[..., Any] | None = None
+        if auto and found is None:
+            body = jaxprs.as_function(closed)
+        elif auto:
+            try:
+                body = jaxprs.without_boundary(closed)
+            except Unrecognised:
+                body = None
+        self.body = body
+        self.unwrapped = getattr(fn, "__wrapped__", fn) if found else fn
+        self.sources = self._sources(args, selection)
+
+    def _leaf(self, k: int) -> Any:
+        return self.leaves[self.array_index[k]]
+
+    def _followers(self) -> dict[int, tuple[int, int | None]]:
+        """The arrays outside the parameters that follow one: by position, the
+        index of the parameter among `param_positions` and the dimension reduced
+        away (`None`: the same shape)."""
+        mine = set(self.param_positions)
+        shapes: dict[KeyPath, tuple[tuple[int, ...], int]] = {}
+        params = [
+            (path, leaf)
+            for path, leaf in jtu.tree_flatten_with_path(self.params)[0]
+            if is_array(leaf)
+        ]
+        for j, (path, leaf) in enumerate(params):
+            shapes[tuple(path)] = (tuple(int(n) for n in leaf.shape), j)
+
+        def shape_of(path: KeyPath) -> tuple[int, ...] | None:
+            entry = shapes.get(tuple(path))
+            return None if entry is None else entry[0]
+
+        found: dict[int, tuple[int, int | None]] = {}
+        for k, path in enumerate(self.paths):
+            leaf = self._leaf(k)
+            if k in mine or not leaf.shape:
+                continue
+            follow = followed(path, tuple(int(n) for n in leaf.shape), shape_of)
+            if follow is not None and follow.fits:
+                found[k] = (shapes[tuple(follow.path)][1], follow.dim)
+        return found
+
+    def _kept(self, k: int) -> NamedSharding:
+        """The layout an array that is no parameter and follows none keeps."""
+        path = self.paths[k]
+        names = _argument_names(self.fn, path[0].idx + 1)
+        where = "/".join(filter(None, (names[-1], path_name(path[1:], "/"))))
+        for sharding in (self.own_in[k], _own_sharding(self._leaf(k))):
+            on = _on(sharding, self.mesh, where)
+            if on is not None:
+                return on
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def _sources(self, args: tuple[Any, ...], selection: Selection) -> list[int | None]:
+        """For each output array, the argument array whose layout it takes (an
+        output with the structure, shapes and dtypes of an argument that holds
+        parameters or arrays following them, or of the parameters), else `None`."""
+        chosen = set(self.param_positions) | set(self.follows)
+        nodes: list[tuple[KeyPath, Any]] = []
+        for i, arg in enumerate(args):
+            nodes.append(((jtu.SequenceKey(i),), arg))
+        if selection.path is not None:
+            for n in range(2, len(selection.path) + 1):
+                node: Any = args
+                for key in selection.path[:n]:
+                    node = _child(node, key)
+                nodes.append((selection.path[:n], node))
+        targets = []
+        for path, node in nodes:
+            positions = [
+                k for k, p in enumerate(self.paths) if tuple(p[: len(path)]) == path
+            ]
+            if chosen & set(positions):
+                targets.append(_Target(node, positions))
+
+        def target(node: Any) -> _Target | None:
+            return next((t for t in targets if t.matches(node)), None)
+
+        sources: list[int | None] = []
+        for node in jtu.tree_leaves(self.out, is_leaf=lambda x: target(x) is not None):
+            found = target(node)
+            if found is None:
+                sources.append(None)
+            else:
+                sources += found.positions
+        return sources
 
     def call(self, *arrays: Any) -> Any:
-        """`fn` on the arguments with these arrays; its output's arrays (other
-        leaves `None`)."""
+        """`fn` on the arguments with these arrays (in `order`); its output's
+        arrays (other leaves `None`)."""
+        return self._call(self.fn, arrays)
+
+    def _call(self, fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
         full = list(self.leaves)
-        for i, array in zip(self.array_index, arrays, strict=True):
-            full[i] = array
+        for k, array in zip(self.order, arrays, strict=True):
+            full[self.array_index[k]] = array
         try:
-            out = self.fn(*jtu.tree_unflatten(self.treedef, full))
+            out = fn(*jtu.tree_unflatten(self.treedef, full))
         except Exception as error:  # the step's own, whatever its text
             mark_traced(error)
             raise
         return jtu.tree_map(lambda x: x if isinstance(x, jax.Array) else None, out)
 
-    def replay(self, jaxpr: ClosedJaxpr, *arrays: Any) -> Any:
-        """`call`, from its `jaxpr`."""
-        return jtu.tree_unflatten(self.out_tree, jaxprs.as_function(jaxpr)(*arrays))
+    def shardings(self, specs: PyTree) -> list[NamedSharding]:
+        """The sharding of each argument array for the layout `specs` of the
+        parameters."""
+        placed = abstract_tree(self.params, specs, self.mesh, caller=CALLER)
+        own = [x.sharding for x in jtu.tree_leaves(placed) if is_array(x)]
+        out: list[Any] = [None] * len(self.array_index)
+        for k, sharding in zip(self.param_positions, own, strict=True):
+            out[k] = sharding
+        for k, (j, dim) in self.follows.items():
+            out[k] = without_dim(own[j], dim)
+        for k, sharding in self.kept.items():
+            out[k] = sharding
+        return out
 
     def _program(self, out_shardings: Any, donate: Sequence[int]) -> Any:
         """The step as `analyze_step` reads it: `fn`'s signature, one `jax.jit`
         with these output shardings and donations inside."""
-        body = (
-            self.call
-            if self.jaxpr is None
-            else functools.partial(self.replay, self.jaxpr)
-        )
+        order = self.order
+        body = self.body
+        unwrapped = self.unwrapped
 
         def inner(*arrays: Any) -> Any:
-            return body(*arrays)
+            ordered = [arrays[k] for k in order]
+            if body is not None:
+                return tuple(body(*ordered))
+            return tuple(jtu.tree_leaves(self._call(unwrapped, ordered)))
 
         # XLA's op names then read `jit(step)/jit(train_step)/...`.
         inner.__name__ = inner.__qualname__ = function_name(self.fn)
         jitted = jax.jit(
-            inner, out_shardings=out_shardings, donate_argnums=tuple(donate)
+            inner, out_shardings=tuple(out_shardings), donate_argnums=tuple(donate)
         )
+        out_tree = self.out_tree
 
         @functools.wraps(self.fn)
         def step(*arguments: Any) -> Any:
-            return jitted(*[x for x in jtu.tree_leaves(arguments) if is_array(x)])
+            arrays = [x for x in jtu.tree_leaves(arguments) if is_array(x)]
+            return jtu.tree_unflatten(out_tree, jitted(*arrays))
 
         return step
 
     def report(self, specs: PyTree) -> StepReport:
         """The step report of the layout `specs` of the parameters."""
-        trees, targets = [], []
-        for argument in self.arguments:
-            tree = argument.abstract(specs, self.params, self.mesh)
-            trees.append(tree)
-            if argument.kind in ("params", "follows"):
-                shardings = [x.sharding for x in jtu.tree_leaves(tree) if is_array(x)]
-                targets.append((argument, shardings))
-        out_shardings, returned = _out_shardings(self.out, targets)
-        donate = [p for k in sorted(returned) for p in targets[k][0].positions]
+        shardings = self.shardings(specs)
+        full = list(self.leaves)
+        for k, sharding in enumerate(shardings):
+            full[self.array_index[k]] = _struct(self._leaf(k), sharding)
+        trees = jtu.tree_unflatten(self.treedef, full)
+        out_shardings = [
+            own if source is None else shardings[source]
+            for source, own in zip(self.sources, self.own_out, strict=True)
+        ]
+        if self.own_donated is not None:
+            donate = [k for k, d in enumerate(self.own_donated) if d]
+        else:
+            donate = sorted({k for k in self.sources if k is not None})
         program = self._program(out_shardings, donate)
         with jax.set_mesh(self.mesh):
             return analysis_report(program, *trees, compiler_options=_OPTIONS)
 
 
-def _out_shardings(
-    out: Any, targets: Sequence[tuple[Argument, list[Any]]]
-) -> tuple[Any, set[int]]:
-    """Shardings for the step's output: a subtree with the structure, shapes and
-    dtypes of a target argument gets its shardings; the rest is left to the
-    compiler. Also the indices of the targets returned that way."""
-
-    def target(node: Any) -> int | None:
-        if node is None:
-            return None
-        structure = jtu.tree_structure(node)
-        for k, (argument, _) in enumerate(targets):
-            if structure == argument.structure:
-                if argument.signature == _signature(node):
-                    return k
-        return None
-
-    nodes = jtu.tree_leaves(out, is_leaf=lambda x: target(x) is not None)
-    flat: list[Any] = []
-    returned: set[int] = set()
-    for node in nodes:
-        k = target(node)
-        if k is None:
-            flat.append(None)
-        else:
-            returned.add(k)
-            flat += targets[k][1]
-    return jtu.tree_unflatten(jtu.tree_structure(out), flat), returned
+def _child(node: Any, key: Any) -> Any:
+    """The child of `node` at one key of a path."""
+    children = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    for path, child in children:
+        if path and path[0] == key:
+            return child
+    raise KeyError(key)
