@@ -24,6 +24,7 @@ from .._caches import register
 from .._mesh._current import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._follow import follow_spec, replicated_like
+from .._spectree._select import split_state
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
@@ -373,11 +374,45 @@ class TrainingPlan(Report):
 
 
 @typecheck
+def _optimizer_state(
+    optimizer: Any, params: PyTree, abstract: list[Any], trained: list[bool]
+) -> list[tuple[KeyPath, Any]]:
+    """`optimizer.init`'s state of the trained parameters, abstract, by path."""
+    trained_params = jtu.tree_unflatten(
+        jtu.tree_structure(params),
+        [
+            leaf if train else None
+            for leaf, train in zip(abstract, trained, strict=True)
+        ],
+    )
+    state = jax.eval_shape(optimizer.init, trained_params)
+    return [(tuple(path), leaf) for path, leaf in jtu.tree_flatten_with_path(state)[0]]
+
+
+def _selected(
+    tree: PyTree, params: Any, optimizer: Any
+) -> tuple[PyTree, list[tuple[KeyPath, Any]] | None]:
+    """The parameters `params` selects in `tree` (all of it for `None`), and the
+    other arrays with their paths: the optimizer state."""
+    if params is None:
+        return tree, None
+    if optimizer is not None:
+        raise ValueError(
+            "eqshard.plan_training: `params` picks the parameters in a whole "
+            "state, whose optimizer state is then planned as it is, but "
+            "`optimizer` is given too. Leave `optimizer` out, or pass the "
+            "parameters alone without `params`."
+        )
+    return split_state(tree, params, caller="plan_training")
+
+
 def plan_training(
-    params: PyTree,
+    tree: PyTree,
+    /,
     specs: PyTree = None,
     mesh: Mesh | AbstractMesh | None = None,
     *,
+    params: int | Callable[..., Any] | None = None,
     optimizer: Any = None,
     param_dtype: Any = None,
     state_dtype: Any = None,
@@ -390,10 +425,14 @@ def plan_training(
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
 
-    The parameters are the arrays of `params` (concrete or abstract:
+    The parameters are the arrays of `tree` (concrete or abstract:
     `eqx.filter_eval_shape(Model, ..., key=key)` plans a 70B model on a laptop),
     placed by `specs` as in [`eqshard.analyze_sharding_strategy`][], or where they
-    are if `specs` is `None`. Gradients are one per trained floating-point
+    are if `specs` is `None`. Given a whole training state, such as `(model,
+    opt_state)`, `params` picks the parameters as [`eqshard.search_layout`][]'s
+    `params` does: the rest of `tree` is then planned as the optimizer state
+    (each array that follows a parameter with its spec, the others replicated),
+    instead of `optimizer.init`'s. Gradients are one per trained floating-point
     parameter (see `trainable`), with its spec. The optimizer state is
     `jax.eval_shape(optimizer.init, ...)` of the trained floating-point
     parameters (so optax's own dtypes and shapes, e.g. Adafactor's
@@ -413,15 +452,21 @@ def plan_training(
 
     **Arguments:**
 
-    - `params`: any pytree, such as an Equinox model; concrete or abstract.
-    - `specs`: a spec tree for `params` or a prefix of one, partition rules, or a
-      function of the abstract parameters (see [the spec-tree family](specs.md));
-      or `None` to read the shardings the arrays have.
+    - `tree`: the parameters, any pytree such as an Equinox model; or a whole
+      training state with `params`. Concrete or abstract.
+    - `specs`: a spec tree for the parameters or a prefix of one, partition
+      rules, or a function of the abstract parameters (see
+      [the spec-tree family](specs.md)); or `None` to read the shardings the
+      arrays have.
     - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have;
       defaults to the mesh set by `jax.set_mesh`, then to the mesh of the
       `NamedSharding`s.
+    - `params`: in a whole state `tree`, which part is the parameters: an index
+      (`0` for `(model, opt_state)`), or a function of `tree` returning a
+      subtree of it (`lambda state: state[0]`). `None` (the default): all of
+      `tree`.
     - `optimizer`: an optax `GradientTransformation` (anything with `.init`), or
-      `None` for no optimizer state.
+      `None` for no optimizer state (or the one in `tree`, with `params`).
     - `param_dtype`: the dtype of the floating-point parameters (e.g.
       `jnp.bfloat16`); by default their own.
     - `state_dtype`: the dtype of the optimizer state's floating-point arrays
@@ -452,6 +497,9 @@ def plan_training(
     - `ValueError` as [`eqshard.analyze_sharding_strategy`][] does (with
       `on_invalid="raise"`, naming every parameter whose spec cannot apply), or for
       a `device_memory` that is not an amount of memory.
+    - `ValueError` for a `params` that selects nothing, or a state whose items
+      follow one another (the message gives the `params` to use), or given with
+      `optimizer`.
     - `TypeError` if `optimizer` has no `.init` method.
 
     !!! Example
@@ -474,6 +522,7 @@ def plan_training(
     caller = "plan_training"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     _check_optimizer(optimizer, caller)
+    params, given_state = _selected(tree, params, optimizer)
     budget = None if device_memory is None else parse_bytes(device_memory)
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
     if specs is None:
@@ -500,19 +549,11 @@ def plan_training(
             for leaf, train in zip(abstract, trained, strict=True)
         ]
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
+    state = given_state
+    if state is None and optimizer is not None:
+        state = _optimizer_state(optimizer, params, abstract, trained)
     state_report = None
-    if optimizer is not None:
-        treedef = jtu.tree_structure(params)
-        trained_params = jtu.tree_unflatten(
-            treedef,
-            [
-                leaf if train else None
-                for leaf, train in zip(abstract, trained, strict=True)
-            ],
-        )
-        state = jtu.tree_flatten_with_path(
-            jax.eval_shape(optimizer.init, trained_params)
-        )[0]
+    if state is not None:
         if state_dtype is not None:
             state = [(path, _abstract(x, state_dtype)) for path, x in state]
         by_path = {

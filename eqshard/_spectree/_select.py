@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._tree import path_str
+from .._tree import is_array, path_str
 from .._typing import KeyPath
 from ._follow import followers_of_items
 
@@ -82,7 +82,12 @@ def _node_path(args: tuple[Any, ...], leaves: list[int]) -> KeyPath | None:
 
 
 def select(
-    args: tuple[Any, ...], params: Any, *, caller: str, name: str = "params"
+    args: Any,
+    params: Any,
+    *,
+    caller: str,
+    name: str = "params",
+    what: str = "the step's arguments",
 ) -> Selection:
     """The tree `params` (an index or a function of `args`) selects in `args`.
 
@@ -127,14 +132,14 @@ def select(
         raise _error(
             caller,
             f"the `{name}` selector returned {type(picked).__name__}, which holds "
-            f"no leaf of the step's arguments. {how}",
+            f"no leaf of {what}. {how}",
         )
     strays = [x for x in found if not isinstance(x, _Marker)]
     if strays:
         raise _error(
             caller,
             f"the `{name}` selector returned a tree holding {strays[0]!r}, which is "
-            f"not one of the step's arguments' leaves. {how}",
+            f"not a leaf of {what}. {how}",
         )
     chosen = [x.index for x in found]
     tree = jtu.tree_map(lambda x: leaves[x.index], picked)
@@ -174,5 +179,32 @@ def check_parameters(
         "the parameters selected are items built together, of which one follows "
         f"another: '{path_str(path_leaves[follower][0])}' follows "
         f"'{path_str(path_leaves[leader][0])}' (an optimizer state beside its "
-        f"model), so each layout would be made for the optimizer state too. {how}",
+        f"model), so the optimizer state would be laid out as parameters. {how}",
     )
+
+
+def split_state(
+    tree: PyTree, params: Any, *, caller: str
+) -> tuple[PyTree, list[tuple[KeyPath, Any]]]:
+    """The parameters `params` selects in a whole state `tree` (checked by
+    `check_parameters`), and its other arrays with their paths."""
+    if isinstance(params, int) and not isinstance(params, bool):
+        if not isinstance(tree, tuple | list):
+            raise _error(
+                caller,
+                f"`params={params}` picks an item of a tuple or list, but the tree "
+                f"is a {type(tree).__name__}. Give a function of the tree "
+                "returning the parameters, such as `lambda state: state.model`.",
+            )
+        tree = tuple(tree)
+    selection = select(tree, params, caller=caller, what="the tree")
+    check_parameters(
+        selection, caller=caller, fix=lambda p: f"`params={selector_text(p, 'state')}`"
+    )
+    chosen = set(selection.leaves)
+    rest = [
+        (tuple(path), leaf)
+        for i, (path, leaf) in enumerate(jtu.tree_flatten_with_path(tree)[0])
+        if i not in chosen and is_array(leaf)
+    ]
+    return selection.tree, rest
