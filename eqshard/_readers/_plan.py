@@ -412,7 +412,7 @@ def plan_training(
     specs: PyTree = None,
     mesh: Mesh | AbstractMesh | None = None,
     *,
-    params: int | Callable[..., Any] | None = None,
+    params: Any = None,
     optimizer: Any = None,
     param_dtype: Any = None,
     state_dtype: Any = None,

@@ -360,7 +360,7 @@ def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
 def search_layout(
     fn: Callable[..., Any],
     *args: Any,
-    params: int | Callable[..., Any] = 0,
+    params: Any = 0,
     mesh: Mesh | AbstractMesh | None = None,
     device_memory: Int | float | str | None = None,
     candidates: Any = None,

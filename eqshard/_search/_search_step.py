@@ -296,7 +296,26 @@ class Step:
                 sources.append(None)
             else:
                 sources += found.positions
+        if not set(self.param_positions) & set(sources):
+            raise self._not_returned_error(args, selection)
         return sources
+
+    def _not_returned_error(
+        self, args: tuple[Any, ...], selection: Selection
+    ) -> ValueError:
+        names = _argument_names(self.fn, len(args))
+        top = selection.path[0].idx if selection.path else None
+        holding = names[top] if top is not None else "the parameters"
+        shapes = [tuple(x.shape) for x in jtu.tree_leaves(self.out)]
+        shown = ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
+        return search_error(
+            f"the step returns none of the trees that hold the parameters with "
+            f"their structure, shapes and dtypes (not '{holding}', nor the "
+            f"parameters alone): its output is {len(shapes)} array(s) of shapes "
+            f"{shown}. A training step returns its updated state, which the next "
+            "step takes in the same layout, and each layout is compiled so: "
+            "return it, e.g. `return (model, opt_state), loss`."
+        )
 
     def call(self, *arrays: Any) -> Any:
         """`fn` on the arguments with these arrays (in `order`); its output's

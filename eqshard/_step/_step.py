@@ -48,7 +48,7 @@ from .._tree import path_name
 from .._typing import typecheck, warn
 from ._hlo_flow import Program
 from ._hlo_text import text_error
-from ._step_args import Arguments, arguments, CALLER, placed_as_asked
+from ._step_args import Arguments, arguments, CALLER, on_devices, placed_as_asked
 from ._step_report import StepReport
 from ._step_rows import (
     collective_row,
@@ -268,7 +268,7 @@ def _trace(fn: Callable[..., Any], call: Arguments) -> _Traced:
     jitted = jax.jit(
         step,
         keep_unused=True,
-        out_shardings=tuple(boundary.out_shardings),
+        out_shardings=tuple(on_devices(call.arrays, boundary.out_shardings)),
         donate_argnums=tuple(k for k, d in enumerate(boundary.donated) if d),
     )
     return _Traced(jitted.trace(*structs), structs, out_paths, boundary.donated)

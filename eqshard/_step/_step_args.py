@@ -16,9 +16,9 @@ from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh, NamedSharding, Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
-from .._mesh._current import mesh_repr
+from .._mesh._current import current_mesh, mesh_repr, same_mesh
 from .._tree import is_array, path_name
 
 
@@ -161,6 +161,31 @@ def _leaf(leaf: Any, path: str) -> Leaf:
     return Leaf(path, struct, sharding, kind, have)
 
 
+def on_devices(
+    arrays: Sequence[Leaf], shardings: Sequence[Sharding | None]
+) -> list[Sharding | None]:
+    """`shardings` on devices: a step's `jit` made without a mesh (a
+    `filter_jit` object traced with the mesh set) has them on the abstract mesh,
+    which the arguments' concrete mesh of the same axes (else the one set by
+    `jax.set_mesh`) replaces; one without such a mesh is left abstract."""
+    meshes = [
+        leaf.sharding.mesh
+        for leaf in arrays
+        if isinstance(leaf.sharding, NamedSharding)
+        and isinstance(leaf.sharding.mesh, Mesh)
+    ]
+    found = current_mesh()
+    meshes += [found] if isinstance(found, Mesh) else []
+    out: list[Sharding | None] = []
+    for want in shardings:
+        if isinstance(want, NamedSharding) and isinstance(want.mesh, AbstractMesh):
+            mesh = next((m for m in meshes if same_mesh(m, want.mesh)), None)
+            if mesh is not None:
+                want = NamedSharding(mesh, want.spec, memory_kind=want.memory_kind)
+        out.append(want)
+    return out
+
+
 def placed_as_asked(
     arrays: Sequence[Leaf], in_shardings: Sequence[Sharding | None]
 ) -> list[jax.ShapeDtypeStruct]:
@@ -168,7 +193,7 @@ def placed_as_asked(
     leaf's own); raises if a committed leaf is placed against them."""
     structs = []
     problems = []
-    for leaf, want in zip(arrays, in_shardings, strict=True):
+    for leaf, want in zip(arrays, on_devices(arrays, in_shardings), strict=True):
         struct = leaf.struct
         if want is not None:
             if isinstance(want, NamedSharding) and isinstance(want.mesh, AbstractMesh):
