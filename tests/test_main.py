@@ -333,7 +333,9 @@ def test_help_shows_the_planning_options():
     assert result.returncode == 0
     for option in (
         "--model MODULE:CALLABLE",
-        "--step MODULE:CALLABLE",
+        "--step MODULE:STEP",
+        "--args MODULE:CALLABLE",
+        "--params SELECTOR",
         "--optimizer {adamw,adam,sgd,lion,adafactor,none}",
         "--param-dtype DTYPE",
         "--device-memory BYTES",
@@ -485,15 +487,20 @@ def test_missing_optax_is_a_clear_error():
             ("--model", TINY, "--mesh", "tp:8", "--device-memory", "1KiB", "--fit"),
             r"no data axis|has none",
         ),
-        (("--step", "x.py:training"), r"--step compiles the step of --model"),
+        (("--step", "x.py:step"), r"--step needs its arguments: give --args"),
+        (("--args", "x.py:args"), r"--args gives the arguments of --step"),
         (
-            ("--model", TINY, "--step", f"{TINY}", "--optimizer", "sgd"),
+            ("--step", "x.py:step", "--args", "x.py:a", "--optimizer", "sgd"),
             r"--optimizer plans the parameters without a step",
         ),
         (
-            ("--model", TINY, "--step", TINY),
-            rf"--step '{TINY}': it returned Llama; return "
-            r"\(step, optimizer, batch\)",
+            ("--model", TINY, "--step", TINY, "--args", TINY),
+            r"--step takes its parameters from --args .* leave --model out",
+        ),
+        (
+            ("--step", TINY, "--args", TINY),
+            rf"--args '{TINY}': it returned Llama; return the step's arguments as "
+            r"a tuple",
         ),
     ],
 )
@@ -573,8 +580,10 @@ def step(model, opt_state, x):
     return eqx.apply_updates(model, updates), opt_state, value
 
 
-def training():
-    return step, optimizer, jax.ShapeDtypeStruct((2048, 32), jnp.float32)
+def arguments():
+    params = model()
+    opt_state = optimizer.init(eqx.filter(params, eqx.is_array))
+    return params, opt_state, jax.ShapeDtypeStruct((2048, 32), jnp.float32)
 """
 
 
@@ -584,8 +593,8 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     # activations of a batch of 1024 rows a device do not fit in 1 MiB.
     (tmp_path / "mlp.py").write_text(STEP_MODULE)
     saved = tmp_path / "fit.rules"
-    command = [sys.executable, "-m", "eqshard", "--model", "mlp.py:model"]
-    command += ["--step", "mlp.py:training", "--device-memory", "1MiB"]
+    command = [sys.executable, "-m", "eqshard", "--step", "mlp.py:step"]
+    command += ["--args", "mlp.py:arguments", "--device-memory", "1MiB"]
     fit = subprocess.run(
         [*command, "--fit", "--save-rules", str(saved)],
         capture_output=True,
@@ -595,7 +604,7 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     )
     assert fit.returncode == 0, fit.stderr
     out = fit.stdout
-    assert "step mlp.py:training: batch (2048, 32) float32, split over dp" in out
+    assert "argument 2: (2048, 32) float32, split over dp" in out
     assert re.search(r"^-  +replicated  +[\d.]+ MiB +over by ", out, re.M)
     best = re.search(r"^best: (.+), peak ", out, re.M)
     assert best is not None and best[1] != "replicated"
@@ -698,10 +707,10 @@ def test_a_model_or_step_that_raises_exits_3_with_its_traceback(
             "    raise RuntimeError('no step yet')\n    loss = lambda",
         )
     )
-    step = ("--model", "mlp.py:model", "--step", "mlp.py:training")
+    step = ("--step", "mlp.py:step", "--args", "mlp.py:arguments")
     assert _main(*step, *fit) == 3
     err = capsys.readouterr().err
-    assert "--step mlp.py:training: the step raised RuntimeError: no step yet" in err
+    assert "--step mlp.py:step: the step raised RuntimeError: no step yet" in err
     assert re.search(r"mlp\.py:\d+ in step: raise RuntimeError", err)
     # A ValueError whose text looks like eqshard's is still the step's own (the
     # command tells them apart by where they were raised, never by their text).
@@ -711,7 +720,7 @@ def test_a_model_or_step_that_raises_exits_3_with_its_traceback(
             "    raise ValueError('eqshard.like: not ours')\n    loss = lambda",
         )
     )
-    step = ("--model", "mlp2.py:model", "--step", "mlp2.py:training")
+    step = ("--step", "mlp2.py:step", "--args", "mlp2.py:arguments")
     assert _main(*step, *fit) == 3
     assert (
         "the step raised ValueError: eqshard.like: not ours" in capsys.readouterr().err

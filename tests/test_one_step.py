@@ -10,6 +10,7 @@ import re
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
@@ -127,8 +128,12 @@ def _step(batch, state):
     return (eqx.apply_updates(model, updates), opt_state), loss
 
 
+def _model():
+    return eqx.filter_eval_shape(lambda: _Half(jnp.zeros((16, 64))))
+
+
 def _tiny(mesh):
-    model = _Half(jax.ShapeDtypeStruct((16, 64), np.float32))
+    model = _model()
     opt_state = jax.eval_shape(OPTIMIZER.init, model)
     batch = eqshard.abstract(jax.ShapeDtypeStruct((8, 16), np.float32), P("dp"), mesh)
     return batch, (model, opt_state)
@@ -199,7 +204,7 @@ def test_a_step_that_does_not_return_the_state_is_refused(mesh):
 
 
 def test_plan_training_takes_the_whole_state():
-    model = _Half(jax.ShapeDtypeStruct((16, 64), np.float32))
+    model = _model()
     state = (model, jax.eval_shape(OPTIMIZER.init, model))
     mesh = AbstractMesh((2, 4), ("dp", "tp"))
     rules = [("weight", P(None, "tp"))]

@@ -454,7 +454,7 @@ def _check_step_options(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"{option} plans the parameters without a step; with --step the "
                 "step is compiled with the dtypes and the optimizer state of its "
-                f"returns: leave {option} out"
+                f"arguments: leave {option} out"
             )
 
 
