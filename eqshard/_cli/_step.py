@@ -193,6 +193,7 @@ def run_step(args: argparse.Namespace, setup: Setup, options: PlanOptions) -> in
     except (ValueError, TypeError) as error:
         raise UsageError(f"--params {args.params}: {_one_line(error)}") from None
     arguments, lines = _placed_batch(arguments, selection, mesh)
+    print(f"rules: {origin}")
     print(f"step {args.step}, arguments {args.args}")
     for line in lines:
         print(f"  {line}")
