@@ -221,3 +221,40 @@ def test_plan_training_takes_the_whole_state():
         eqshard.plan_training(state, rules, mesh, params=lambda state: state)
     with pytest.raises(ValueError, match="`optimizer` is given too"):
         eqshard.plan_training(state, rules, mesh, params=0, optimizer=OPTIMIZER)
+
+
+def test_a_layout_whose_arguments_alone_do_not_fit_is_not_compiled(mesh):
+    from eqshard._search._search_step import Step
+    from eqshard._spectree._select import select
+
+    args = _tiny(mesh)
+    rules = {"whole": [(".*", P())], "split": [("weight", P(None, "tp"))]}
+
+    def search(budget):
+        return eqshard.search_layout(
+            _step,
+            *args,
+            params=lambda args: args[1][0],
+            mesh=mesh,
+            device_memory=budget,
+            candidates=rules,
+            builtin=False,
+            progress=False,
+        )
+
+    # The floor of a layout's peak is its arguments' bytes, as XLA counts them.
+    both = search("1GiB")
+    step = Step(_step, args, select(args, lambda a: a[1][0], caller="test"), mesh)
+    for candidate in both.candidates:
+        floor = step.argument_floor(candidate.specs)
+        assert floor == candidate.memory.argument_bytes
+    whole = next(c for c in both.candidates if c.name == "whole")
+    split = next(c for c in both.candidates if c.name == "split")
+    assert split.memory.peak_bytes < 8 * 2**10 < whole.memory.argument_bytes
+    # In 8 KiB, 'whole' cannot win once 'split' fits: it is not compiled.
+    result = search("8KiB")
+    assert [c.name for c in result.candidates] == ["split"]
+    ((name, why),) = result.skipped
+    assert name == "whole" and why.startswith("cannot fit: its arguments alone are")
+    # When none fits, every layout is compiled, to rank them by peak.
+    assert {c.name for c in search("1KiB").candidates} == {"whole", "split"}

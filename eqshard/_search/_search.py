@@ -13,8 +13,10 @@ How a search goes:
    is compiled once (under the name given, if one was), and those beyond
    `max_candidates` are skipped.
 3. **Compile** each for abstract arguments (`Step.report`, through
-   [`eqshard.analyze_step`][]): nothing is allocated. After `time_budget`
-   seconds, the rest is skipped.
+   [`eqshard.analyze_step`][]): nothing is allocated. A layout whose arguments
+   alone (their bytes per device, a floor of its peak) exceed the budget
+   cannot win once another fits: those are compiled last, and skipped when
+   another fits. After `time_budget` seconds, the rest is skipped.
 4. **Rank**: the layouts whose compiled peak fits `device_memory` by cost (bytes
    sent per step, weighted by axis bandwidth), then peak, then order; then the
    rest by peak.
@@ -341,6 +343,22 @@ def _compiled(
     )
 
 
+def _floor(step: Step, layout: _Layout) -> int:
+    """A floor of `layout`'s compiled peak: its arguments' bytes per device (0
+    where the layout cannot even place them: compiling it says why)."""
+    try:
+        return step.argument_floor(layout.specs)
+    except (ValueError, TypeError):
+        return 0
+
+
+def _cannot_fit(floor: int, budget: int) -> str:
+    return (
+        f"cannot fit: its arguments alone are {format_bytes(floor)} per device, "
+        f"over the {format_bytes(budget)} budget, and another layout fits"
+    )
+
+
 def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
     """The layouts that fit first, cheapest first; then the others, smallest
     first; ties in the order they were compiled."""
@@ -404,7 +422,9 @@ def search_layout(
     state is donated, as a training step's is). On a mesh of Explicit axes, a
     layout with which JAX cannot type the step (an operation whose result's
     sharding is ambiguous) is not compiled: it is listed in the result's
-    `skipped` with JAX's reason, and the others are ranked. The figures are
+    `skipped` with JAX's reason, and the others are ranked. A layout whose
+    arguments alone exceed `device_memory` is compiled only if no other fits
+    (else it is listed in `skipped`: it cannot win). The figures are
     XLA's for the backend compiled for: a search on virtual CPU devices ranks
     layouts; it does not forecast GPU or TPU time.
 
@@ -492,6 +512,12 @@ def search_layout(
             (layout.name, "max_candidates") for layout in layouts[max_candidates:]
         ]
         layouts = layouts[:max_candidates]
+    # A layout whose arguments alone exceed the budget cannot win once another
+    # fits: it is compiled last, and only if none has.
+    floors = {layout.name: _floor(step, layout) for layout in layouts}
+    layouts = [x for x in layouts if floors[x.name] <= budget] + [
+        x for x in layouts if floors[x.name] > budget
+    ]
     compiled: list[LayoutCandidate] = []
     untyped: list[tuple[str, str]] = []
     bar = _Progress(len(layouts), progress, sys.stderr)
@@ -501,11 +527,15 @@ def search_layout(
             if i and late:
                 skipped += [(rest.name, "time budget") for rest in layouts[i:]]
                 break
-            done = _compiled(step, layout, budget, weights)
-            if isinstance(done, LayoutCandidate):
-                compiled.append(done)
+            floor = floors[layout.name]
+            if floor > budget and any(c.fits for c in compiled):
+                skipped.append((layout.name, _cannot_fit(floor, budget)))
             else:
-                untyped.append((layout.name, done))
+                done = _compiled(step, layout, budget, weights)
+                if isinstance(done, LayoutCandidate):
+                    compiled.append(done)
+                else:
+                    untyped.append((layout.name, done))
             bar.update(layout.name)
     finally:
         bar.close()

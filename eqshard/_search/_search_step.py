@@ -32,11 +32,15 @@ parameters (`_search.py` makes the layouts and ranks them).
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import ml_dtypes
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
@@ -347,6 +351,26 @@ class Step:
             out[k] = sharding
         return out
 
+    def argument_floor(self, specs: PyTree) -> int:
+        """A floor of the bytes each device holds of the arguments with the
+        layout `specs` (whole elements of the smallest shard; sub-byte and key
+        dtypes count nothing): the compiled peak is never below it."""
+        total = 0
+        for k, sharding in enumerate(self.shardings(specs)):
+            leaf = self._leaf(k)
+            if _extended(leaf.dtype):
+                continue
+            dtype = np.dtype(leaf.dtype)
+            if dtype.itemsize * 8 != _bits(dtype):
+                continue
+            sizes = [int(n) for n in leaf.shape]
+            spec = list(sharding.spec) + [None] * (len(sizes) - len(sharding.spec))
+            for d, entry in enumerate(spec[: len(sizes)]):
+                ways = math.prod(self.mesh.shape[a] for a in entry_axes(entry))
+                sizes[d] //= ways
+            total += math.prod(sizes) * dtype.itemsize
+        return total
+
     def _program(self, out_shardings: Any, donate: Sequence[int]) -> Any:
         """The step as `analyze_step` reads it: `fn`'s signature, one `jax.jit`
         with these output shardings and donations inside."""
@@ -392,6 +416,23 @@ class Step:
         program = self._program(out_shardings, donate)
         with jax.set_mesh(self.mesh):
             return analysis_report(program, *trees, compiler_options=_OPTIONS)
+
+
+def _extended(dtype: Any) -> bool:
+    """Whether `dtype` is one of JAX's extended dtypes (typed PRNG keys)."""
+    return bool(jnp.issubdtype(dtype, jax.dtypes.extended))
+
+
+def _bits(dtype: np.dtype) -> int:
+    """The bits of one element of `dtype` (4 for `int4`, whose itemsize is 1)."""
+    try:
+        return int(ml_dtypes.finfo(dtype).bits)
+    except ValueError:
+        pass
+    try:
+        return int(ml_dtypes.iinfo(dtype).bits)
+    except ValueError:
+        return dtype.itemsize * 8
 
 
 def _child(node: Any, key: Any) -> Any:
