@@ -258,3 +258,21 @@ def test_a_layout_whose_arguments_alone_do_not_fit_is_not_compiled(mesh):
     assert name == "whole" and why.startswith("cannot fit: its arguments alone are")
     # When none fits, every layout is compiled, to rank them by peak.
     assert {c.name for c in search("1KiB").candidates} == {"whole", "split"}
+
+
+def test_analyze_step_reads_a_step_made_without_a_mesh(mesh):
+    # A filter_jit without `mesh=` resolves its specs on the mesh set, which is
+    # abstract while traced: analyze_step compiles them on the concrete one.
+    rules = [("weight", P(None, "tp")), (".*", P())]
+    step = eqshard.filter_jit(
+        _step, in_specs=(P("dp"), rules), out_specs=(1, P()), donate="all-except-first"
+    )
+    batch, state = _tiny(mesh)
+    with jax.set_mesh(mesh):
+        report = eqshard.analyze_step(step, batch, state)
+    rows = {row.path: row for row in report.arguments}
+    assert rows["state/0/weight"].spec == "P(None, 'tp')"
+    assert rows["state/1/0/mu/weight"].spec == "P(None, 'tp')"
+    assert rows["state/0/weight"].donated and not rows["batch"].donated
+    outputs = {row.path: row for row in report.outputs}
+    assert outputs["out/0/0/weight"].spec == "P(None, 'tp')"
