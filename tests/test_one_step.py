@@ -1,7 +1,8 @@
 # One step, every tool: the training step a user writes for eqshard.filter_jit,
 # `train_step(batch, (model, opt_state))` (tests/models.py), goes unchanged into
 # filter_jit, analyze_step, search_layout (params=lambda args: args[1][0]) and
-# the command (--step, --args, --params 1.0), with no adapter. The search's
+# the command (--step, --args, --params 1.0), with no adapter (such steps run
+# in tests/test_lifecycle.py; a small one runs here). The search's
 # figure for a layout is the real step's: the same memory and collectives as
 # analyze_step reads from the filter_jit step with those rules. Then the
 # `params=` selector's errors, and plan_training given the whole state.
@@ -63,13 +64,7 @@ def arguments():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_step_through_every_tool(name, mesh, tmp_path, monkeypatch, capsys):
-    case, step = CASES[name], STEPS[name]
-    # filter_jit: the step runs, and keeps the state's layout.
-    state = eqshard.shard(case.make(jax.random.key(0)), RULES, mesh)
-    with jax.set_mesh(mesh):
-        new_state, loss = step(case.batch, state)
-    assert np.isfinite(float(loss))
-    eqshard.check_layout(new_state, RULES, mesh)
+    step = STEPS[name]  # made by filter_jit (tests/test_lifecycle.py runs such steps)
     # analyze_step: the same object, abstract arguments laid out as it lays them.
     batch, shapes = arguments(name)
     laid = eqshard.abstract(shapes, RULES, mesh)
@@ -270,6 +265,13 @@ def test_analyze_step_reads_a_step_made_without_a_mesh(mesh):
     batch, state = _tiny(mesh)
     with jax.set_mesh(mesh):
         report = eqshard.analyze_step(step, batch, state)
+        # The same object runs, and keeps the layout it was analysed with.
+        model = _Half(jnp.ones((16, 64)))
+        opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+        real = eqshard.shard((model, opt_state), rules, mesh)
+        real, loss = step(np.ones((8, 16), np.float32), real)
+    assert np.isfinite(float(loss))
+    eqshard.check_layout(real, rules, mesh)
     rows = {row.path: row for row in report.arguments}
     assert rows["state/0/weight"].spec == "P(None, 'tp')"
     assert rows["state/1/0/mu/weight"].spec == "P(None, 'tp')"
