@@ -116,6 +116,7 @@ def test_tpu_report_decides_by_xla_peak_and_the_chips_memory():
     w, x = _abstract(mesh)
     report = eqshard.analyze_step(_step, w, x, compiler_options={})
     compiled = jax.jit(_step).lower(w, x).compile().memory_analysis()
+    assert compiled is not None
     assert report.memory.peak_bytes == compiled.peak_memory_in_bytes
     assert report.memory.platform == "tpu"
     assert report.device_memory == 16 * _GiB
