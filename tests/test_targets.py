@@ -255,3 +255,29 @@ def test_two_processes_compile_for_tpus_at_once():
     runs = [_python(_TPU_SCRIPT, JAX_PLATFORMS="cpu") for _ in range(2)]
     outputs = [run.communicate(timeout=120)[0] for run in runs]
     assert [out.strip() for out in outputs] == ["OK tpu", "OK tpu"]
+
+
+# The command.
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eqshard", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_command_plans_for_a_pod_it_does_not_have():
+    result = _command("--target", "v5p-1024", "--mesh", "fsdp:64,tp:8", "--size", "70B")
+    assert result.returncode == 0, result.stderr[-2000:]
+    first = result.stdout.splitlines()[0]
+    assert first.endswith(
+        "for --target v5p-1024: 512 TPU v5 (compile-only), mesh {'fsdp': 64, 'tp': 8}"
+    )
+    assert "the bar's end is the budget 95.0 GiB" in result.stdout
+    refused = _command("--target", "h100", "--size", "1B", "--devices", "4")
+    assert refused.returncode == 2
+    assert "--target h100 brings its own: leave --devices out" in refused.stderr
