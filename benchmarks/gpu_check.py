@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 
 
 def _rows(report) -> list[tuple[str, int, int]]:
@@ -238,11 +239,20 @@ def main() -> int:
     from models import ScanConfig
 
     config = ScanConfig(vocab=8192, dim=1024, hidden=4096, layers=8, batch=8, seq=512)
-    findings = compare(config, args.runs)
-    for what, finding in findings:
-        print(f"{what}: {finding}")
-    tables = {"compare": as_table(("check", "finding"), findings)}
-    tables["movement"] = table(movement(args.runs), unit="ms")
+    tables = {}
+    # Each part on its own: a failure is printed and the other parts still run.
+    try:
+        findings = compare(config, args.runs)
+    except Exception:  # noqa: BLE001 (report it, go on)
+        traceback.print_exc()
+    else:
+        for what, finding in findings:
+            print(f"{what}: {finding}")
+        tables["compare"] = as_table(("check", "finding"), findings)
+    try:
+        tables["movement"] = table(movement(args.runs), unit="ms")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
     machine = f"1 {jax.devices()[0].device_kind}, JAX {jax.__version__} (a real device)"
     write_json(__file__, tables, path=args.json, machine=machine)
     return 0

@@ -281,3 +281,12 @@ def test_command_plans_for_a_pod_it_does_not_have():
     refused = _command("--target", "h100", "--size", "1B", "--devices", "4")
     assert refused.returncode == 2
     assert "--target h100 brings its own: leave --devices out" in refused.stderr
+
+
+def test_a_step_the_tpu_compiler_refuses_is_eqshards_error():
+    mesh = eqshard.create_mesh((8,), ("dp",), target="v5e:2x4")
+    big = jax.ShapeDtypeStruct(
+        (1 << 16, 1 << 16), jnp.float32, sharding=NamedSharding(mesh, P())
+    )  # 16 GiB on every chip, twice (argument and result): more than its HBM
+    with pytest.raises(ValueError, match=r"eqshard.analyze_step: the compiler refused"):
+        eqshard.analyze_step(lambda w: w * 2, big)
