@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 
 _GiB = 1 << 30
@@ -319,10 +320,9 @@ def compiler_versions(devices: Sequence[Any]) -> dict[str, str]:
 def compile_only_error(caller: str, mesh: Any) -> ValueError | None:
     """The message for placing data on, or running on, a target's mesh; `None`
     where `mesh` has devices that run."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or not hasattr(devices, "flat"):
+    if not isinstance(mesh, Mesh):  # no mesh, or an AbstractMesh: no devices
         return None
-    first = next(iter(devices.flat), None)
+    first = next(iter(mesh.devices.flat), None)
     if first is None or not is_compile_only(first):
         return None
     return ValueError(
