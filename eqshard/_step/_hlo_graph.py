@@ -413,6 +413,9 @@ class Graphs:
             and len(slots) == n
         ):
             return [operand for operand in slots]
+        if opcode.startswith("ragged-all-to-all") and opcode in KINDS | STARTS:
+            # The data sent and the buffer it lands in; not the offsets.
+            return _each(n, [slot for operand in slots[:2] for slot in operand])
         if opcode in STARTS or opcode in DONES:
             paired = _paired_inputs(computation, instruction, slots)
             if paired is not None:

@@ -4,12 +4,15 @@
 fields, tuples as lists, plus the format's version and JAX's. `read_report`
 checks the whole document against the dataclasses' type hints before anything
 is built (every field there, of its type, integers not below their least value,
-closed vocabularies kept, nothing else), collecting every `Problem` with its
+closed vocabularies kept, nothing else; a field whose default is `None`, such
+as a row's `overlapped`, may be missing from a report written before it
+existed, and reads as `None`), collecting every `Problem` with its
 JSON path, and raises one `ValueError` listing the first few.
 """
 
 import dataclasses
 import json
+import types
 import typing
 from typing import Any
 
@@ -60,6 +63,9 @@ class _Reader:
         for f in fields:
             where = f"{path}/{f.name}" if path else f.name
             if f.name not in data:
+                if f.default is None:  # a field newer than the text: not known
+                    kwargs[f.name] = None
+                    continue
                 self.problems.append(Problem(where, _expected(hints[f.name]), MISSING))
                 continue
             least = self.least.get((cls, f.name), 0)
@@ -76,6 +82,15 @@ class _Reader:
         at least `least`, a bool), or `None` with its problems added."""
         if dataclasses.is_dataclass(hint):
             return self.checked(typing.cast(type, hint), value, path)
+        optional = _optional(hint)
+        if optional is not None:
+            if value is None:
+                return None
+            count = len(self.problems)
+            found = self.value(optional, value, path, least=least)
+            if len(self.problems) > count:  # say that null is allowed too
+                self.problems[-1] = Problem(path, _expected(hint), value)
+            return found
         if typing.get_origin(hint) is tuple:
             return self.items(hint, value, path)
         # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
@@ -140,7 +155,18 @@ def read_report(
     return report
 
 
+def _optional(hint: Any) -> Any:
+    """`X` for the hint `X | None`, else `None`."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else None
+
+
 def _expected(hint: Any) -> str:
+    optional = _optional(hint)
+    if optional is not None:
+        return f"{_expected(optional)}, or null"
     if dataclasses.is_dataclass(hint):
         return f"an object ({typing.cast(type, hint).__name__})"
     if typing.get_origin(hint) is tuple:
