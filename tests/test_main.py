@@ -38,9 +38,21 @@ def _total_parameters(stdout: str) -> int:
     return int(match[1].replace(",", ""))
 
 
+# What JAX's CUDA plugin and libtpu log on a machine without their chips (the
+# `gpu` and `tpu` extras): absl's log lines, never eqshard's.
+_PLUGIN_LINE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are "
+    r"written to STDERR|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] .*)$"
+)
+
+
 def _one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = [
+        line
+        for line in result.stderr.strip().splitlines()
+        if not _PLUGIN_LINE.match(line)
+    ]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("python -m eqshard: error: ")
     return lines[0]

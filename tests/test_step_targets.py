@@ -141,7 +141,7 @@ def fixture(name: str) -> Fixture:
         mesh=tuple((axis, size) for axis, size in meta["mesh"]),
         arguments=arguments,
         outputs=outputs,
-        memory=memory(types.SimpleNamespace(**meta["memory_analysis"])),
+        memory=memory(types.SimpleNamespace(**meta["memory_analysis"]), []),
         collectives=rows,
     )
     _LOADED[name] = Fixture(

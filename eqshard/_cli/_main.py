@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import eqshard
 
 from .._mesh._current import mesh_repr
+from .._mesh._targets import device_memory
 from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
 from ._demo import (
     builtin_rules,
@@ -118,6 +119,25 @@ def _what_options(parser: argparse.ArgumentParser) -> None:
             "the remaining devices); 1 to 4 sizes alone name the axes dp / dp,tp / "
             "dp,fsdp,tp / dp,fsdp,tp,sp. Default: dp:2,tp:4 on 8 devices."
         ),
+    )
+    parser.add_argument(
+        "--target",
+        metavar="NAME",
+        help=(
+            "plan and compile for hardware this machine need not have, with its "
+            "real compiler: a TPU slice (v5p-1024, v4-128, v5litepod-256, "
+            "v5e:2x4) or NVIDIA GPUs (h100, h100:8x8 for 8 hosts of 8, h200, "
+            "a100-40g, a100-80g, b200); --device-memory defaults to one of its "
+            "devices' memory. Needs eqshard[tpu] or eqshard[gpu]; implies "
+            "--plan-only"
+        ),
+    )
+    parser.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --target, that many slices over DCN (1)",
     )
     parser.add_argument(
         "--size",
@@ -228,9 +248,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices",
         type=int,
-        default=8,
         metavar="N",
-        help="number of virtual CPU devices (8)",
+        help="number of virtual CPU devices (8); not with --target",
     )
 
 
@@ -365,10 +384,14 @@ def run(
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform
-    print(
-        f"eqshard {eqshard.__version__} on {jax.device_count()} {kind} devices, "
-        f"mesh {mesh_repr(mesh)}"
-    )
+    where = f"on {jax.device_count()} {kind} devices"
+    if args.target is not None:
+        first = mesh.devices.flat[0]
+        where = (
+            f"for --target {args.target}: {mesh.devices.size} {first.device_kind} "
+            "(compile-only)"
+        )
+    print(f"eqshard {eqshard.__version__} {where}, mesh {mesh_repr(mesh)}")
     if options is not None and args.model is not None:
         shapes, specs = show_model(args, setup)
         if args.step is not None:
@@ -411,6 +434,48 @@ def run(
     return 0
 
 
+def _check_target_options(args: argparse.Namespace) -> None:
+    """`--target` plans a model for hardware that is not here: no demo, no
+    virtual devices."""
+    if args.target is None:
+        if args.num_slices != 1:
+            raise UsageError("--num-slices counts a --target's slices: give --target")
+        args.devices = 8 if args.devices is None else args.devices
+        return
+    if args.devices is not None:
+        raise UsageError(
+            f"--devices {args.devices} sets this machine's virtual devices; "
+            f"--target {args.target} brings its own: leave --devices out"
+        )
+    if args.size is None and args.model is None and args.step is None:
+        raise UsageError(
+            f"--target {args.target} plans a model for that hardware (nothing runs "
+            "on it): give --size, --model or --step"
+        )
+    args.devices, args.plan_only = 1, True
+
+
+def _target_mesh(args: argparse.Namespace) -> Mesh:
+    """The mesh of `--mesh` (default `fsdp:-1`) over `--target`'s compile-only
+    devices; `--device-memory` defaults to one device's memory."""
+    text = "fsdp:-1" if args.mesh is None else args.mesh
+    names = None
+    if ":" not in text:
+        names = _DEFAULT_NAMES.get(len(text.split(",")), ())
+    try:
+        mesh = eqshard.create_mesh(
+            text, names, target=args.target, num_slices=args.num_slices
+        )
+    except ImportError as error:
+        raise UsageError(f"--target {args.target}: {_one_line(error)}") from None
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"--target {args.target}: {_one_line(error)}") from None
+    memory = device_memory(list(mesh.devices.flat))
+    if args.device_memory is None and memory is not None:
+        args.device_memory = str(memory)
+    return mesh
+
+
 def _check_step_options(args: argparse.Namespace) -> None:
     if args.step is None:
         return
@@ -438,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 or more steps")
+        _check_target_options(args)
         if args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1 device")
         size = None if args.size is None else parse_size(args.size)
@@ -455,7 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
         # An empty --mesh is an error, not the default.
-        if args.mesh is None:
+        if args.target is not None:
+            mesh = _target_mesh(args)
+        elif args.mesh is None:
             mesh = build_mesh(_default_mesh_string(jax.device_count()))
         else:
             mesh = build_mesh(args.mesh)

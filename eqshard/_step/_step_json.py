@@ -4,20 +4,21 @@
 fields, tuples as lists, plus the format's version and JAX's. `read_report`
 checks the whole document against the dataclasses' type hints before anything
 is built (every field there, of its type, integers not below their least value,
-closed vocabularies kept, nothing else; a field whose default is `None`, such
-as a row's `overlapped`, may be missing from a report written before it
-existed, and reads as `None`), collecting every `Problem` with its
+closed vocabularies kept, nothing else), collecting every `Problem` with its
 JSON path, and raises one `ValueError` listing the first few.
 """
 
 import dataclasses
 import json
-import types
 import typing
 from typing import Any
 
 
-FORMAT = 1  # the version of `to_json`'s format
+FORMAT = 2  # the version of `to_json`'s format
+# Earlier formats still read: their reports lack fields added since, which
+# take their defaults (format 1: the host bytes, platform and device memory,
+# versions and compiler options, whether a collective overlaps).
+_READABLE = (1, 2)
 
 MISSING: Any = object()  # a field not in the document
 UNSHOWN: Any = object()  # a problem with the text, not with a value
@@ -43,6 +44,7 @@ class _Reader:
     choices: dict[tuple[type, str], tuple[str, ...]]
     least: dict[tuple[type, str], int]
     problems: list[Problem] = dataclasses.field(default_factory=list)
+    defaults: bool = False  # whether a missing field with a default takes it
 
     def checked(self, cls: type, data: Any, path: str) -> Any:
         """The dataclass `cls` from its dict, or `None` with its problems added."""
@@ -63,10 +65,12 @@ class _Reader:
         for f in fields:
             where = f"{path}/{f.name}" if path else f.name
             if f.name not in data:
-                if f.default is None:  # a field newer than the text: not known
-                    kwargs[f.name] = None
-                    continue
-                self.problems.append(Problem(where, _expected(hints[f.name]), MISSING))
+                has_default = f.default is not dataclasses.MISSING or (
+                    f.default_factory is not dataclasses.MISSING
+                )
+                if not (self.defaults and has_default):
+                    expected = _expected(hints[f.name])
+                    self.problems.append(Problem(where, expected, MISSING))
                 continue
             least = self.least.get((cls, f.name), 0)
             value = self.value(hints[f.name], data[f.name], where, least=least)
@@ -86,11 +90,7 @@ class _Reader:
         if optional is not None:
             if value is None:
                 return None
-            count = len(self.problems)
-            found = self.value(optional, value, path, least=least)
-            if len(self.problems) > count:  # say that null is allowed too
-                self.problems[-1] = Problem(path, _expected(hint), value)
-            return found
+            return self.value(optional, value, path, least=least)
         if typing.get_origin(hint) is tuple:
             return self.items(hint, value, path)
         # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
@@ -142,10 +142,10 @@ def read_report(
         raise _json_error([Problem("", "an object", data)])
     data = dict(data)
     version = data.pop("format", MISSING)
-    if type(version) is not int or version != FORMAT:
-        reader.problems.append(
-            Problem("format", f"the format version {FORMAT}", version)
-        )
+    if type(version) is not int or version not in _READABLE:
+        listed = " or ".join(map(str, _READABLE))
+        reader.problems.append(Problem("format", f"a format version {listed}", version))
+    reader.defaults = version != FORMAT
     version = data.pop("jax", MISSING)
     if type(version) is not str:
         reader.problems.append(Problem("jax", "the JAX version, a string", version))
@@ -156,17 +156,17 @@ def read_report(
 
 
 def _optional(hint: Any) -> Any:
-    """`X` for the hint `X | None`, else `None`."""
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
-        return None
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if len(args) == 1 else None
+    """`X` of a hint `X | None`, else `None`."""
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return None
 
 
 def _expected(hint: Any) -> str:
     optional = _optional(hint)
     if optional is not None:
-        return f"{_expected(optional)}, or null"
+        return f"{_expected(optional)} or null"
     if dataclasses.is_dataclass(hint):
         return f"an object ({typing.cast(type, hint).__name__})"
     if typing.get_origin(hint) is tuple:
