@@ -411,7 +411,9 @@ def test_overlap_round_trips_and_old_reports_read_as_unknown():
     assert [r.overlapped for r in back.collectives] == [
         r.overlapped for r in report.collectives
     ]
+    # A report of format 1, written before rows said whether they overlap.
     data = json.loads(report.to_json())
+    data["format"] = 1
     for row in data["collectives"]:
         del row["overlapped"]
     old = StepReport.from_json(json.dumps(data))
@@ -456,3 +458,50 @@ def test_analyze_step_on_a_real_target(target):
     assert len([r for r in report.collectives if r.count == 2]) == len(counted.in_loops)
     assert report.attributed_share >= 0.95
     assert any(row.overlapped is not None for row in report.collectives)
+    assert report.memory.peak_bytes == report.memory.xla_peak_bytes
+
+
+# ---------------------------------------------------------------------------------
+# `async-start ... calls=` wrappers (as XLA writes an async collective it wraps).
+# ---------------------------------------------------------------------------------
+
+_WRAPPED = """HloModule wrapped
+
+%wrapped (p: f32[2,8]) -> f32[8,8] {
+  %p = f32[2,8]{1,0} parameter(0)
+  ROOT %ag = f32[8,8]{1,0} all-gather(%p), channel_id=1, GROUPS
+}
+
+%fused (a: f32[2,8]) -> f32[2,8] {
+  %a = f32[2,8]{1,0} parameter(0)
+  ROOT %e = f32[2,8]{1,0} exponential(%a)
+}
+
+ENTRY %main (x: f32[2,8], y: f32[2,8]) -> (f32[8,8], f32[2,8]) {
+  %x = f32[2,8]{1,0} parameter(0)
+  %y = f32[2,8]{1,0} parameter(1)
+  %start = ((f32[2,8]{1,0}), f32[8,8]{1,0}) async-start(%x), calls=%wrapped
+  BETWEEN
+  %done = f32[8,8]{1,0} async-done(%start)
+  %f2 = f32[2,8]{1,0} fusion(%y), kind=kLoop, calls=%fused
+  ROOT %t = (f32[8,8]{1,0}, f32[2,8]{1,0}) tuple(%done, %f2)
+}
+""".replace("GROUPS", "replica_groups=[2,4]<=[8], dimensions={0}")
+
+
+@pytest.mark.parametrize(
+    "between, overlapped",
+    [
+        ("%f = f32[2,8]{1,0} fusion(%y), kind=kLoop, calls=%fused", True),
+        ("%b = f32[2,8]{1,0} bitcast(%y)", False),
+    ],
+)
+def test_an_async_start_wrapper_is_one_collective(between, overlapped):
+    program = Program(_WRAPPED.replace("BETWEEN", between), caller="t", num_devices=8)
+    (gather,) = program.collectives()
+    assert gather.kind == "all-gather" and gather.count == 1
+    assert gather.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    (part,) = gather.parts
+    assert part.shape.dims == (8, 8) and part.arguments == {0}
+    assert part.results == {0}
+    assert gather.overlapped is overlapped
