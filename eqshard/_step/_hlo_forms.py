@@ -1,7 +1,7 @@
 """How each backend spells a collective in a program read by `_hlo_text`, and
 whether its schedule overlaps it with computation.
 
-The forms (JAX 0.10.2; see the how-to's table):
+The forms (JAX 0.10.2):
 
 - **Plain ops** (`all-gather(`, CPU and TPU; TPU's `async_collective_name`
   attribute names an async pair XLA made synchronous again): one collective
@@ -44,7 +44,7 @@ KERNELS = {"tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_
 # Custom-call targets that name a collective; those not read here are errors.
 _COLLECTIVE_TARGET = re.compile(
     r"collective|all[-_]?gather|all[-_]?reduce|reduce[-_]?scatter|all[-_]?to[-_]?all"
-    r"|permute|nccl|nvshmem|send|recv",
+    r"|nccl|nvshmem",
     re.IGNORECASE,
 )
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
