@@ -9,6 +9,7 @@
 
 import collections
 import dataclasses
+import functools
 import importlib.util
 import json
 import pathlib
@@ -112,15 +113,11 @@ def _leaf(data: dict) -> StepLeaf:
     return StepLeaf(**{**data, "shape": tuple(data["shape"])})
 
 
-_LOADED: dict[str, Fixture] = {}
-
-
+@functools.cache
 def fixture(name: str) -> Fixture:
     """The report of a kept program, built as `analyze_step` builds it, on a mesh
     of CPU devices of the same shape (the program's device ids are positions in
     the mesh, whichever its devices)."""
-    if name in _LOADED:
-        return _LOADED[name]
     text = (FIXTURES / f"{name}.hlo.txt").read_text()
     meta = json.loads((FIXTURES / f"{name}.json").read_text())
     axes = [axis for axis, _ in meta["mesh"]]
@@ -144,10 +141,7 @@ def fixture(name: str) -> Fixture:
         memory=memory(types.SimpleNamespace(**meta["memory_analysis"]), []),
         collectives=rows,
     )
-    _LOADED[name] = Fixture(
-        text, meta, program, report, [str(w.message) for w in warned]
-    )
-    return _LOADED[name]
+    return Fixture(text, meta, program, report, [str(w.message) for w in warned])
 
 
 def _loop_rows(report: StepReport, layers: int) -> list[CollectiveRow]:
