@@ -39,7 +39,7 @@ from .._mesh._current import require_mesh
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules
-from .._step._step_report import StepReport
+from .._step._step_report import OutOfMemory, StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
 from ._candidates import (
@@ -313,6 +313,8 @@ def _compiled(
     mesh = step.mesh
     try:
         report = step.report(layout.specs)
+    except OutOfMemory as error:  # the TPU compiler checks the fit itself
+        return _REFUSED + str(error).split(": ", 1)[1]
     except (TypeError, ValueError) as error:
         if not (AxisType.Explicit in mesh.axis_types and _untyped(error)):
             raise
@@ -338,6 +340,9 @@ def _compiled(
         cost,
         text,
     )
+
+
+_REFUSED = "does not fit: "  # a layout the compiler itself refused
 
 
 def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
@@ -472,6 +477,8 @@ def search_layout(
             done = _compiled(step, layout, budget, weights)
             if isinstance(done, LayoutCandidate):
                 compiled.append(done)
+            elif done.startswith(_REFUSED):
+                skipped.append((layout.name, done))
             else:
                 untyped.append((layout.name, done))
             bar.update(layout.name)

@@ -117,6 +117,11 @@ class CollectiveRow:
         return round(self.bytes * factor)
 
 
+class OutOfMemory(ValueError):
+    """The compiler refused the step: it needs more memory than a device has
+    (the TPU compiler checks this itself, and stops)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """Per-device bytes of the compiled program, from XLA's memory analysis.
