@@ -59,6 +59,15 @@ class CollectiveRow:
     over groups of `n` devices: all-gather and all-to-all `bytes * (n-1)/n`,
     reduce-scatter `bytes * (n-1)`, all-reduce `2 * bytes * (n-1)/n`,
     collective-permute `bytes`.
+
+    `overlapped` says whether the compiled schedule runs it beside computation:
+    `False` for a synchronous op (every collective on CPU, a GPU pair XLA marks
+    `is_sync`) or an async pair with nothing computed between its start and its
+    done, `True` when computation runs between them, `None` where the text does
+    not say (its done is in another computation, a kernel). A
+    `ragged-all-to-all`'s `bytes` is its output buffer, an upper bound of what
+    it receives. A `kernel` row is a Pallas/Mosaic custom-call, without bytes:
+    what it communicates is not in the program's text.
     """
 
     name: str
@@ -71,6 +80,7 @@ class CollectiveRow:
     source: str
     conditional: bool = False
     unknown_trip_count: bool = False
+    overlapped: bool | None = None
 
     @property
     def shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
@@ -196,8 +206,9 @@ class StepWarning:
 class StepChange:
     """One difference between two step reports: a leaf's layout (`what` is
     `"spec"`, `"shape"`, `"dtype"`, `"added"` or `"removed"`), its communication
-    per step (`what` is a collective kind), or a memory figure (`path` is
-    `"memory"`)."""
+    per step (`what` is a collective kind), a memory figure (`path` is
+    `"memory"`), or a total of the communication (`path` is `"communication"`,
+    `what` is `"total_bytes"`, `"exposed_bytes"` or `"unknown_overlap_bytes"`)."""
 
     path: str
     what: str
@@ -219,7 +230,8 @@ class StepDiff:
     @property
     def paths(self) -> tuple[str, ...]:
         """The leaves whose layout or communication changed."""
-        return tuple(sorted({c.path for c in self.changes} - {"memory", UNATTRIBUTED}))
+        found = {c.path for c in self.changes}
+        return tuple(sorted(found - {"memory", COMMUNICATION, UNATTRIBUTED}))
 
     def __str__(self) -> str:
         if not self.changes:
@@ -232,6 +244,7 @@ class StepDiff:
 
 
 UNATTRIBUTED = "(activation)"
+COMMUNICATION = "communication"  # the `path` of a change in the report's totals
 
 
 def _show(value: str | int | None, what: str) -> str:
@@ -314,6 +327,18 @@ class StepReport(Report):
         return self._totals(lambda row: "+".join(row.axes))
 
     @property
+    def exposed_bytes(self) -> int:
+        """The bytes of `total_bytes` that the schedule does not overlap with
+        computation (rows whose `overlapped` is False)."""
+        return sum(r.total_bytes for r in self.collectives if r.overlapped is False)
+
+    @property
+    def unknown_overlap_bytes(self) -> int:
+        """The bytes of `total_bytes` whose overlap the program's text does not
+        tell (rows whose `overlapped` is None)."""
+        return sum(r.total_bytes for r in self.collectives if r.overlapped is None)
+
+    @property
     def attributed_bytes(self) -> int:
         """The bytes of `total_bytes` whose arrays belong to a leaf."""
         return sum(
@@ -378,6 +403,10 @@ class StepReport(Report):
             x, y = sums[0].get((path, kind), 0), sums[1].get((path, kind), 0)
             if x != y:
                 changes.append(StepChange(path, kind, x, y))
+        for field in ("total_bytes", "exposed_bytes", "unknown_overlap_bytes"):
+            x, y = getattr(self, field), getattr(other, field)
+            if x != y:
+                changes.append(StepChange(COMMUNICATION, field, x, y))
         for field in (
             "argument_bytes",
             "output_bytes",
@@ -441,6 +470,12 @@ class StepReport(Report):
             f"{format_bytes(self.total_bytes)} per device per step; "
             f"{self.attributed_share:.1%} of the bytes belong to a leaf",
         ]
+        if self.exposed_bytes != self.total_bytes:
+            lines.append(
+                f"overlap with computation: {format_bytes(self.exposed_bytes)} "
+                f"exposed, {format_bytes(self.unknown_overlap_bytes)} not known, "
+                "the rest overlapped"
+            )
         if self.collectives:
             axes = ", ".join(
                 f"{k or 'none'} {format_bytes(v)}"

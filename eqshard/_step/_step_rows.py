@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 
 from .._internals.xla import logged_warnings
 from .._mesh._targets import device_memory
+from .._typing import warn
 from ._hlo_flow import Collective, Part, Program
 from ._step_args import Leaf, spec_text
 from ._step_report import (
@@ -90,6 +91,17 @@ def collective_row(
     outputs: Sequence[str],
     mesh: Mesh | None,
 ) -> CollectiveRow:
+    """The row of one collective; a kernel's row warns that what it
+    communicates is not counted."""
+    if collective.kind == "kernel":
+        where = f" (at {_relative(collective.source)})" if collective.source else ""
+        warn(
+            f"eqshard.analyze_step: the step runs the kernel {collective.name!r}"
+            f"{where}, a Pallas/Mosaic custom-call: what it communicates is not "
+            "in the compiled program's text and is not counted. Its row in the "
+            "report has no bytes.",
+            RuntimeWarning,
+        )
     parts = tuple(
         _part(collective.kind, part, arguments, outputs) for part in collective.parts
     )
@@ -108,6 +120,7 @@ def collective_row(
         source=_relative(collective.source),
         conditional=collective.conditional,
         unknown_trip_count=collective.unknown_trips,
+        overlapped=collective.overlapped,
     )
 
 
