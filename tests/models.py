@@ -1,6 +1,6 @@
 """Small Equinox models of the structures that third-party models have, for the
 lifecycle tests (tests/test_lifecycle.py) and the search's candidates
-(tests/test_search.py), with the third-party names and shapes: a scan-stacked
+(tests/test_candidates.py), with the third-party names and shapes: a scan-stacked
 encoder (as ESM2: `query_proj`/`key_proj`/`value_proj`/`output_proj`,
 `fc1`/`fc2`), a vision transformer (as timm's: a fused `qkv` with `proj`), a
 bf16/fp32 language model with a tied head (Megalodon's attention: `wz` for the

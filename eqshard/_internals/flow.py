@@ -108,7 +108,11 @@ def parameter_uses(closed: ClosedJaxpr, count: int) -> list[Use]:
     env: dict[int, Any] = {}
     for i, var in enumerate(jaxpr.invars[:count]):
         env[id(var)] = (i, tuple(range(len(var.aval.shape))))
-    walker.walk(jaxpr, env)
+    try:
+        walker.walk(jaxpr, env)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+        # An equation laid out as this reader does not expect.
+        raise Unrecognised(f"{type(error).__name__}: {error}") from None
     horizon = max(
         (at for i, at in walker.first_at.items() if walker.first[i][0] in _MATRIX),
         default=-1,
