@@ -84,36 +84,25 @@ def _heads(x: jax.Array, heads: int) -> jax.Array:
     return x.reshape(x.shape[0], heads, -1)
 
 
-class SelfAttention(eqx.Module):
-    """ESM2's attention: separate projections, with biases."""
-
-    query_proj: eqx.nn.Linear
-    key_proj: eqx.nn.Linear
-    value_proj: eqx.nn.Linear
-    output_proj: eqx.nn.Linear
-    heads: int = eqx.field(static=True)
-
-    def __init__(self, dim: int, key: jax.Array, heads: int = HEADS):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.query_proj = eqx.nn.Linear(dim, dim, key=kq)
-        self.key_proj = eqx.nn.Linear(dim, dim, key=kk)
-        self.value_proj = eqx.nn.Linear(dim, dim, key=kv)
-        self.output_proj = eqx.nn.Linear(dim, dim, key=ko)
-        self.heads = heads
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = (
-            _heads(jax.vmap(proj)(x), self.heads)
-            for proj in (self.query_proj, self.key_proj, self.value_proj)
-        )
-        return jax.vmap(self.output_proj)(_attend(q, k, v).reshape(x.shape))
+def _self_attention(dim: int, key: jax.Array, heads: int) -> Any:
+    """ESM2's attention as Equinox builds it: `query_proj`, `key_proj`,
+    `value_proj` and `output_proj`, with biases, heads by a reshape."""
+    return eqx.nn.MultiheadAttention(
+        heads,
+        dim,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
+        key=key,
+    )
 
 
 class Block(eqx.Module):
     """A pre-norm transformer block on one sequence `(seq, dim)` (ESM2's)."""
 
     ln1: eqx.nn.LayerNorm
-    attn: SelfAttention
+    attn: eqx.nn.MultiheadAttention
     ln2: eqx.nn.LayerNorm
     fc1: eqx.nn.Linear
     fc2: eqx.nn.Linear
@@ -121,13 +110,14 @@ class Block(eqx.Module):
     def __init__(self, dim: int, key: jax.Array, heads: int = HEADS):
         k1, k2, k3 = jax.random.split(key, 3)
         self.ln1 = eqx.nn.LayerNorm(dim)
-        self.attn = SelfAttention(dim, k1, heads)
+        self.attn = _self_attention(dim, k1, heads)
         self.ln2 = eqx.nn.LayerNorm(dim)
         self.fc1 = eqx.nn.Linear(dim, 4 * dim, key=k2)
         self.fc2 = eqx.nn.Linear(4 * dim, dim, key=k3)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(jax.vmap(self.ln1)(x))
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h)
         h = jax.vmap(self.ln2)(x)
         return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(h)))
 
@@ -453,15 +443,15 @@ class _FlowLayer(eqx.Module):
     """An attention layer (transformer-flows' names) with a key/value cache for
     sampling: the cache's initial value is held by an `eqx.nn.StateIndex`."""
 
-    attn: SelfAttention
+    attn: eqx.nn.MultiheadAttention
     cache: eqx.nn.StateIndex
 
     def __init__(self, dim: int, key: jax.Array):
-        self.attn = SelfAttention(dim, key)
+        self.attn = _self_attention(dim, key, HEADS)
         self.cache = eqx.nn.StateIndex(jnp.zeros((2, SEQ, dim)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.attn(x)
+        return x + self.attn(x, x, x)
 
 
 class Flows(eqx.Module):

@@ -68,6 +68,21 @@ def test_a_dot_without_its_dimension_numbers_is_unrecognised():
         flow.parameter_uses(_without(closed, "dot_general", "dimension_numbers"), 2)
 
 
+def test_a_convolution_uses_its_kernel_on_its_features():
+    # OIHW: the kernel's input features (1) are contracted, its outputs (0) kept.
+    def conv(w, x):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+
+    closed = jax.make_jaxpr(conv)(jnp.ones((4, 3, 3, 3)), jnp.ones((1, 3, 8, 8)))
+    assert flow.parameter_uses(closed, 1) == [
+        flow.Use("conv", (1,), 0, out=(0,), local=True)
+    ]
+    with pytest.raises(Unrecognised, match="dimension_numbers"):
+        flow.parameter_uses(
+            _without(closed, "conv_general_dilated", "dimension_numbers"), 1
+        )
+
+
 def test_search_reads_an_unrecognised_step_as_other_uses_once():
     from eqshard._search._uses import parameter_uses
 

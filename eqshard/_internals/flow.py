@@ -215,6 +215,10 @@ def _ordered(dims: Sequence[int | None]) -> tuple[int, ...]:
 
 
 class _Walker:
+    """One walk over a program in order: parameters' first uses, the scans'
+    stacked dimensions, the matrices that feed each matrix, and where (the
+    walk's clock) each matrix's tag ended."""
+
     def __init__(self) -> None:
         self.first: dict[int, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
         self.first_at: dict[int, int] = {}
