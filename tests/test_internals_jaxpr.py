@@ -1,7 +1,8 @@
-# The door's reads of traced programs (eqshard/_internals/jaxpr.py): what they
-# find in JAX's own programs, and `Unrecognised` where a known primitive's
-# parameters are not laid out as they expect (the programs below are JAX's,
-# with one equation's parameters taken away, as a new JAX might lay them out).
+# The door's reads of traced programs (eqshard/_internals/jaxpr.py and
+# flow.py): what they find in JAX's own programs, and `Unrecognised` where a
+# known primitive's parameters are not laid out as they expect (the programs
+# below are JAX's, with one equation's parameters taken away, as a new JAX
+# might lay them out).
 import types
 
 import equinox as eqx

@@ -32,7 +32,8 @@ Four facts per parameter (`Use`):
 
 Operations this does not know end the tags they meet (a pair is then not
 found: the hints are vaguer, never wrong); a known primitive whose parameters
-are not laid out as expected raises `Unrecognised`.
+are not laid out as expected, or any equation this reader cannot follow,
+raises `Unrecognised` (the search then warns and pairs nothing).
 """
 
 from collections.abc import Sequence
