@@ -24,9 +24,10 @@ How candidates are made:
    data axes ([`eqshard.auto_fsdp`][]), and over all axes; tensor parallel over
    the other axes (or over each axis, when the batch spans them all), alone or
    with FSDP over the remaining data axes, each with and without the vocabulary
-   (embeddings split on the dimension they index, unpaired matrices that widen,
-   such as the head, on their output). Stacked leading axes are never split: the
-   specs start with `None` there and `auto_fsdp` gets `stacked=`.
+   (embeddings split on the dimension they index, unpaired matmul matrices that
+   widen, such as the head, on their output; not convolutions). Stacked leading
+   axes are never split: the specs start with `None` there and `auto_fsdp` gets
+   `stacked=`.
 4. **Rules** (`strategy_rules`): a rule per group of paths that differ only in
    their layer numbers, for the arrays whose value differs from the strategy's
    default; a prefix rule for stacked subtrees; the default last (`.*`). Rules
@@ -315,7 +316,7 @@ def tp_specs(
         for p in params:
             dim = p.indexed_dim
             if dim is None and p.name not in paired:
-                widens = p.matrix and p.size(p.out_dim) > p.size(p.in_dim)
+                widens = p.use.kind == "dot" and p.size(p.out_dim) > p.size(p.in_dim)
                 dim = p.out_dim if widens else None
             if dim is not None and p.shape[dim] % size == 0:
                 specs.setdefault(p.name, _split(dim, axes))
