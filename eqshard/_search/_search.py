@@ -49,6 +49,7 @@ from ._candidates import (
     strategies,
     strategy_rules,
     tensor_pairs,
+    unpaired,
 )
 from ._search_report import LayoutCandidate, LayoutSearch
 from ._search_step import CALLER, function_name, search_error, Step
@@ -382,13 +383,14 @@ def search_layout(
     (`candidates`), and built-in strategies over the mesh's axes: replicated
     (data parallel); FSDP ([`eqshard.auto_fsdp`][]) over the data axes and over
     all axes; tensor parallel on the step's attention and MLP pairs (found from
-    paths and shapes: the first matrices split on their output, the second on its
-    input), with and without the vocabulary, alone or with FSDP. The *data axes*
-    are the mesh axes that split the leading dimension of the arguments that
-    carry shardings (the batch, kept as it is); all axes if none does. Leading
-    axes a `lax.scan` iterates over (stacked layers) are never split. An argument
-    whose arrays follow the parameters (an optimizer state, as
-    [`eqshard.derive_specs`][] reads it) follows each candidate; others are
+    the step's matmuls and data flow, not from names: the first matrices split
+    on their output, the second on its input; those it cannot pair are in the
+    result's `unpaired`), with and without the vocabulary, alone or with FSDP.
+    The *data axes* are the mesh axes that split the leading dimension of the
+    arguments that carry shardings (the batch, kept as it is); all axes if none
+    does. Leading axes a `lax.scan` iterates over (stacked layers) are never
+    split. An argument whose arrays follow the parameters (an optimizer state,
+    as [`eqshard.derive_specs`][] reads it) follows each candidate; others are
     replicated.
 
     Each candidate is compiled once with [`eqshard.analyze_step`][], for
@@ -487,6 +489,7 @@ def search_layout(
     if untyped and not compiled:
         raise _all_untyped_error(untyped)
     ranked = _ranked(compiled)
+    found = parameters(step.params, step.uses)
     return LayoutSearch(
         function=ranked[0].report.function if ranked else function_name(fn),
         mesh=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
@@ -495,4 +498,5 @@ def search_layout(
         bandwidth=tuple(sorted(weights.items())),
         candidates=tuple(ranked),
         skipped=tuple(skipped + untyped),
+        unpaired=tuple(unpaired(found, tensor_pairs(found))) if builtin else (),
     )

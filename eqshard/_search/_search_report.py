@@ -162,6 +162,10 @@ class LayoutSearch(Report):
     - `skipped`: `(name, why)` of the layouts not compiled: the same layout as
       an earlier one, beyond `max_candidates` or the time budget, or, on
       Explicit axes, one with which JAX cannot type the step (why says where).
+    - `unpaired`: the paths of the matrices (and convolutions) that the
+      built-in tensor-parallel candidates found no pair for, in the step's data
+      flow: they are replicated there (or, with the vocabulary, split on their
+      output where they widen, as a head).
     """
 
     function: str
@@ -171,6 +175,7 @@ class LayoutSearch(Report):
     bandwidth: tuple[tuple[str, float], ...]
     candidates: tuple[LayoutCandidate, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    unpaired: tuple[str, ...] = ()
 
     @property
     def best(self) -> LayoutCandidate | None:
@@ -230,11 +235,21 @@ class LayoutSearch(Report):
         lines = [self.summary(), "", *text_table(_COLUMNS, self._rows())]
         for name, why in self.skipped:
             lines.append(f"not compiled: {name} ({why})")
+        if self.unpaired:
+            lines.append(self._unpaired_line())
         best = self.best
         if best is not None:
             lines += ["", f"rules of {best.name}:"]
             lines += [f"  {line}" for line in best.rule_lines()]
         return "\n".join(lines)
+
+    def _unpaired_line(self) -> str:
+        shown = ", ".join(self.unpaired[:_UNPAIRED_SHOWN])
+        more = len(self.unpaired) - _UNPAIRED_SHOWN
+        rest = f" and {more} more (`.unpaired`)" if more > 0 else ""
+        return (
+            f"not paired for tensor parallelism ({len(self.unpaired)}): {shown}{rest}"
+        )
 
     def _summary(self) -> dict[str, Any]:
         best = self.best
@@ -262,6 +277,8 @@ class LayoutSearch(Report):
             table.add_row(*cells, style=None if c.fits else "dim")
         out: list[Any] = [Text(self.summary()), table]
         out += [Text(f"not compiled: {name} ({why})") for name, why in self.skipped]
+        if self.unpaired:
+            out.append(Text(self._unpaired_line()))
         best = self.best
         if best is not None:
             out.append(Text(f"rules of {best.name}:"))
@@ -282,10 +299,12 @@ class LayoutSearch(Report):
             "bandwidth": dict(self.bandwidth),
             "candidates": [c._plain() for c in self.candidates],
             "skipped": [list(pair) for pair in self.skipped],
+            "unpaired": list(self.unpaired),
             "best": best.name if best is not None else None,
             "best_report": json.loads(best.report.to_json()) if best else None,
         }
         return data
 
 
+_UNPAIRED_SHOWN = 8  # names in the text; all of them in `unpaired` and the JSON
 _COLUMNS = ("rank", "layout", "peak", "headroom", "communication", "cost")
