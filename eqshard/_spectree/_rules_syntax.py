@@ -10,7 +10,6 @@ what is wrong; its caller adds where.
 import ast
 import functools
 import re
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -107,19 +106,19 @@ def parse_rule(
 # The rule values written as a call on a spec, `NAME(SPEC, ...)`: the name, and
 # the public function that makes the value (its `repr` is such a call).
 VALUE_CALLS: dict[str, Callable[..., Any]] = {"stacked": stacked}
-_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 def value_text(value: Any) -> str:
     """A rule's value as text without object addresses: a spec, logical names or
     a value such as `stacked(P('tp', None))` as Python writes it (its `repr`,
     which `parse_value` and a rules file read back, and which
-    `match_partition_rules` takes once evaluated), a function by its qualified
-    name, anything whose `repr` holds an address by its type's name."""
+    `match_partition_rules` takes once evaluated), a function or class by its
+    qualified name, anything whose `repr` holds an address by its type's name."""
     if isinstance(value, functools.partial):
         value = value.func
-    if isinstance(value, _FUNCTIONS):
-        return value.__qualname__
+    name = getattr(value, "__qualname__", None)  # functions and classes
+    if isinstance(name, str):
+        return name
     text = repr(value)
     return type(value).__name__ if " at 0x" in text else text
 
