@@ -8,8 +8,10 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 import types
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -252,7 +254,14 @@ def test_readme_commands():
     block = README.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in block.splitlines()]
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
-    assert commands[0] == "pip install -e . && python -m eqshard"
+    assert commands[0] == 'pip install -e ".[examples]" && python -m eqshard'
+    # The extra installs what the quick example imports beyond the dependencies.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = " ".join(project["optional-dependencies"]["examples"])
+    example = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)
+    assert example is not None
+    assert "import optax" in example[1] and "optax" in extra
+    assert "eqshard.save(" in example[1] and "orbax-checkpoint" in extra
     assert commands[1] == ci[-1]
     assert "set -euo pipefail" in ci
 
@@ -262,6 +271,8 @@ def test_readme_example_runs(tmp_path):
     found = re.search(r"^```python\n(.*?)^```", README, re.M | re.S)
     assert found is not None
     example = found[1]
+    # As run a second time: the checkpoint of an earlier run is there.
+    eqshard.save(tmp_path / "ckpt" / "3", {"w": np.zeros(3, np.float32)})
     result = subprocess.run(
         [sys.executable, "-c", example],
         capture_output=True,
