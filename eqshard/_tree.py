@@ -445,8 +445,8 @@ def grouped_paths(
 ) -> list[PathGroup]:
     """`paths` (`/`-joined) grouped as an optimizer state's leaves follow their
     parameter's: a path follows another of the list whose end it shares (the
-    parameter's own path, after the segments naming its tree: `params/`, or two
-    where the second is an index, `out/0/`) when it is longer in front of that
+    parameter's own path, after the segments naming its tree: `params/`, with
+    the indices after it, `out/0/`, `out/0/0/`) when it is longer in front of that
     end (`out/1/0/mu/`) and, with `keys`, has the same key (its shape, what a
     message says of it).
     Each follower is labelled by the name in front of the shared end (`mu`; its
@@ -455,8 +455,10 @@ def grouped_paths(
     split = [p.split("/") for p in paths]
     ends: dict[tuple[str, ...], list[tuple[int, int]]] = {}
     for i, segments in enumerate(split):
-        if len(segments) > 1:  # the tree holding it: `params`, `out/0`
-            start = 2 if len(segments) > 2 and segments[1].isdigit() else 1
+        start = 1  # the tree holding it: `params`, `out/0`, `out/0/0`
+        while start < len(segments) - 1 and segments[start].isdigit():
+            start += 1
+        if start < len(segments):
             ends.setdefault(tuple(segments[start:]), []).append((i, start))
     leader_of: dict[int, tuple[int, str, tuple[str, ...]]] = {}
     for q, segments in enumerate(split):

@@ -32,10 +32,11 @@ from .._spectree._rules_syntax import (
     VALUE_CALLS,
 )
 from ._demo import (
+    build,
     builtin_rules,
+    checkpoint,
     config_for_size,
     demo_config,
-    round_trip,
     timed,
     Timer,
     train,
@@ -402,21 +403,12 @@ def run(
     specs = show_plan(shapes, config, setup)
     print()
 
-    # Built under `jit` straight into the shardings: no device holds a whole
-    # sharded array, and the values are those of eager init followed by `shard`.
-    model, seconds = timed(
-        lambda: jax.block_until_ready(
-            eqshard.init_sharded(Transformer, config, key=key, specs=specs, mesh=mesh)
-        )
-    )
-    timer("build model", seconds, "eqshard.init_sharded: each device makes its shards")
-    arrays = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    print(
-        f"built sharded with eqshard.init_sharded: {arrays} arrays in {seconds:.3f} s"
-    )
-
-    model = train(model, specs, mesh, args.steps, timer)
-    round_trip(model, specs, mesh, key=key, timer=timer)
+    # Built under `jit` straight into the shardings, with its optimizer state
+    # (whose specs are the model's): no device holds a whole sharded array.
+    state_specs = (specs, {"momentum": specs})
+    state = build(config, state_specs, mesh, timer)
+    state = train(state, state_specs, mesh, args.steps, timer)
+    checkpoint(state, state_specs, mesh, config=config, timer=timer)
     print()
     print(timer.summary(time.perf_counter() - start))
     return 0
