@@ -3,6 +3,7 @@
 # project, and `stacked` rules written as text that reads back. Expected values
 # are worked out by hand.
 
+import dataclasses
 import json
 import os
 import site
@@ -21,6 +22,7 @@ from eqshard._spectree._rules_syntax import parse_value, value_text
 from eqshard._step._step_report import (
     CollectivePart,
     CollectiveRow,
+    MovedInput,
     StepLeaf,
     StepMemory,
     StepReport,
@@ -118,6 +120,19 @@ def test_table_lists_an_optimizer_state_with_its_parameter():
     report = _report([_row(0, 160, paths=outs)], outputs=leaves)
     (line,) = _table_rows(report.table())
     assert line.endswith("out/0/w (+ mu, nu), out/0/b (+ mu)")
+
+
+def test_moved_inputs_list_an_optimizer_state_with_its_parameter():
+    paths = ["state/0/w", "state/1/0/mu/w", "state/1/0/nu/w", "x"]
+    moved = [MovedInput(p, (8,), "float32", "host (NumPy)", "P()") for p in paths]
+    report = dataclasses.replace(_report([]), moved=tuple(moved))
+    lines = report.table().splitlines()
+    start = lines.index("inputs moved at every call:")
+    assert lines[start + 1 :] == [
+        "  state/0/w (+ mu, nu): host (NumPy) -> P()",
+        "  x: host (NumPy) -> P()",
+    ]
+    assert report.table(top=1).splitlines()[-1] == "  ... and 1 more"
 
 
 def test_sources_in_installed_packages_are_named_from_the_package():

@@ -401,10 +401,11 @@ class StepReport(Report):
             lines.append(f"by mesh axes: {axes}")
         return "\n".join(lines)
 
-    def _leaves_text(self, paths: tuple[str, ...]) -> str:
+    @staticmethod
+    def _leaves_text(paths: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> str:
         """A collective's leaves, an optimizer state's with their parameter's
-        (`out/0/w (+ mu, nu)`), the first three groups and how many more."""
-        shapes = {leaf.path: leaf.shape for leaf in self.arguments + self.outputs}
+        (`out/0/w (+ mu, nu)`, `shapes` by path), the first three groups and
+        how many more."""
         groups = grouped_paths(paths, [shapes.get(p) for p in paths])
         text = ", ".join(group.name(paths) for group in groups[:3])
         if len(groups) > 3:
@@ -427,6 +428,7 @@ class StepReport(Report):
 
     def _rows(self, collectives: Sequence[CollectiveRow]) -> list[tuple[str, ...]]:
         rows = []
+        shapes = {leaf.path: leaf.shape for leaf in self.arguments + self.outputs}
         for row in collectives:
             shape = " + ".join(str(p.shape) for p in row.parts[:3])
             if len(row.parts) > 3:
@@ -434,7 +436,7 @@ class StepReport(Report):
             count = (
                 f"{row.count}{'?' if row.conditional or row.unknown_trip_count else ''}"
             )
-            paths = self._leaves_text(row.paths)
+            paths = self._leaves_text(row.paths, shapes)
             via = {p.via for p in row.parts if p.paths} - {""}
             if via:
                 paths += f" [{'/'.join(sorted(via))}]"
@@ -476,11 +478,15 @@ class StepReport(Report):
             lines.append(self._rest(rest))
         if self.moved:
             lines.append("inputs moved at every call:")
-            moved = list(self.moved)
-            cut = len(moved) if top is None else top
-            lines += [f"  {m.path}: {m.have} -> {m.want}" for m in moved[:cut]]
-            if len(moved) > cut:
-                lines.append(f"  ... and {len(moved) - cut} more")
+            moved, paths = self.moved, [m.path for m in self.moved]
+            groups = grouped_paths(paths, [(m.shape, m.have, m.want) for m in moved])
+            cut = len(groups) if top is None else top
+            for group in groups[:cut]:
+                m = moved[group.leader]
+                lines.append(f"  {group.name(paths)}: {m.have} -> {m.want}")
+            if len(groups) > cut:
+                rest = sum(len(group.members()) for group in groups[cut:])
+                lines.append(f"  ... and {rest} more")
         if self.warnings:
             lines.append("XLA warnings while compiling:")
             for w in self.warnings:
