@@ -424,9 +424,9 @@ def _follower_label(lead: list[str], follow: list[str]) -> str | None:
     `None` if it does not follow: they differ just in front of the shared end;
     after their common start, the leader's part is one segment naming the item
     that holds it (an argument, `params`; or, below a common start, a tuple's
-    index: `out/0`), the follower's part starts with another item and ends with
-    a name that is not an index (the label). So `params/text/model/w` does not follow
-    `params/vision/w`: both are in the item `params`."""
+    index: `out/0`), the follower's part starts with another item and ends
+    with a name that is not an index (the label). So `params/text/model/w` does
+    not follow `params/vision/w`: both are in the item `params`."""
     if lead and follow and lead[-1] == follow[-1]:
         return None
     common = 0
@@ -446,12 +446,12 @@ def grouped_paths(
     """`paths` (`/`-joined) grouped as an optimizer state's leaves follow their
     parameter's: a path follows another of the list whose end it shares (the
     parameter's own path, after the segments naming its tree: `params/`, with
-    the indices after it, `out/0/`, `out/0/0/`) when it is longer in front of that
-    end (`out/1/0/mu/`) and, with `keys`, has the same key (its shape, what a
-    message says of it).
-    Each follower is labelled by the name in front of the shared end (`mu`; its
-    whole front where labels repeat). Groups come in the order of their
-    leaders; a path whose leader follows another stands alone."""
+    the indices after it, `out/0/`, `out/0/0/`) when it is longer in front of
+    that end (`out/1/0/mu/`) and, with `keys`, has the same key (its shape, what
+    a message says of it). Each follower is labelled by the name in front of
+    the shared end (`mu`; its whole front where labels repeat). Groups come in
+    the order of their leaders; a path whose leader follows another stands
+    alone. Only what is shown is grouped: the reports keep every path."""
     split = [p.split("/") for p in paths]
     ends: dict[tuple[str, ...], list[tuple[int, int]]] = {}
     for i, segments in enumerate(split):
