@@ -196,6 +196,18 @@ def test_spec_errors_list_an_optimizer_state_on_its_parameters_line(mesh):
     assert len(items) == 1 and items[0].startswith("  - '0/w' (+ mu, nu) (shape")
 
 
+def test_restore_lists_an_optimizer_state_on_its_parameters_line(tmp_path):
+    def make(width):
+        params = {"w": jnp.ones((width, 8)), "b": jnp.ones(8)}
+        return params, optax.adam(1e-3).init(params)
+
+    eqshard.save(tmp_path / "c", make(4))
+    with pytest.raises(ValueError, match="does not match `like`") as raised:
+        eqshard.restore(tmp_path / "c", make(6))
+    items = [l for l in str(raised.value).splitlines() if l.startswith("  - ")]
+    assert items == ["  - '0/w' (+ mu, nu): shape (4, 8) there, (6, 8) in `like`."]
+
+
 def test_plan_lists_an_optimizer_state_with_its_parameter(mesh):
     params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
     plan = eqshard.plan_training(params, P(), mesh, optimizer=optax.adam(1e-3))
