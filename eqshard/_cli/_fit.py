@@ -215,13 +215,20 @@ def data_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
 
 
 def fsdp_rules(
-    rules: Sequence[tuple[Any, PartitionSpec]],
+    rules: Sequence[tuple[Any, Any]],
     mesh: Mesh | AbstractMesh,
     axes: tuple[str, ...],
     min_size: int,
 ) -> list[tuple[Any, Any]]:
     """`rules` with FSDP over `axes` added to each spec, and a last rule that
     shards whatever they leave out."""
+    for regex, value in rules:
+        if not isinstance(value, PartitionSpec):
+            raise ValueError(
+                f"--fit adds FSDP to each rule's spec, but the rule {regex!r} has "
+                f"{value!r}; write that rule's spec for the whole array (as "
+                "P(None, 'tp', None)), or leave --fit out"
+            )
     out: list[tuple[Any, Any]] = [
         (regex, auto_fsdp(axes, base=spec, min_size=min_size, mesh=mesh))
         for regex, spec in rules
@@ -232,7 +239,7 @@ def fsdp_rules(
 
 def propose_rules(
     shapes: PyTree,
-    rules: Sequence[tuple[Any, PartitionSpec]],
+    rules: Sequence[tuple[Any, Any]],
     mesh: Mesh | AbstractMesh,
     plan: Callable[[PyTree], TrainingPlan],
 ) -> tuple[PyTree, TrainingPlan, int]:
@@ -265,12 +272,12 @@ class Setup:
     come from (for messages), and the timer of the summary."""
 
     mesh: Mesh
-    rules: list[tuple[str, PartitionSpec]]
+    rules: list[tuple[str, Any]]  # a rules file's: specs, stacked(...)
     origin: str
     timer: Timer
 
 
-def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) -> PyTree:
+def _match(rules: list[tuple[str, Any]], tree: PyTree, origin: str) -> PyTree:
     try:
         return eqshard.match_partition_rules(rules, tree)
     except (ValueError, TypeError) as error:
@@ -333,7 +340,7 @@ def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
     return specs
 
 
-def _note_dead_rules(rules: list[tuple[str, PartitionSpec]], tree: PyTree) -> None:
+def _note_dead_rules(rules: list[tuple[str, Any]], tree: PyTree) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)

@@ -17,22 +17,27 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import eqshard
 
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory
-from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
+from .._spectree._rules_syntax import (
+    parse_rule,
+    SPEC_SYNTAX,
+    VALUE_CALLS,
+)
 from ._demo import (
+    build,
     builtin_rules,
+    checkpoint,
     config_for_size,
     demo_config,
-    round_trip,
     timed,
     Timer,
     train,
@@ -275,12 +280,18 @@ def _rules_error(path: str, number: int, line: str, problem: str) -> UsageError:
 
 
 def _split_rule(stripped: str) -> tuple[str, str] | None:
-    """A rule line's regex and spec: `REGEX -> SPEC` (the spec may have spaces),
-    `REGEX P(...)`, or `REGEX SPEC` (the spec is the last field); `None` if there
-    is one field only."""
+    """A rule line's regex and value: `REGEX -> VALUE` (the value may have
+    spaces), `REGEX P(...)` or `REGEX stacked(...)` (a call after a space), or
+    `REGEX SPEC` (the spec is the last field); `None` if there is one field
+    only."""
     if "->" in stripped:
         regex, _, spec = stripped.rpartition("->")
         return regex.strip(), spec
+    if stripped.endswith(")"):
+        for name in VALUE_CALLS:  # the first call after a space
+            found = re.search(rf"\s({name}\s*\()", stripped)
+            if found is not None:
+                return stripped[: found.start()].strip(), stripped[found.start(1) :]
     start = stripped.rfind("P(")
     if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
         return stripped[:start].strip(), stripped[start:]
@@ -290,9 +301,10 @@ def _split_rule(stripped: str) -> tuple[str, str] | None:
     return stripped[: -len(fields[-1])].strip(), fields[-1]
 
 
-def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
-    """The rules of a rules file: one `REGEX SPEC` (or `REGEX -> SPEC`) a line,
-    `#` comment lines; the spec syntax is `_rules.parse_spec`'s."""
+def parse_rules(text: str, path: str) -> list[tuple[str, Any]]:
+    """The rules of a rules file: one `REGEX VALUE` (or `REGEX -> VALUE`) a line,
+    `#` comment lines; a value is a spec in `_rules_syntax.parse_spec`'s syntax
+    or a call on one, `stacked(P('tp', None))` (`parse_value`)."""
     rules = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
@@ -316,7 +328,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
                 "write 'REGEX -> SPEC' to space it out",
             )
         try:
-            _, spec = parse_rule(regex, spec_text)
+            _, spec = parse_rule(regex, spec_text, values=True)
         except ValueError as error:
             raise _rules_error(path, number, line, str(error)) from None
         rules.append((regex, spec))
@@ -325,7 +337,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
     return rules
 
 
-def _read_rules(path: str) -> list[tuple[str, P]]:
+def _read_rules(path: str) -> list[tuple[str, Any]]:
     try:
         with open(path) as file:
             text = file.read()
@@ -370,7 +382,7 @@ def run(
     args: argparse.Namespace,
     size: int | None,
     mesh: Mesh,
-    rules: list[tuple[str, P]],
+    rules: list[tuple[str, Any]],
     origin: str,
     start: float,
 ) -> int:
@@ -414,21 +426,12 @@ def run(
     specs = show_plan(shapes, config, setup)
     print()
 
-    # Built under `jit` straight into the shardings: no device holds a whole
-    # sharded array, and the values are those of eager init followed by `shard`.
-    model, seconds = timed(
-        lambda: jax.block_until_ready(
-            eqshard.init_sharded(Transformer, config, key=key, specs=specs, mesh=mesh)
-        )
-    )
-    timer("build model", seconds, "eqshard.init_sharded: each device makes its shards")
-    arrays = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    print(
-        f"built sharded with eqshard.init_sharded: {arrays} arrays in {seconds:.3f} s"
-    )
-
-    model = train(model, specs, mesh, args.steps, timer)
-    round_trip(model, specs, mesh, key=key, timer=timer)
+    # Built under `jit` straight into the shardings, with its optimizer state
+    # (whose specs are the model's): no device holds a whole sharded array.
+    state_specs = (specs, {"momentum": specs})
+    state = build(config, state_specs, mesh, timer)
+    state = train(state, state_specs, mesh, args.steps, timer)
+    checkpoint(state, state_specs, mesh, config=config, timer=timer)
     print()
     print(timer.summary(time.perf_counter() - start))
     return 0

@@ -26,7 +26,14 @@ from .._report import format_bytes, parse_bytes, Report
 from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
-from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
+from .._tree import (
+    broadcast_prefix,
+    grouped_paths,
+    is_array,
+    path_str,
+    PathGroup,
+    placed_dtype,
+)
 from .._typing import (
     check_choice,
     KeyPath,
@@ -239,9 +246,12 @@ class TrainingPlan(Report):
         headroom = self.headroom
         return not self.problems and (headroom is None or headroom >= 0)
 
-    def largest_replicated(self, n: int = 5) -> tuple[tuple[str, ShardingRow], ...]:
+    def largest_replicated(
+        self, n: int | None = 5
+    ) -> tuple[tuple[str, ShardingRow], ...]:
         """The `n` largest arrays of any part placed whole on every device (or on
-        a single device), largest first, as `(part, row)` pairs."""
+        a single device), largest first, as `(part, row)` pairs (all of them for
+        `None`)."""
         rows = [
             (name, row)
             for name, report in self.parts
@@ -249,6 +259,35 @@ class TrainingPlan(Report):
             if row.replicated or row.single_device
         ]
         return tuple(sorted(rows, key=lambda item: -item[1].nbytes)[:n])
+
+    def _largest_groups(self, n: int) -> list[tuple[str, ShardingRow, str, int]]:
+        """`largest_replicated` with a parameter's gradient and optimizer state
+        on its line (where placed whole too, with its shape and spec):
+        `(part, row, " (+ grad, mu, nu)", their bytes)`, the `n` largest."""
+        rows = self.largest_replicated(None)
+        key = {i: (row.shape, row.spec) for i, (_, row) in enumerate(rows)}
+        params = {r.path: i for i, (part, r) in enumerate(rows) if part == "parameters"}
+        grads: dict[int, int] = {}  # parameter's row -> its gradient's
+        for i, (part, row) in enumerate(rows):
+            lead = params.get(row.path)
+            if part == "gradients" and lead is not None and key[lead] == key[i]:
+                grads[lead] = i
+        placed = set(grads.values())
+        listed = [i for i in range(len(rows)) if i not in placed]
+        paths = [
+            f"{'o' if rows[i][0] == 'optimizer state' else 'p'}/{rows[i][1].path}"
+            for i in listed
+        ]
+        out = []
+        for group in grouped_paths(paths, [key[i] for i in listed]):
+            lead = listed[group.leader]
+            members = [(listed[i], label) for i, label in group.followers]
+            if lead in grads:
+                members.insert(0, (grads[lead], "grad"))
+            total = sum(rows[i][1].nbytes for i in (lead, *(i for i, _ in members)))
+            suffix = PathGroup(lead, tuple(members)).suffix
+            out.append((rows[lead][0], rows[lead][1], suffix, total))
+        return sorted(out, key=lambda item: -item[3])[:n]
 
     def summary(self) -> str:
         """One line per part with its bytes on the fullest device, then the total
@@ -321,13 +360,13 @@ class TrainingPlan(Report):
         for label, bar, value, over in rows:
             flag = "  over budget" if over else ""
             lines.append(f"  {label:<{width}}  {bar}  {value}{flag}".rstrip())
-        largest = self.largest_replicated(n)
+        largest = self._largest_groups(n)
         if largest:
             lines.append("largest arrays placed whole on a device:")
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 where = "single device" if row.single_device else "replicated"
                 lines.append(
-                    f"  {format_bytes(row.nbytes):>10}  {part}: {row.path} "
+                    f"  {format_bytes(nbytes):>10}  {part}: {row.path}{suffix} "
                     f"{row.shape} {row.dtype} ({where})"
                 )
         return "\n".join(lines)
@@ -359,14 +398,18 @@ class TrainingPlan(Report):
             style = "red" if over else "green"
             table.add_row(label, f"[{style}]{bar}[/{style}]", value)
         out.append(table)
-        largest = self.largest_replicated()
+        largest = self._largest_groups(5)
         if largest:
             replicated = Table(title="largest arrays placed whole on a device")
             for header in ("bytes", "part", "path", "shape", "dtype"):
                 replicated.add_column(header)
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 replicated.add_row(
-                    format_bytes(row.nbytes), part, row.path, str(row.shape), row.dtype
+                    format_bytes(nbytes),
+                    part,
+                    row.path + suffix,
+                    str(row.shape),
+                    row.dtype,
                 )
             out.append(replicated)
         return out

@@ -13,24 +13,14 @@ import json
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
 from .._report import format_bytes, Report, text_table
-from .._spectree._auto import AutoFSDP
-from .._spectree._logical import AxisNames
+from .._spectree._rules_syntax import value_text
 from .._step._step_report import StepMemory, StepReport
 
 
 _FORMAT = 1  # the version of `to_json`'s format
-
-
-def value_text(value: Any) -> str:
-    """A rule's value as it reads in Python, without object addresses."""
-    if isinstance(value, PartitionSpec | AutoFSDP | AxisNames):
-        return repr(value)
-    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
-    return name if isinstance(name, str) else type(value).__name__
 
 
 def pattern_text(pattern: Any) -> str:

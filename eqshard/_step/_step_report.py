@@ -10,12 +10,13 @@ memory.
 """
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
 from .._report import format_bytes, parse_bytes, plain, Report, text_table
+from .._tree import grouped_paths
 from ._step_json import FORMAT, read_report
 
 
@@ -245,6 +246,7 @@ class StepDiff:
 
 UNATTRIBUTED = "(activation)"
 COMMUNICATION = "communication"  # the `path` of a change in the report's totals
+_TOP = 20  # collectives (and moved inputs) that `str(report)` lists
 
 
 def _show(value: str | int | None, what: str) -> str:
@@ -430,7 +432,9 @@ class StepReport(Report):
     def to_json(self) -> str:
         """The report as JSON: sorted keys, no timings, timestamps or addresses,
         so the same step gives the same bytes (a layout lockfile); sources are
-        relative to the working directory of the analysis when under it."""
+        relative to the working directory of the analysis when under it, and to
+        their `site-packages` in an installed package
+        (`equinox/nn/_linear.py:97`)."""
         return super().to_json()
 
     @classmethod
@@ -484,18 +488,42 @@ class StepReport(Report):
             lines.append(f"by mesh axes: {axes}")
         return "\n".join(lines)
 
-    def _rows(self) -> list[tuple[str, ...]]:
+    @staticmethod
+    def _leaves_text(paths: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> str:
+        """A collective's leaves, an optimizer state's with their parameter's
+        (`out/0/w (+ mu, nu)`, `shapes` by path), the first three groups and
+        how many more."""
+        groups = grouped_paths(paths, [shapes.get(p) for p in paths])
+        text = ", ".join(group.name(paths) for group in groups[:3])
+        if len(groups) > 3:
+            text += f" (+{len(groups) - 3} more)"
+        return text
+
+    def _largest(
+        self, top: int | None
+    ) -> tuple[list[CollectiveRow], list[CollectiveRow]]:
+        """The collectives largest first (bytes per step; program order among
+        equals): the first `top` (all for `None`), and the rest."""
+        if top is not None and top < 0:
+            raise ValueError(
+                f"eqshard.StepReport.table: `top` must be 0 or more (or None for "
+                f"every row); got {top}."
+            )
+        rows = sorted(self.collectives, key=lambda row: -row.total_bytes)
+        cut = len(rows) if top is None else top
+        return rows[:cut], rows[cut:]
+
+    def _rows(self, collectives: Sequence[CollectiveRow]) -> list[tuple[str, ...]]:
         rows = []
-        for row in self.collectives:
+        shapes = {leaf.path: leaf.shape for leaf in self.arguments + self.outputs}
+        for row in collectives:
             shape = " + ".join(str(p.shape) for p in row.parts[:3])
             if len(row.parts) > 3:
                 shape += f" + {len(row.parts) - 3} more"
             count = (
                 f"{row.count}{'?' if row.conditional or row.unknown_trip_count else ''}"
             )
-            paths = ", ".join(row.paths[:3]) + (
-                f" (+{len(row.paths) - 3})" if len(row.paths) > 3 else ""
-            )
+            paths = self._leaves_text(row.paths, shapes)
             via = {p.via for p in row.parts if p.paths} - {""}
             if via:
                 paths += f" [{'/'.join(sorted(via))}]"
@@ -512,17 +540,40 @@ class StepReport(Report):
             )
         return rows
 
-    def table(self) -> str:
-        """The summary, one line per collective, the inputs moved at every call,
-        and XLA's warnings."""
+    @staticmethod
+    def _rest(rest: Sequence[CollectiveRow]) -> str:
+        """The line for the collectives a table leaves out."""
+        total = format_bytes(sum(row.total_bytes for row in rest))
+        many = "collective" if len(rest) == 1 else "collectives"
+        return (
+            f"... and {len(rest)} more {many}, {total} per device per step "
+            "(table(top=None) lists every one)"
+        )
+
+    def table(self, *, top: int | None = _TOP) -> str:
+        """The summary, one line per collective (the `top` largest by bytes per
+        step first, then how many more and their bytes; `top=None` for all), the
+        inputs moved at every call, and XLA's warnings. `str(report)` is
+        `report.table()`. An optimizer state's leaves are listed with their
+        parameter's: `out/0/blocks/0/up/weight (+ mu, nu)`."""
         lines = [self.summary()]
-        rows = self._rows()
-        if rows:
+        shown, rest = self._largest(top)
+        if shown:
             lines.append("")
-            lines += text_table(_COLUMNS, rows)
+            lines += text_table(_COLUMNS, self._rows(shown))
+        if rest:
+            lines.append(self._rest(rest))
         if self.moved:
             lines.append("inputs moved at every call:")
-            lines += [f"  {m.path}: {m.have} -> {m.want}" for m in self.moved]
+            moved, paths = self.moved, [m.path for m in self.moved]
+            groups = grouped_paths(paths, [(m.shape, m.have, m.want) for m in moved])
+            cut = len(groups) if top is None else top
+            for group in groups[:cut]:
+                m = moved[group.leader]
+                lines.append(f"  {group.name(paths)}: {m.have} -> {m.want}")
+            if len(groups) > cut:
+                rest = sum(len(group.members()) for group in groups[cut:])
+                lines.append(f"  ... and {rest} more")
         if self.warnings:
             lines.append("XLA warnings while compiling:")
             for w in self.warnings:
@@ -547,14 +598,17 @@ class StepReport(Report):
         from rich.text import Text
 
         out: list[Any] = [Text(self.summary())]
-        if self.collectives:
-            table = Table(title="collectives per step")
+        shown, rest = self._largest(_TOP)
+        if shown:
+            table = Table(title="collectives per step, largest first")
             for header in _COLUMNS:
                 table.add_column(header, overflow="fold")
-            for row, cells in zip(self.collectives, self._rows(), strict=True):
+            for row, cells in zip(shown, self._rows(shown), strict=True):
                 style = None if any(p.paths for p in row.parts) else "dim"
                 table.add_row(*cells, style=style)
             out.append(table)
+        if rest:
+            out.append(Text(self._rest(rest)))
         if self.moved:
             moved = Table(title="inputs moved at every call")
             for header in ("path", "has", "program wants"):
