@@ -19,14 +19,14 @@ import eqshard
 from eqshard._cli._fit import fsdp_rules, UsageError
 from eqshard._cli._main import parse_rules
 from eqshard._spectree._rules_syntax import parse_value, value_text
-from eqshard._step._step_report import (
+from eqshard._step._step_records import (
     CollectivePart,
     CollectiveRow,
     MovedInput,
     StepLeaf,
     StepMemory,
-    StepReport,
 )
+from eqshard._step._step_report import StepReport
 from eqshard._step._step_rows import relative_source
 from eqshard._tree import grouped_paths
 

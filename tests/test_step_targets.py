@@ -25,11 +25,8 @@ from jax.sharding import AxisType
 import eqshard
 from eqshard._step._hlo_flow import Program
 from eqshard._step._hlo_text import HloTextError
-from eqshard._step._step_report import (
-    CollectiveRow,
-    StepLeaf,
-    StepReport,
-)
+from eqshard._step._step_records import CollectiveRow, StepLeaf
+from eqshard._step._step_report import StepReport
 from eqshard._step._step_rows import collective_row, memory
 
 

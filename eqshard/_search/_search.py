@@ -39,7 +39,8 @@ from .._mesh._current import require_mesh
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules
-from .._step._step_report import OutOfMemory, StepReport
+from .._step._step_records import OutOfMemory
+from .._step._step_report import StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
 from ._candidates import (

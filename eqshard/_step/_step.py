@@ -50,7 +50,8 @@ from .._typing import typecheck, warn
 from ._hlo_flow import Program
 from ._hlo_text import text_error
 from ._step_args import Arguments, arguments, CALLER, placed_as_asked
-from ._step_report import OutOfMemory, StepReport
+from ._step_records import OutOfMemory
+from ._step_report import StepReport
 from ._step_rows import (
     collective_row,
     leaf_row,

@@ -22,7 +22,7 @@ from .._mesh._targets import device_memory
 from .._typing import warn
 from ._hlo_flow import Collective, Part, Program
 from ._step_args import Leaf, spec_text
-from ._step_report import (
+from ._step_records import (
     CollectivePart,
     CollectiveRow,
     MovedInput,
@@ -96,7 +96,9 @@ def collective_row(
     """The row of one collective; a kernel's row warns that what it
     communicates is not counted."""
     if collective.kind == "kernel":
-        where = f" (at {_relative(collective.source)})" if collective.source else ""
+        where = (
+            f" (at {relative_source(collective.source)})" if collective.source else ""
+        )
         warn(
             f"eqshard.analyze_step: the step runs the kernel {collective.name!r}"
             f"{where}, a Pallas/Mosaic custom-call: what it communicates is not "
