@@ -370,3 +370,31 @@ def test_restore_between_pipeline_views(tmp_path):
             want = eqshard.match_partition_rules([("w", spec)], tree)["w"]
             assert got["w"].sharding.spec == want, (saved, name)
             np.testing.assert_array_equal(np.asarray(got["w"]), tree["w"])
+
+
+def test_pipeline_says_when_it_moves_the_stack():
+    """A placed stack not laid out as the stages hold it is moved at each call,
+    and `pipeline` says so, naming the leaves; laid out so, it says nothing."""
+    import eqshard
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    stack = {"w": jnp.zeros((8, D, D))}
+    x = jnp.zeros((16, D))
+
+    def trace(stack, **kw):
+        jax.eval_shape(
+            lambda: eqshard.pipeline(
+                linear_layer, stack, x, microbatches=4, mesh=mesh, **kw
+            )
+        )
+
+    trace(eqshard.shard(stack, P("pp"), mesh))  # no warning: errors here
+    with pytest.warns(UserWarning, match="at 'w' are not laid out .* P\\(axis\\)"):
+        trace(eqshard.shard(stack, P(None, "pp"), mesh))
+    with pytest.warns(UserWarning, match="'w' .* with `staged=True`"):
+        trace(eqshard.shard(stack, P("pp"), mesh), schedule="circular", repeats=2)
+    view = eqshard.stage_view(stack, stages=4, repeats=2)
+    trace(
+        eqshard.shard(view, P(None, "pp"), mesh),
+        schedule="circular", repeats=2, staged=True,
+    )  # fmt: skip

@@ -40,9 +40,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import mesh_repr, require_mesh
-from .._tree import path_str
+from .._tree import path_str, paths_text
 from .._typing import KeyPath, typecheck, warn
 from ._explicit import auto_axes
+from ._shard_map_specs import array_layout
 from ._stage_view import stage_view
 
 
@@ -175,6 +176,36 @@ def _check_counts(
             f"{stages} stages, so the pipeline is mostly bubble (a fraction "
             f"{(stages - 1) / (microbatches + stages - 1):.2f} of its steps); use "
             f"microbatches >= {stages}."
+        )
+
+
+def _check_layout(dyn: Any, plan: _Plan, staged: bool) -> None:
+    """Warns, naming the leaves, when the stack's known layout (a placed array's,
+    or its type on Explicit axes) is not the stages' own, so each call moves it."""
+    dim = 1 if staged else 0
+    fits = staged or plan.repeats == 1
+    moved = []
+    for path, leaf in jtu.tree_leaves_with_path(dyn):
+        layout = array_layout(leaf)
+        if isinstance(layout, str):  # no layout known: nothing to say
+            continue
+        spec = (*layout[0], *(None,) * (jnp.ndim(leaf) - len(layout[0])))
+        if not fits or spec[dim] != plan.axis:
+            moved.append(path)
+    if moved:
+        at = "P(None, axis)" if staged else "P(axis)"
+        how = (
+            f"lay the stack out with the layer axis over {plan.axis!r}, "
+            f"{at} (`eqshard.stacked(spec, stages={plan.axis!r})`)"
+            if fits
+            else f"pass `eqshard.stage_view(stack, stages={plan.stages}, "
+            f"repeats={plan.repeats})` with `staged=True`, laid out P(None, "
+            f"{plan.axis!r}) (`eqshard.stacked(spec, stages={plan.axis!r})`)"
+        )
+        warn(
+            f"eqshard.{_CALLER}: the stack's arrays at {paths_text(moved)} are "
+            "not laid out as the stages hold them, so each call moves them "
+            f"between devices first; {how}."
         )
 
 
@@ -447,6 +478,7 @@ def pipeline(
     plan = _Plan(
         axis, stages, repeats, microbatches, layers // (stages * repeats), output
     )
+    _check_layout(dyn, plan, staged)
     arg_arrays, arg_static = eqx.partition(args, eqx.is_array)
     arrays, arrays_def = jtu.tree_flatten(arg_arrays)
     batched = tuple(bool(jnp.ndim(a)) and a.shape[0] == batch for a in arrays)
