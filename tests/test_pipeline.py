@@ -398,3 +398,43 @@ def test_pipeline_says_when_it_moves_the_stack():
         eqshard.shard(view, P(None, "pp"), mesh),
         schedule="circular", repeats=2, staged=True,
     )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_analyze_step_shows_the_pipeline():
+    """The compiled training step of a circular pipeline (S=4, R=2, M=4) holds
+    the stage-to-stage permutes over 'pp', each run R·M + S - 1 = 11 times (the
+    forward loop and its reverse), each moving one microbatch's activation per
+    device; a stack in the stages' view, laid out so, moves nothing else over 'pp'."""
+    import eqshard
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    stack = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 8))
+    view = eqshard.stage_view(stack, stages=4, repeats=2)
+    scale, bias = jnp.ones((16, 1)), jnp.zeros((D,))
+    with jax.set_mesh(mesh):
+        placed = eqshard.shard(view, P(None, "pp"), mesh)
+        x = eqshard.shard(jnp.ones((16, D)), P("dp"), mesh)
+
+        @jax.jit
+        def step(stack, x):
+            def loss(stack):
+                y = eqshard.pipeline(
+                    mlp_layer, stack, x, scale, bias, microbatches=4,
+                    schedule="circular", repeats=2, staged=True,
+                )  # fmt: skip
+                return jnp.mean(y**2)
+
+            return jax.grad(loss)(stack)
+
+        report = eqshard.analyze_step(step, placed, x)
+    over_pp = [c for c in report.collectives if "pp" in c.axes]
+    permutes = [c for c in over_pp if c.kind == "collective-permute"]
+    assert [c.count for c in permutes] == [11, 11], str(report)
+    # One microbatch of 16 / 4 rows, over dp=2: (2, D) float32 per device.
+    assert [c.bytes for c in permutes] == [2 * D * 4] * 2
+    assert all(c.group_size == 2 for c in permutes)
+    # The rest over 'pp' is the result reaching every stage: one all-reduce of
+    # the batch's 16 / 2 rows per device, once.
+    (rest,) = [c for c in over_pp if c not in permutes]
+    assert (rest.kind, rest.count, rest.bytes) == ("all-reduce", 1, 8 * D * 4)
