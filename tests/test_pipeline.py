@@ -438,3 +438,42 @@ def test_analyze_step_shows_the_pipeline():
     # the batch's 16 / 2 rows per device, once.
     (rest,) = [c for c in over_pp if c not in permutes]
     assert (rest.kind, rest.count, rest.bytes) == ("all-reduce", 1, 8 * D * 4)
+
+
+def test_plan_training_with_a_pipeline():
+    """`plan_training(pipeline=)` adds what the schedule keeps on each device,
+    `(R·M + S - 1)` microbatch activations for the backward pass and `2·M` for
+    the buffers, to the stage's parameters and optimizer state."""
+    import optax
+
+    import eqshard
+
+    mesh = jax.sharding.AbstractMesh((4, 2), ("pp", "dp"))
+    params = eqx.filter_eval_shape(eqx.filter_vmap(MLP), jax.random.split(
+        jax.random.key(0), 8))  # fmt: skip
+    rules = [(".*", eqshard.stacked(P(None, None), stages="pp"))]
+    schedule = {
+        "microbatches": 8, "schedule": "circular", "repeats": 2,
+        "activation": jax.ShapeDtypeStruct((4, 64), jnp.float32),
+        "activation_spec": P("dp"),
+    }  # fmt: skip
+    plain = eqshard.plan_training(params, rules, mesh, optimizer=optax.adamw(1e-3))
+    plan = eqshard.plan_training(
+        params, rules, mesh, optimizer=optax.adamw(1e-3), pipeline=schedule
+    )
+    # A stage holds 8 / 4 layers of w1 and w2, (D, F) float32 each.
+    assert plan.params.bytes_per_device == (2 * 2 * D * F * 4,) * 8
+    activation = 4 // 2 * 64 * 4  # one microbatch, its rows over dp=2
+    steps = 2 * 8 + 4 - 1
+    assert plan.pipeline is not None
+    assert (plan.pipeline.kept, plan.pipeline.buffers) == (
+        steps * activation, 2 * 8 * activation,
+    )  # fmt: skip
+    extra = (steps + 16) * activation
+    assert plan.bytes_per_device == tuple(b + extra for b in plain.bytes_per_device)
+    assert "circular over 'pp': 19 steps, bubble 15.8%" in str(plan)
+    with pytest.raises(ValueError, match="stage axis 'stage', not in mesh"):
+        eqshard.plan_training(params, rules, mesh, pipeline={**schedule,
+                              "axis": "stage"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"lacks \['activation'\]"):
+        eqshard.plan_training(params, rules, mesh, pipeline={"microbatches": 8})
