@@ -477,3 +477,26 @@ def test_plan_training_with_a_pipeline():
                               "axis": "stage"})  # fmt: skip
     with pytest.raises(ValueError, match=r"lacks \['activation'\]"):
         eqshard.plan_training(params, rules, mesh, pipeline={"microbatches": 8})
+
+
+@pytest.mark.slow
+def test_command_plans_a_pipeline():
+    """`python -m eqshard --pipeline ...` adds the schedule's buffers to the plan:
+    one microbatch (4 rows of 64 float32) over dp=4 is 256 B a device, kept for
+    2·8 + 2 - 1 = 17 steps and 2·8 times in the buffers."""
+    import pathlib
+    import subprocess
+    import sys
+
+    schedule = "microbatches=8,activation=4x64,spec=dp,schedule=circular,repeats=2"
+    result = subprocess.run(
+        [sys.executable, "-m", "eqshard", "--model", "examples/llama.py:tiny",
+         "--mesh", "pp:2,dp:4", "--device-memory", "1GiB", "--pipeline", schedule],
+        capture_output=True, text=True, timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        "circular over 'pp': 17 steps, bubble 5.9%; stage inputs kept 4.2 KiB, "
+        "buffers 4.0 KiB)" in result.stdout
+    )

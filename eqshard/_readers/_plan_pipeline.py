@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
@@ -133,3 +134,42 @@ def pipeline_buffers(
     return PipelineBuffers(
         axis, stages, schedule, repeats, m, steps, a, steps * a, 2 * m * a
     )
+
+
+def pipeline_from_text(text: str, dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    """`microbatches=8,activation=4x1024,dtype=bfloat16,spec=dp,...` (the
+    command's `--pipeline`) as `plan_training`'s `pipeline=`; `dtypes` by name.
+    Raises `ValueError` saying how to write it."""
+    fields: dict[str, str] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        fields[key] = value
+    usage = ValueError(
+        f"--pipeline {text!r}: write microbatches=M,activation=ROWSxD (one "
+        "microbatch's activation), "
+        "optionally dtype=, spec=AXIS (joined by +), axis=, schedule=, repeats=, "
+        "e.g. microbatches=8,activation=4x1024,dtype=bfloat16,spec=dp"
+    )
+    known = {"microbatches", "activation", "dtype", "spec", "axis", "schedule"}
+    if set(fields) - known - {"repeats"} or not {"microbatches", "activation"} <= set(
+        fields
+    ):
+        raise usage
+    try:
+        shape = tuple(int(n) for n in fields["activation"].split("x"))
+        plan: dict[str, Any] = {
+            "microbatches": int(fields["microbatches"]),
+            "repeats": int(fields.get("repeats", "1")),
+            "activation": jax.ShapeDtypeStruct(
+                shape, dtypes[fields.get("dtype", "float32").lower()]
+            ),
+        }
+    except (ValueError, KeyError):
+        raise usage from None
+    if "spec" in fields:
+        axes = fields["spec"].split("+")
+        plan["activation_spec"] = PartitionSpec(
+            tuple(axes) if len(axes) > 1 else axes[0]
+        )
+    plan.update({k: fields[k] for k in ("axis", "schedule") if k in fields})
+    return plan
