@@ -442,7 +442,11 @@ def restore(
     read, the checkpoint's names, shapes and dtypes are compared with `like`'s,
     and every difference is reported at once. A checkpoint that orbax wrote
     directly (a nested dict of arrays, say) restores too: its arrays are named by
-    their paths, as `like`'s are.
+    their paths, as `like`'s are. Stacked layers saved in another view of the
+    same layer order, `(L, ...)` against the circular pipeline's `(R, S, K, ...)`
+    of [`eqshard.stage_view`][] (or another such view), are read and reshaped
+    into `like`'s, bit for bit (read first with every layer of their block of
+    the other dimensions on each device).
 
     Values are never changed silently, with [`eqshard.shard`][]'s policy: a cast
     asked for with `dtype=` may round, but an array whose values would become inf
