@@ -39,6 +39,7 @@ import eqshard
 
 from .._mesh._current import mesh_repr
 from .._readers._plan import TrainingPlan
+from .._readers._plan_pipeline import pipeline_from_text
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
@@ -395,6 +396,7 @@ class PlanOptions:
     device_memory: int | None
     fit: bool
     save_rules: str | None
+    pipeline: dict[str, Any] | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PlanOptions":
@@ -413,8 +415,10 @@ class PlanOptions:
             raise UsageError("--save-rules writes the rules that --fit proposes")
         if args.save_rules is not None:
             _check_not_an_input(args.save_rules, args)
+        text = getattr(args, "pipeline", None)
         try:
             optimizer = make_optimizer(args.optimizer or "adamw")
+            pipeline = None if text is None else pipeline_from_text(text, _DTYPES)
         except ValueError as error:
             raise UsageError(str(error)) from None
         return cls(
@@ -425,6 +429,7 @@ class PlanOptions:
             device_memory=memory,
             fit=args.fit,
             save_rules=args.save_rules,
+            pipeline=pipeline,
         )
 
 
@@ -432,15 +437,21 @@ def _plan_for(
     shapes: PyTree, mesh: Mesh, options: PlanOptions
 ) -> Callable[[PyTree], eqshard.TrainingPlan]:
     def plan(specs: PyTree) -> eqshard.TrainingPlan:
-        return eqshard.plan_training(
-            shapes,
-            specs,
-            mesh,
-            optimizer=options.optimizer,
-            param_dtype=options.param_dtype,
-            state_dtype=options.state_dtype,
-            device_memory=options.device_memory,
-        )
+        try:
+            return eqshard.plan_training(
+                shapes,
+                specs,
+                mesh,
+                optimizer=options.optimizer,
+                param_dtype=options.param_dtype,
+                state_dtype=options.state_dtype,
+                device_memory=options.device_memory,
+                pipeline=options.pipeline,
+            )
+        except ValueError as error:
+            if "`pipeline`" not in str(error):
+                raise
+            raise UsageError(f"--pipeline: {error}") from None
 
     return plan
 

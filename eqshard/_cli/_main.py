@@ -222,6 +222,16 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--pipeline",
+        metavar="SCHEDULE",
+        help=(
+            "plan for eqshard.pipeline: microbatches=M,activation=ROWSxDxD... (one "
+            "microbatch's activation) and optionally dtype=, spec=AXIS (its rows' "
+            "axes, joined by +), axis= (pp), schedule= (gpipe, circular), repeats=; "
+            "the plan adds the stage inputs and buffers the schedule keeps"
+        ),
+    )
+    parser.add_argument(
         "--save-rules",
         metavar="FILE",
         help=(

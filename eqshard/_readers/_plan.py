@@ -10,7 +10,7 @@ budget, and a per-device picture.
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from .._typing import (
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._plan_pipeline import pipeline_buffers, PipelineBuffers
 from ._strategy import analyze_pairs
 
 
@@ -199,6 +200,9 @@ class TrainingPlan(Report):
     - `bytes_per_device`: the bytes of all parts on each device, in
       `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
     - `device_memory`: the per-device budget in bytes, or `None`.
+    - `pipeline`: what a pipeline schedule keeps on each device
+      (`PipelineBuffers`: `kept`, `buffers`, `total`, `steps`, `bubble`), or
+      `None`.
     """
 
     mesh: Mesh | AbstractMesh
@@ -207,6 +211,7 @@ class TrainingPlan(Report):
     opt_state: ShardingReport | None
     bytes_per_device: tuple[int, ...]
     device_memory: int | None
+    pipeline: PipelineBuffers | None = None
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -303,6 +308,8 @@ class TrainingPlan(Report):
                 f"  {name:<16} {format_bytes(report.bytes_per_device[fullest]):>10}"
                 f"   ({report.total_parameters:,} elements, {'/'.join(dtypes)})"
             )
+        if self.pipeline is not None:
+            lines.append(self.pipeline.line())
         total = format_bytes(self.max_bytes_per_device)
         line = f"  {'total':<16} {total:>10}"
         headroom = self.headroom
@@ -415,6 +422,20 @@ class TrainingPlan(Report):
         return out
 
 
+def _total(
+    params: ShardingReport,
+    reports: tuple[ShardingReport | None, ...],
+    buffers: PipelineBuffers | None,
+) -> tuple[int, ...]:
+    """The bytes on each device: the parts' and a pipeline's buffers."""
+    total = np.asarray(params.bytes_per_device, dtype=np.int64)
+    total += 0 if buffers is None else buffers.total
+    for report in reports:
+        if report is not None:
+            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    return tuple(total.tolist())
+
+
 @typecheck
 def plan_training(
     params: PyTree,
@@ -429,6 +450,7 @@ def plan_training(
     trainable: Any = True,
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
+    pipeline: Mapping[str, Any] | None = None,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -484,6 +506,15 @@ def plan_training(
       (which `eqx.is_inexact_array` is `False` for).
     - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
       reports them, `"warn"` reports them and warns, `"raise"` raises.
+    - `pipeline`: for a model run by [`eqshard.pipeline`][], its schedule:
+      `{"microbatches": M, "activation": one microbatch's activation (a
+      jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
+      over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
+      "repeats": 1}`. The plan adds on every device the stage inputs the loop
+      keeps for the backward pass, `(R·M + S - 1)` microbatch activations, and
+      its buffers of the microbatches' inputs and outputs, `2·M` of them
+      (`plan.pipeline`); the parameters and optimizer state are per stage as
+      their specs say (`eqshard.stacked(spec, stages="pp")`).
 
     **Returns:**
 
@@ -569,15 +600,14 @@ def plan_training(
             mesh,
             caller=caller,
         )
-    total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
-    for report in (param_report, grad_report, state_report):
-        if report is not None:
-            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
+    total = _total(param_report, (grad_report, state_report), buffers)
     return TrainingPlan(
         mesh=mesh,
         params=param_report,
         grads=grad_report,
         opt_state=state_report,
-        bytes_per_device=tuple(total.tolist()),
+        bytes_per_device=total,
         device_memory=budget,
+        pipeline=buffers,
     )
