@@ -311,8 +311,20 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
 
     search = eqshard.search_layout(
         step, shapes, x, mesh=mesh, device_memory="1GiB",
-        candidates={"given": [("w1", P(None, "tp")), ("w2", P("tp", None))]},
+        candidates={"tp": [("w1", P(None, "tp")), ("w2", P("tp", None))],
+                    "fsdp": [("w1", P("dp", None)), ("w2", P(None, "dp"))],
+                    "replicated": [(".*", P())]},
         builtin=False, progress=False,
     )  # fmt: skip
-    (chosen,) = search.candidates
-    assert chosen.report.memory.platform == "gpu" and chosen.fits
+    assert len(search.candidates) == 3
+    exposed = []
+    for candidate in search.candidates:  # ranked by what the schedule exposes
+        assert candidate.report.memory.platform == "gpu" and candidate.fits
+        rows = candidate.report.collectives
+        assert candidate.cost == sum(r.link_bytes * r.count for r in rows)
+        hidden = [r for r in rows if r.overlapped is True]
+        assert candidate.exposed_cost == candidate.cost - sum(
+            r.link_bytes * r.count for r in hidden
+        )
+        exposed.append((candidate.exposed_cost, candidate.cost))
+    assert exposed == sorted(exposed)

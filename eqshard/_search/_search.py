@@ -218,9 +218,15 @@ def _bandwidth(
     return weights
 
 
-def _cost(report: StepReport, weights: Mapping[str, float]) -> float:
+def _cost(
+    report: StepReport, weights: Mapping[str, float], *, exposed: bool = False
+) -> float:
+    """The bytes a device sends per step, each over its slowest axis's relative
+    bandwidth; with `exposed`, only those the schedule does not overlap."""
     total = 0.0
     for row in report.collectives:
+        if exposed and row.overlapped is True:
+            continue
         slowest = min((weights.get(a, 1.0) for a in row.axes), default=1.0)
         total += row.link_bytes * row.count / slowest
     return total
@@ -341,6 +347,7 @@ def _compiled(
         budget,
         cost,
         text,
+        exposed_cost=_cost(report, weights, exposed=True),
     )
 
 
@@ -348,14 +355,16 @@ _REFUSED = "does not fit: "  # a layout the compiler itself refused
 
 
 def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """The layouts that fit first, cheapest first; then the others, smallest
-    first; ties in the order they were compiled."""
+    """The layouts that fit first, least exposed communication first, then
+    least in all; then the others, smallest first; ties in the order they were
+    compiled."""
     order = {id(c): i for i, c in enumerate(compiled)}
     return sorted(
         compiled,
         key=lambda c: (
             not c.fits,
-            c.cost if c.fits else c.memory.peak_bytes,
+            c.exposed_cost if c.fits else c.memory.peak_bytes,
+            c.cost,
             c.memory.peak_bytes,
             order[id(c)],
         ),
@@ -402,7 +411,12 @@ def search_layout(
     not compiled: it is listed in the result's `skipped` with JAX's reason, and
     the others are ranked. The figures are XLA's for the backend compiled for:
     a search on virtual CPU devices ranks layouts; it does not forecast GPU or
-    TPU time.
+    TPU time. On a target mesh ([`eqshard.create_mesh`][]'s `target=`, such as
+    `"h100:8x8"` or `"v5p-1024"`) each candidate is compiled by that hardware's
+    compiler, judged against its peak, and the layouts that fit are ranked by
+    the communication the schedule leaves exposed (not overlapped with
+    computation) first, then by all of it; a layout the TPU compiler refuses
+    for lack of memory is listed in `skipped`.
 
     **Arguments:**
 

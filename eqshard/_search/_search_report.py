@@ -45,7 +45,11 @@ class LayoutCandidate:
     - `device_memory`: the budget it was judged against, in bytes.
     - `cost`: the bytes each device sends per step (the collectives' `link_bytes`
       times their count), each divided by the relative bandwidth of the slowest
-      mesh axis it crosses: what the ranking orders by.
+      mesh axis it crosses.
+    - `exposed_cost`: the part of `cost` the compiled schedule does not overlap
+      with computation (collectives whose `overlapped` is False, or not known):
+      what the ranking orders by first. On CPU, whose collectives are all
+      synchronous, it is `cost`; on TPU and GPU targets the schedule decides.
     """
 
     name: str
@@ -56,6 +60,7 @@ class LayoutCandidate:
     device_memory: int
     cost: float
     file_text: str = dataclasses.field(repr=False)
+    exposed_cost: float = 0.0
 
     @property
     def memory(self) -> StepMemory:
@@ -128,6 +133,7 @@ class LayoutCandidate:
             "memory": memory,
             "total_bytes": self.total_bytes,
             "cost": self.cost,
+            "exposed_cost": self.exposed_cost,
             "bytes_by_axes": self.report.bytes_by_axes,
         }
 
