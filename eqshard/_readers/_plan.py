@@ -10,7 +10,7 @@ budget, and a per-device picture.
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,14 @@ from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._select import split_state
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
-from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
+from .._tree import (
+    broadcast_prefix,
+    grouped_paths,
+    is_array,
+    path_str,
+    PathGroup,
+    placed_dtype,
+)
 from .._typing import (
     check_choice,
     KeyPath,
@@ -36,6 +43,7 @@ from .._typing import (
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._plan_pipeline import pipeline_buffers, PipelineBuffers
 from ._strategy import analyze_pairs
 
 
@@ -193,6 +201,9 @@ class TrainingPlan(Report):
     - `bytes_per_device`: the bytes of all parts on each device, in
       `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
     - `device_memory`: the per-device budget in bytes, or `None`.
+    - `pipeline`: what a pipeline schedule keeps on each device
+      (`PipelineBuffers`: `kept`, `buffers`, `total`, `steps`, `bubble`), or
+      `None`.
     """
 
     mesh: Mesh | AbstractMesh
@@ -201,6 +212,7 @@ class TrainingPlan(Report):
     opt_state: ShardingReport | None
     bytes_per_device: tuple[int, ...]
     device_memory: int | None
+    pipeline: PipelineBuffers | None = None
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -240,9 +252,12 @@ class TrainingPlan(Report):
         headroom = self.headroom
         return not self.problems and (headroom is None or headroom >= 0)
 
-    def largest_replicated(self, n: int = 5) -> tuple[tuple[str, ShardingRow], ...]:
+    def largest_replicated(
+        self, n: int | None = 5
+    ) -> tuple[tuple[str, ShardingRow], ...]:
         """The `n` largest arrays of any part placed whole on every device (or on
-        a single device), largest first, as `(part, row)` pairs."""
+        a single device), largest first, as `(part, row)` pairs (all of them for
+        `None`)."""
         rows = [
             (name, row)
             for name, report in self.parts
@@ -250,6 +265,35 @@ class TrainingPlan(Report):
             if row.replicated or row.single_device
         ]
         return tuple(sorted(rows, key=lambda item: -item[1].nbytes)[:n])
+
+    def _largest_groups(self, n: int) -> list[tuple[str, ShardingRow, str, int]]:
+        """`largest_replicated` with a parameter's gradient and optimizer state
+        on its line (where placed whole too, with its shape and spec):
+        `(part, row, " (+ grad, mu, nu)", their bytes)`, the `n` largest."""
+        rows = self.largest_replicated(None)
+        key = {i: (row.shape, row.spec) for i, (_, row) in enumerate(rows)}
+        params = {r.path: i for i, (part, r) in enumerate(rows) if part == "parameters"}
+        grads: dict[int, int] = {}  # parameter's row -> its gradient's
+        for i, (part, row) in enumerate(rows):
+            lead = params.get(row.path)
+            if part == "gradients" and lead is not None and key[lead] == key[i]:
+                grads[lead] = i
+        placed = set(grads.values())
+        listed = [i for i in range(len(rows)) if i not in placed]
+        paths = [
+            f"{'o' if rows[i][0] == 'optimizer state' else 'p'}/{rows[i][1].path}"
+            for i in listed
+        ]
+        out = []
+        for group in grouped_paths(paths, [key[i] for i in listed]):
+            lead = listed[group.leader]
+            members = [(listed[i], label) for i, label in group.followers]
+            if lead in grads:
+                members.insert(0, (grads[lead], "grad"))
+            total = sum(rows[i][1].nbytes for i in (lead, *(i for i, _ in members)))
+            suffix = PathGroup(lead, tuple(members)).suffix
+            out.append((rows[lead][0], rows[lead][1], suffix, total))
+        return sorted(out, key=lambda item: -item[3])[:n]
 
     def summary(self) -> str:
         """One line per part with its bytes on the fullest device, then the total
@@ -265,6 +309,8 @@ class TrainingPlan(Report):
                 f"  {name:<16} {format_bytes(report.bytes_per_device[fullest]):>10}"
                 f"   ({report.total_parameters:,} elements, {'/'.join(dtypes)})"
             )
+        if self.pipeline is not None:
+            lines.append(self.pipeline.line())
         total = format_bytes(self.max_bytes_per_device)
         line = f"  {'total':<16} {total:>10}"
         headroom = self.headroom
@@ -322,13 +368,13 @@ class TrainingPlan(Report):
         for label, bar, value, over in rows:
             flag = "  over budget" if over else ""
             lines.append(f"  {label:<{width}}  {bar}  {value}{flag}".rstrip())
-        largest = self.largest_replicated(n)
+        largest = self._largest_groups(n)
         if largest:
             lines.append("largest arrays placed whole on a device:")
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 where = "single device" if row.single_device else "replicated"
                 lines.append(
-                    f"  {format_bytes(row.nbytes):>10}  {part}: {row.path} "
+                    f"  {format_bytes(nbytes):>10}  {part}: {row.path}{suffix} "
                     f"{row.shape} {row.dtype} ({where})"
                 )
         return "\n".join(lines)
@@ -360,17 +406,35 @@ class TrainingPlan(Report):
             style = "red" if over else "green"
             table.add_row(label, f"[{style}]{bar}[/{style}]", value)
         out.append(table)
-        largest = self.largest_replicated()
+        largest = self._largest_groups(5)
         if largest:
             replicated = Table(title="largest arrays placed whole on a device")
             for header in ("bytes", "part", "path", "shape", "dtype"):
                 replicated.add_column(header)
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 replicated.add_row(
-                    format_bytes(row.nbytes), part, row.path, str(row.shape), row.dtype
+                    format_bytes(nbytes),
+                    part,
+                    row.path + suffix,
+                    str(row.shape),
+                    row.dtype,
                 )
             out.append(replicated)
         return out
+
+
+def _total(
+    params: ShardingReport,
+    reports: tuple[ShardingReport | None, ...],
+    buffers: PipelineBuffers | None,
+) -> tuple[int, ...]:
+    """The bytes on each device: the parts' and a pipeline's buffers."""
+    total = np.asarray(params.bytes_per_device, dtype=np.int64)
+    total += 0 if buffers is None else buffers.total
+    for report in reports:
+        if report is not None:
+            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    return tuple(total.tolist())
 
 
 @typecheck
@@ -389,23 +453,6 @@ def _optimizer_state(
     return [(tuple(path), leaf) for path, leaf in jtu.tree_flatten_with_path(state)[0]]
 
 
-def _selected(
-    tree: PyTree, params: Any, optimizer: Any
-) -> tuple[PyTree, list[tuple[KeyPath, Any]] | None]:
-    """The parameters `params` selects in `tree` (all of it for `None`), and the
-    other arrays with their paths: the optimizer state."""
-    if params is None:
-        return tree, None
-    if optimizer is not None:
-        raise ValueError(
-            "eqshard.plan_training: `params` picks the parameters in a whole "
-            "state, whose optimizer state is then planned as it is, but "
-            "`optimizer` is given too. Leave `optimizer` out, or pass the "
-            "parameters alone without `params`."
-        )
-    return split_state(tree, params, caller="plan_training")
-
-
 def plan_training(
     tree: PyTree,
     /,
@@ -421,6 +468,7 @@ def plan_training(
     trainable: Any = True,
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
+    pipeline: Mapping[str, Any] | None = None,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -486,6 +534,15 @@ def plan_training(
       (which `eqx.is_inexact_array` is `False` for).
     - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
       reports them, `"warn"` reports them and warns, `"raise"` raises.
+    - `pipeline`: for a model run by [`eqshard.pipeline`][], its schedule:
+      `{"microbatches": M, "activation": one microbatch's activation (a
+      jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
+      over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
+      "repeats": 1}`. The plan adds on every device the stage inputs the loop
+      keeps for the backward pass, `(R·M + S - 1)` microbatch activations, and
+      its buffers of the microbatches' inputs and outputs, `2·M` of them
+      (`plan.pipeline`); the parameters and optimizer state are per stage as
+      their specs say (`eqshard.stacked(spec, stages="pp")`).
 
     **Returns:**
 
@@ -522,7 +579,7 @@ def plan_training(
     caller = "plan_training"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     _check_optimizer(optimizer, caller)
-    params, given_state = _selected(tree, params, optimizer)
+    params, given_state = split_state(tree, params, optimizer, caller=caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
     if specs is None:
@@ -567,15 +624,14 @@ def plan_training(
             mesh,
             caller=caller,
         )
-    total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
-    for report in (param_report, grad_report, state_report):
-        if report is not None:
-            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
+    total = _total(param_report, (grad_report, state_report), buffers)
     return TrainingPlan(
         mesh=mesh,
         params=param_report,
         grads=grad_report,
         opt_state=state_report,
-        bytes_per_device=tuple(total.tolist()),
+        bytes_per_device=total,
         device_memory=budget,
+        pipeline=buffers,
     )

@@ -184,10 +184,20 @@ def check_parameters(
 
 
 def split_state(
-    tree: PyTree, params: Any, *, caller: str
-) -> tuple[PyTree, list[tuple[KeyPath, Any]]]:
+    tree: PyTree, params: Any, optimizer: Any, *, caller: str
+) -> tuple[PyTree, list[tuple[KeyPath, Any]] | None]:
     """The parameters `params` selects in a whole state `tree` (checked by
-    `check_parameters`), and its other arrays with their paths."""
+    `check_parameters`), and its other arrays with their paths (the optimizer
+    state); `tree` itself and `None` for `params=None`."""
+    if params is None:
+        return tree, None
+    if optimizer is not None:
+        raise _error(
+            caller,
+            "`params` picks the parameters in a whole state, whose optimizer "
+            "state is then planned as it is, but `optimizer` is given too. Leave "
+            "`optimizer` out, or pass the parameters alone without `params`.",
+        )
     if isinstance(params, int) and not isinstance(params, bool):
         if not isinstance(tree, tuple | list):
             raise _error(
