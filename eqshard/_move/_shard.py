@@ -46,6 +46,7 @@ from jaxtyping import PyTree
 
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh._current import concrete_mesh
+from .._spectree._memory import Host
 from .._spectree._spec_args import resolve_like, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,
@@ -423,8 +424,9 @@ def named_shardings(
 ) -> PyTree:
     """Turns a spec tree into a tree of `NamedSharding`s on `mesh`.
 
-    `NamedSharding`s and `None`s are kept as they are. The result can be passed to
-    `jax.jit`'s `in_shardings`/`out_shardings` or to `jax.device_put`.
+    `NamedSharding`s and `None`s are kept as they are; [`eqshard.host`][] specs
+    give `NamedSharding`s with `memory_kind="pinned_host"`. The result can be
+    passed to `jax.jit`'s `in_shardings`/`out_shardings` or to `jax.device_put`.
 
     **Arguments:**
 
@@ -467,7 +469,7 @@ def named_shardings(
     out = []
     problems = []
     for path, spec in path_specs:
-        if isinstance(spec, PartitionSpec):
+        if isinstance(spec, PartitionSpec | Host):
             mesh = concrete_mesh(mesh, caller=caller)
             try:
                 spec = named_sharding(spec, mesh, caller=caller, path=path)

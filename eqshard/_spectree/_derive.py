@@ -9,7 +9,7 @@ mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.tree_util as jtu
@@ -29,6 +29,7 @@ from .._typing import (
 )
 from ._follow import follow_spec, is_placeholder, replicated_like
 from ._logical import AxisNames
+from ._memory import Host, in_memory, memory_of
 from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
@@ -115,7 +116,7 @@ def abstract_tree(
         out = [_struct(x, None) if is_array(x) else x for x in leaves]
         return jtu.tree_unflatten(treedef, out)
     pairs = leaf_specs(specs, tree, caller=caller)
-    if any(isinstance(spec, PartitionSpec) for _, spec in pairs):
+    if any(isinstance(spec, PartitionSpec | Host) for _, spec in pairs):
         mesh = require_mesh(mesh, caller=caller)
     problems = check_leaves(pairs, leaves, mesh, check=check)
     if problems:
@@ -125,7 +126,7 @@ def abstract_tree(
         if not is_array(leaf):
             out.append(leaf)
             continue
-        if isinstance(spec, PartitionSpec):
+        if isinstance(spec, PartitionSpec | Host):
             # `mesh` was required above, as `specs` has a `PartitionSpec`.
             on = typing.cast(Mesh, mesh)
             spec = named_sharding(spec, on, caller=caller, path=path)
@@ -140,6 +141,7 @@ def derive_specs(
     param_specs: PyTree,
     *,
     on_invalid: OnInvalid = "raise",
+    memory_kind: Literal["device", "pinned_host"] | None = None,
 ) -> PyTree:
     """Specs for a tree that follows the parameters: an optimizer state, gradients,
     an EMA copy.
@@ -169,6 +171,10 @@ def derive_specs(
     - `on_invalid`: what to do with a leaf of 1 KiB or more that follows no
       parameter: `"raise"` (the default) raises; `"warn"` replicates it and
       warns, naming each; `"ignore"` replicates it silently.
+    - `memory_kind`: where the derived leaves live: `None` (the default) where
+      their parameters do, `"pinned_host"` in host memory (every derived spec
+      wrapped in [`eqshard.host`][]: optimizer state offloaded), `"device"` in
+      device memory.
 
     **Returns:**
 
@@ -194,6 +200,8 @@ def derive_specs(
     """
     caller = "derive_specs"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    if memory_kind is not None:
+        check_choice(memory_kind, _MEMORY_KINDS, caller=caller, name="memory_kind")
     param_specs = resolve_specs(
         param_specs, params, caller=caller, argname="param_specs"
     )
@@ -237,7 +245,24 @@ def derive_specs(
                 "leaves."
             )
         warn(message + "They are replicated.")
+    if memory_kind is not None:
+        out = [_in_kind(spec, memory_kind) for spec in out]
     return jtu.tree_unflatten(treedef, out)
+
+
+_MEMORY_KINDS = ("device", "pinned_host")
+
+
+def _in_kind(spec: Any, memory_kind: str) -> Any:
+    """A derived spec moved to `memory_kind` (`"device"`: out of host memory)."""
+    layout, _ = memory_of(spec)
+    if memory_kind == "device":
+        return (
+            layout.with_memory_kind("device")
+            if isinstance(layout, NamedSharding)
+            else layout
+        )
+    return in_memory(layout, memory_kind)
 
 
 def _check_stack_axes(axes: tuple[Any, ...]) -> None:
@@ -312,6 +337,8 @@ def stack_specs(specs: PyTree, *axes: StackAxis) -> PyTree:
             )
         if isinstance(spec, PartitionSpec):
             return PartitionSpec(*front, *spec)
+        if isinstance(spec, Host):
+            return Host(stack(path, spec.spec))
         return spec
 
     return jtu.tree_map_with_path(
@@ -467,6 +494,8 @@ def restricted(
             )
         if isinstance(spec, NamedSharding):
             out.append(NamedSharding(mesh, fixed, memory_kind=spec.memory_kind))
+        elif isinstance(spec, Host):
+            out.append(Host(fixed))
         else:
             out.append(fixed)
     if changed and on_invalid != "ignore":

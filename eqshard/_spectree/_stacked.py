@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from .._typing import typecheck
 from ._logical import AxisNames
+from ._memory import Host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Stacked:
 
 
 @typecheck
-def stacked(spec: Any) -> Stacked:
+def stacked(spec: Any) -> Stacked | Host:
     """Marks a partition rule's spec as written for one layer, for layers stacked
     on leading axes (by `eqx.filter_vmap` over a layer's constructor, for
     `jax.lax.scan`).
@@ -80,6 +81,8 @@ def stacked(spec: Any) -> Stacked:
         # {"blocks": {"up": {"weight": P(None, "tp", None)}}}
         ```
     """
+    if isinstance(spec, Host) and spec.spec is not None:  # host(stacked(spec))
+        return Host(stacked(spec.spec))
     if not isinstance(spec, PartitionSpec | AxisNames):
         hint = (
             " For automatic FSDP of stacked layers, use "

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
+from .._spectree._memory import Host
 from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,
@@ -134,7 +135,7 @@ class _Specs:
             raise TypeError(
                 bad_spec_leaf_message(_CALLER, path, spec, logical=False, argname=name)
             )
-        if not isinstance(spec, PartitionSpec):
+        if not isinstance(spec, PartitionSpec | Host):
             return spec
         if mesh is None:
             raise ValueError(

@@ -73,6 +73,7 @@ from ._jit_keys import (
     unwrap,
 )
 from ._jit_stages import avals, Compiled, Hooks, Lowered
+from ._offload import to_device_memory, to_host_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +266,8 @@ class JitFunction:
                 )
                 with jax.sharding.use_abstract_mesh(abstract):
                     out = self._call_fn(args)
-        return _split_output(out, out_shardings, self._caller)
+        dynamic, statics = _split_output(out, out_shardings, self._caller)
+        return to_host_memory(dynamic, out_shardings), statics
 
     def _call_fn(self, args: tuple[Any, ...]) -> Any:
         if self._rules is None:
@@ -329,6 +331,7 @@ class JitFunction:
                 for i, x in zip(layout.kept_index, kept, strict=True):
                     leaves[i] = x
                 check_shapes(layout.paths, leaves, shardings, self._in)
+                leaves = to_device_memory(leaves, shardings)
                 args = list(layout.treedef.unflatten(leaves))
                 for position, value in zip(static_positions, static_args, strict=True):
                     args.insert(position, value)
