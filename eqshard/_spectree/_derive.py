@@ -468,7 +468,7 @@ def restricted(
                 raise TypeError(
                     bad_spec_leaf_message(caller, path, spec, logical=False)
                 )
-            inner = spec.spec if isinstance(spec, NamedSharding) else spec
+            inner = spec.spec if isinstance(spec, NamedSharding | Host) else spec
             items.append((path, spec, (0,) * len(inner or ())))
     else:
         pairs = leaf_specs(specs, like, caller=caller)
@@ -483,7 +483,7 @@ def restricted(
         if spec is None:
             out.append(None)
             continue
-        inner = spec.spec if isinstance(spec, NamedSharding) else spec
+        inner = spec.spec if isinstance(spec, NamedSharding | Host) else spec
         renamed = _renamed(inner, rename)
         fixed, reasons = check_spec(shape, renamed, mesh_shape)
         if not reasons and not rename:
