@@ -42,6 +42,7 @@ from .._readers._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
+from .._spectree._memory import Host
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
@@ -215,7 +216,7 @@ def data_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
 
 
 def fsdp_rules(
-    rules: Sequence[tuple[Any, PartitionSpec]],
+    rules: Sequence[tuple[Any, PartitionSpec | Host]],
     mesh: Mesh | AbstractMesh,
     axes: tuple[str, ...],
     min_size: int,
@@ -223,16 +224,30 @@ def fsdp_rules(
     """`rules` with FSDP over `axes` added to each spec, and a last rule that
     shards whatever they leave out."""
     out: list[tuple[Any, Any]] = [
-        (regex, auto_fsdp(axes, base=spec, min_size=min_size, mesh=mesh))
-        for regex, spec in rules
+        (regex, _fsdp(spec, axes, min_size, mesh)) for regex, spec in rules
     ]
     out.append((".*", auto_fsdp(axes, min_size=min_size, mesh=mesh)))
     return out
 
 
+def _fsdp(
+    spec: PartitionSpec | Host,
+    axes: tuple[str, ...],
+    min_size: int,
+    mesh: Mesh | AbstractMesh,
+) -> Any:
+    """A rule's value with FSDP over `axes` added; a layout in host memory stays
+    there (`host()`, the layout of a parameter, as it is)."""
+    if isinstance(spec, Host):
+        return (
+            spec if spec.spec is None else Host(_fsdp(spec.spec, axes, min_size, mesh))
+        )
+    return auto_fsdp(axes, base=spec, min_size=min_size, mesh=mesh)
+
+
 def propose_rules(
     shapes: PyTree,
-    rules: Sequence[tuple[Any, PartitionSpec]],
+    rules: Sequence[tuple[Any, PartitionSpec | Host]],
     mesh: Mesh | AbstractMesh,
     plan: Callable[[PyTree], TrainingPlan],
 ) -> tuple[PyTree, TrainingPlan, int]:
@@ -265,12 +280,14 @@ class Setup:
     come from (for messages), and the timer of the summary."""
 
     mesh: Mesh
-    rules: list[tuple[str, PartitionSpec]]
+    rules: Sequence[tuple[str, PartitionSpec | Host]]
     origin: str
     timer: Timer
 
 
-def _match(rules: list[tuple[str, PartitionSpec]], tree: PyTree, origin: str) -> PyTree:
+def _match(
+    rules: Sequence[tuple[str, PartitionSpec | Host]], tree: PyTree, origin: str
+) -> PyTree:
     try:
         return eqshard.match_partition_rules(rules, tree)
     except (ValueError, TypeError) as error:
@@ -333,7 +350,9 @@ def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
     return specs
 
 
-def _note_dead_rules(rules: list[tuple[str, PartitionSpec]], tree: PyTree) -> None:
+def _note_dead_rules(
+    rules: Sequence[tuple[str, PartitionSpec | Host]], tree: PyTree
+) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)

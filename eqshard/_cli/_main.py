@@ -26,7 +26,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import eqshard
 
 from .._mesh._current import mesh_repr
-from .._spectree._rules_syntax import parse_rule, SPEC_SYNTAX
+from .._spectree._memory import Host
+from .._spectree._rules_syntax import parse_rule, parse_rule_value, SPEC_SYNTAX
 from ._demo import (
     builtin_rules,
     config_for_size,
@@ -262,16 +263,17 @@ def _split_rule(stripped: str) -> tuple[str, str] | None:
     if "->" in stripped:
         regex, _, spec = stripped.rpartition("->")
         return regex.strip(), spec
-    start = stripped.rfind("P(")
-    if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
-        return stripped[:start].strip(), stripped[start:]
+    for opener in ("host(", "P("):  # `REGEX host(P('dp', None))` too
+        start = stripped.rfind(opener)
+        if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
+            return stripped[:start].strip(), stripped[start:]
     fields = stripped.split()
     if len(fields) < 2:
         return None
     return stripped[: -len(fields[-1])].strip(), fields[-1]
 
 
-def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
+def parse_rules(text: str, path: str) -> list[tuple[str, P | Host]]:
     """The rules of a rules file: one `REGEX SPEC` (or `REGEX -> SPEC`) a line,
     `#` comment lines; the spec syntax is `_rules.parse_spec`'s."""
     rules = []
@@ -297,7 +299,8 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
                 "write 'REGEX -> SPEC' to space it out",
             )
         try:
-            _, spec = parse_rule(regex, spec_text)
+            parse_rule(regex, "()")  # the regex checked
+            spec = parse_rule_value(spec_text)
         except ValueError as error:
             raise _rules_error(path, number, line, str(error)) from None
         rules.append((regex, spec))
@@ -306,7 +309,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P]]:
     return rules
 
 
-def _read_rules(path: str) -> list[tuple[str, P]]:
+def _read_rules(path: str) -> list[tuple[str, P | Host]]:
     try:
         with open(path) as file:
             text = file.read()
@@ -351,7 +354,7 @@ def run(
     args: argparse.Namespace,
     size: int | None,
     mesh: Mesh,
-    rules: list[tuple[str, P]],
+    rules: Sequence[tuple[str, P | Host]],
     origin: str,
     start: float,
 ) -> int:

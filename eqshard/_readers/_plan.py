@@ -17,24 +17,23 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
 from .._caches import register
 from .._mesh._current import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
-from .._spectree._follow import follow_spec, replicated_like
-from .._spectree._spec_args import resolve_specs
+from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
 from .._typing import (
     check_choice,
-    KeyPath,
     ON_INVALID,
     OnInvalid,
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._plan_state import host_bytes, ruled_state_pairs, state_pairs
 from ._strategy import analyze_pairs
 
 
@@ -131,26 +130,6 @@ def _check_optimizer(optimizer: Any, caller: str) -> None:
     )
 
 
-def state_pairs(
-    path_leaves: Sequence[tuple[KeyPath, Any]],
-    param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]],
-) -> list[tuple[KeyPath, Any]]:
-    """A spec for each leaf of an optimizer state (its `(path, leaf)` pairs),
-    following the parameter it belongs to as [`eqshard.derive_specs`][] does; any
-    other leaf (step counts) is replicated on the parameters' mesh."""
-    default: Any = PartitionSpec()
-    for _, spec in param_pairs.values():
-        if spec is not None:
-            default = replicated_like(spec)
-            break
-    out = []
-    for path, leaf in path_leaves:
-        shape = tuple(getattr(leaf, "shape", ()))
-        found, spec = follow_spec(path, shape, param_pairs)
-        out.append((path, spec if found else default))
-    return out
-
-
 # ---------------------------------------------------------------------------------
 # The plan.
 # ---------------------------------------------------------------------------------
@@ -189,9 +168,17 @@ class TrainingPlan(Report):
     - `mesh`: the mesh planned for.
     - `params`, `grads`, `opt_state`: a [`eqshard.ShardingReport`][] for each part
       (`grads` and `opt_state` are `None` when not planned).
-    - `bytes_per_device`: the bytes of all parts on each device, in
-      `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
+    - `bytes_per_device`: the bytes of all parts in each device's own memory,
+      in `mesh.devices.flat` order (mesh coordinate order for an
+      `AbstractMesh`): the arrays kept there, and the device copy of the
+      offloaded ones that the update holds (`copy_bytes_per_device`).
     - `device_memory`: the per-device budget in bytes, or `None`.
+    - `host_bytes_per_device`: the bytes of the arrays kept in host memory
+      between steps ([`eqshard.host`][]), per device (each device's shards, in
+      the host memory attached to it); zeros when nothing is offloaded.
+    - `copy_bytes_per_device`: of `bytes_per_device`, the device copy of the
+      offloaded arrays that the update needs (`offload_copy` of
+      [`eqshard.plan_training`][]).
     """
 
     mesh: Mesh | AbstractMesh
@@ -200,6 +187,8 @@ class TrainingPlan(Report):
     opt_state: ShardingReport | None
     bytes_per_device: tuple[int, ...]
     device_memory: int | None
+    host_bytes_per_device: tuple[int, ...] = ()
+    copy_bytes_per_device: tuple[int, ...] = ()
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -274,6 +263,13 @@ class TrainingPlan(Report):
             else:
                 line += f"   of {budget}: DOES NOT FIT, {format_bytes(-headroom)} over"
         lines.append(line)
+        if any(self.host_bytes_per_device):
+            host = format_bytes(self.host_bytes_per_device[fullest])
+            copy = format_bytes(self.copy_bytes_per_device[fullest])
+            lines.append(
+                f"  {'in host memory':<16} {host:>10}   (offloaded between steps; "
+                f"the total counts the update's device copy, {copy})"
+            )
         lines.append(
             "  (activations, temporaries and the compiled program come on top)"
         )
@@ -341,6 +337,7 @@ class TrainingPlan(Report):
             "parts": [name for name, _ in self.parts],
             "max_bytes_per_device": self.max_bytes_per_device,
             "device_memory": self.device_memory,
+            "max_host_bytes_per_device": max(self.host_bytes_per_device, default=0),
             "fits": self.fits,
             "problems": len(self.problems),
             "mesh": dict(self.mesh.shape),
@@ -386,6 +383,7 @@ def plan_training(
     trainable: Any = True,
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
+    offload_copy: float = 1.0,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -441,6 +439,17 @@ def plan_training(
       (which `eqx.is_inexact_array` is `False` for).
     - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
       reports them, `"warn"` reports them and warns, `"raise"` raises.
+    - `offload_copy`: the fraction of the arrays kept in host memory
+      ([`eqshard.host`][]) that the step holds on the device at once: its
+      update needs a device copy of what it updates, so `1.0` (the default)
+      counts all of it. The compiled step's figures
+      ([`eqshard.analyze_step`][]) say what XLA made of it.
+
+    Arrays kept in host memory between steps count apart, in
+    `plan.host_bytes_per_device`; with partition rules as `specs`, the rules
+    are matched against the parameters and the optimizer state built together,
+    as [`eqshard.init_sharded`][] matches them, so a host rule such as
+    `("(mu|nu)/", eqshard.host())` offloads the moments in the plan too.
 
     **Returns:**
 
@@ -475,6 +484,7 @@ def plan_training(
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     _check_optimizer(optimizer, caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
+    rules = specs if is_partition_rules(specs) else None
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
     if specs is None:
         pairs = own_shardings(params, caller)
@@ -488,6 +498,7 @@ def plan_training(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
     )
     mesh = param_report.mesh
+    parts: list[tuple[list[Any], Any]] = [(abstract, pairs)]
     grad_report = None
     if gradients and grad_dtype is None and trained == list(map(is_array, abstract)):
         # Every array is trained: its gradient is the parameter's report again.
@@ -510,9 +521,8 @@ def plan_training(
                 for leaf, train in zip(abstract, trained, strict=True)
             ],
         )
-        state = jtu.tree_flatten_with_path(
-            jax.eval_shape(optimizer.init, trained_params)
-        )[0]
+        state_tree = jax.eval_shape(optimizer.init, trained_params)
+        state = jtu.tree_flatten_with_path(state_tree)[0]
         if state_dtype is not None:
             state = [(path, _abstract(x, state_dtype)) for path, x in state]
         by_path = {
@@ -520,16 +530,21 @@ def plan_training(
             for (path, spec), leaf, train in zip(pairs, abstract, trained, strict=True)
             if train
         }
-        state_report = analyze_pairs(
-            [leaf for _, leaf in state],
-            state_pairs(state, by_path),
-            mesh,
-            caller=caller,
-        )
+        state_specs = state_pairs(state, by_path)
+        if rules is not None:
+            state_specs = ruled_state_pairs(
+                rules, trained_params, state_tree, mesh, caller
+            )
+        state_leaves = [leaf for _, leaf in state]
+        state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
+        parts.append((state_leaves, state_specs))
     total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
     for report in (param_report, grad_report, state_report):
         if report is not None:
             total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    host = host_bytes(parts, mesh, caller)
+    copy = np.round(host * float(offload_copy)).astype(np.int64)
+    total += copy - host
     return TrainingPlan(
         mesh=mesh,
         params=param_report,
@@ -537,4 +552,6 @@ def plan_training(
         opt_state=state_report,
         bytes_per_device=tuple(total.tolist()),
         device_memory=budget,
+        host_bytes_per_device=tuple(host.tolist()),
+        copy_bytes_per_device=tuple(copy.tolist()),
     )

@@ -11,13 +11,15 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from ._memory import Host
 from ._specs import spec_entry
 
 
 SPEC_SYNTAX = (
     "a SPEC is dimensions separated by ',' or '.', each an axis name, None, or "
     "axis names joined by '+' (dp,tp  None.tp  dp+fsdp,None); () or P() is the "
-    "replicated spec, and P('dp', None) or P(('dp', 'fsdp'), 'tp') reads as in Python"
+    "replicated spec, and P('dp', None) or P(('dp', 'fsdp'), 'tp') reads as in Python; "
+    "host(SPEC) keeps the layout in host memory, host() what follows a parameter"
 )
 
 
@@ -92,3 +94,16 @@ def parse_rule(regex: str, spec: str) -> tuple[re.Pattern[str], PartitionSpec]:
     except re.error as error:
         raise ValueError(f"invalid regex {regex!r} ({error})") from None
     return compiled, parse_spec(spec)
+
+
+def parse_rule_value(text: str) -> PartitionSpec | Host:
+    """A rules file's value: a spec (`parse_spec`), or `host(SPEC)` for that
+    layout in host memory (`host()`: the layout of the parameter an array
+    follows). Raises `ValueError` saying what is wrong; each caller adds where."""
+    body = text.strip()
+    if not (body.startswith("host(") and body.endswith(")")):
+        return parse_spec(body)
+    inner = body[len("host(") : -1].strip()
+    if inner.startswith("host("):
+        raise ValueError(f"{body!r} puts host memory in host memory; write it once")
+    return Host(parse_spec(inner) if inner else None)
