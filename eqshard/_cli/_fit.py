@@ -16,6 +16,7 @@ and `UsageError`, the command's one-line errors.
 
 import argparse
 import dataclasses
+import functools as ft
 import hashlib
 import importlib
 import importlib.util
@@ -42,7 +43,7 @@ from .._readers._plan import TrainingPlan
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
-from .._spectree._memory import Host
+from .._spectree._memory import Host, map_layout, offloads
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
@@ -223,26 +224,10 @@ def fsdp_rules(
 ) -> list[tuple[Any, Any]]:
     """`rules` with FSDP over `axes` added to each spec, and a last rule that
     shards whatever they leave out."""
-    out: list[tuple[Any, Any]] = [
-        (regex, _fsdp(spec, axes, min_size, mesh)) for regex, spec in rules
-    ]
-    out.append((".*", auto_fsdp(axes, min_size=min_size, mesh=mesh)))
+    fsdp = ft.partial(auto_fsdp, axes, min_size=min_size, mesh=mesh)
+    out = [(regex, map_layout(spec, lambda s: fsdp(base=s))) for regex, spec in rules]
+    out.append((".*", fsdp()))
     return out
-
-
-def _fsdp(
-    spec: PartitionSpec | Host,
-    axes: tuple[str, ...],
-    min_size: int,
-    mesh: Mesh | AbstractMesh,
-) -> Any:
-    """A rule's value with FSDP over `axes` added; a layout in host memory stays
-    there (`host()`, the layout of a parameter, as it is)."""
-    if isinstance(spec, Host):
-        return (
-            spec if spec.spec is None else Host(_fsdp(spec.spec, axes, min_size, mesh))
-        )
-    return auto_fsdp(axes, base=spec, min_size=min_size, mesh=mesh)
 
 
 def propose_rules(
@@ -262,8 +247,9 @@ def propose_rules(
         )
     tried = []
     for min_size in THRESHOLDS:
-        specs = match_partition_rules(fsdp_rules(rules, mesh, axes, min_size), shapes)
-        tried.append((specs, plan(specs), min_size))
+        fitted = fsdp_rules(rules, mesh, axes, min_size)
+        specs = match_partition_rules(fitted, shapes)
+        tried.append((specs, plan(fitted if offloads(rules) else specs), min_size))
         if tried[-1][1].fits:
             break
     return tried[-1]
@@ -549,7 +535,9 @@ def training_memory(
     plan_for = _plan_for(shapes, mesh, options)
     print()
     if not options.fit:
-        plan, seconds = timed(lambda: plan_for(specs))
+        plan, seconds = timed(
+            lambda: plan_for(list(rules) if offloads(rules) else specs)
+        )
         timer("training plan", seconds, what)
         _print_plan(plan)
         return 0 if plan.fits else 1
@@ -567,7 +555,9 @@ def training_memory(
         f"from {origin}, plus FSDP over {axes} for arrays of at least "
         f"{min_size:,} elements (eqshard.auto_fsdp).",
     ]
-    text = rules_text(shapes, specs, header=header)
+    text = rules_text(shapes, specs, header=header) + "".join(
+        f"{regex}  host()\n" for regex, value in rules if value == Host(None)
+    )
     if plan.fits:
         print("rules that fit (a --rules file):")
     else:

@@ -533,7 +533,7 @@ def plan_training(
         state_specs = state_pairs(state, by_path)
         if rules is not None:
             state_specs = ruled_state_pairs(
-                rules, trained_params, state_tree, mesh, caller
+                rules, trained_params, state_tree, state_specs, mesh=mesh, caller=caller
             )
         state_leaves = [leaf for _, leaf in state]
         state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)

@@ -8,14 +8,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._spectree._follow import follow_spec, replicated_like
-from .._spectree._memory import is_host_memory
-from .._spectree._rules import rules_to_specs
+from .._spectree._memory import Host, HOST_MEMORY, in_memory, is_host_memory
+from .._spectree._rules import compile_rules, rules_to_specs
 from .._spectree._specs import leaf_specs
+from .._tree import path_name
 from .._typing import KeyPath
 from ._strategy import analyze_pairs
 
@@ -41,11 +43,21 @@ def state_pairs(
 
 
 def ruled_state_pairs(
-    rules: Any, params: PyTree, state: PyTree, mesh: Any, caller: str
+    rules: Any,
+    params: PyTree,
+    state: PyTree,
+    followed: list[tuple[KeyPath, Any]],
+    *,
+    mesh: Any,
+    caller: str,
 ) -> list[tuple[KeyPath, Any]]:
-    """The optimizer state's specs by `rules`, matched against `(params, state)`
-    as `init_sharded` matches a state built with its model (followers and host
-    rules included), as `(path, spec)` pairs of the state's leaves."""
+    """The optimizer state's specs, `followed` (`state_pairs`) but where a host
+    rule of `rules` is the first to match a leaf's path in `(params, state)`, as
+    [`eqshard.init_sharded`][] matches a state built with its model: `host()`
+    keeps the followed layout in host memory, `host(spec)` gives its own."""
+    compiled = compile_rules(rules, caller)
+    if not any(isinstance(value, Host) for _, value in compiled):
+        return followed
     both = rules_to_specs(
         rules,
         (params, state),
@@ -54,7 +66,15 @@ def ruled_state_pairs(
         on_invalid="ignore",
         caller=caller,
     )
-    return leaf_specs(both[1], state, caller=caller)
+    ruled = leaf_specs(both[1], state, caller=caller)
+    out = []
+    for (path, spec), (_, own) in zip(followed, ruled, strict=True):
+        name = path_name((jtu.SequenceKey(1), *path), "/")
+        value = next((v for r, v in compiled if r.search(name)), None)
+        if isinstance(value, Host):
+            spec = in_memory(spec, HOST_MEMORY) if value.spec is None else own
+        out.append((path, spec))
+    return out
 
 
 def host_bytes(

@@ -146,6 +146,19 @@ def in_memory(spec: Any, memory_kind: str | None) -> Any:
     return spec if isinstance(spec, Host) else Host(spec)
 
 
+def map_layout(value: Any, fn: Any) -> Any:
+    """`fn(layout)` for a rule's value (the layout inside `host(...)` kept in
+    host memory; `host()` as it is): e.g. FSDP added to each rule's spec."""
+    if isinstance(value, Host):
+        return value if value.spec is None else Host(fn(value.spec))
+    return fn(value)
+
+
+def offloads(rules: Iterable[tuple[Any, Any]]) -> bool:
+    """Whether partition rules keep arrays in host memory (a value `host(...)`)."""
+    return any(isinstance(value, Host) for _, value in rules)
+
+
 def is_host_memory(sharding: Any) -> bool:
     """Whether a sharding (or a spec leaf) places in host memory."""
     kind = getattr(sharding, "memory_kind", None)
