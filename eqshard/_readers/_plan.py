@@ -28,6 +28,7 @@ from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
 from .._typing import (
     check_choice,
+    KeyPath,
     ON_INVALID,
     OnInvalid,
     typecheck,
@@ -513,29 +514,13 @@ def plan_training(
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
     state_report = None
     if optimizer is not None:
-        treedef = jtu.tree_structure(params)
         trained_params = jtu.tree_unflatten(
-            treedef,
-            [
-                leaf if train else None
-                for leaf, train in zip(abstract, trained, strict=True)
-            ],
+            jtu.tree_structure(params),
+            [leaf if t else None for leaf, t in zip(abstract, trained, strict=True)],
         )
-        state_tree = jax.eval_shape(optimizer.init, trained_params)
-        state = jtu.tree_flatten_with_path(state_tree)[0]
-        if state_dtype is not None:
-            state = [(path, _abstract(x, state_dtype)) for path, x in state]
-        by_path = {
-            tuple(path): (tuple(leaf.shape), spec)
-            for (path, spec), leaf, train in zip(pairs, abstract, trained, strict=True)
-            if train
-        }
-        state_specs = state_pairs(state, by_path)
-        if rules is not None:
-            state_specs = ruled_state_pairs(
-                rules, trained_params, state_tree, state_specs, mesh=mesh, caller=caller
-            )
-        state_leaves = [leaf for _, leaf in state]
+        state_leaves, state_specs = _state(
+            optimizer, trained_params, pairs, rules, _abstract, state_dtype, mesh
+        )
         state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
         parts.append((state_leaves, state_specs))
     total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
@@ -555,3 +540,35 @@ def plan_training(
         host_bytes_per_device=tuple(host.tolist()),
         copy_bytes_per_device=tuple(copy.tolist()),
     )
+
+
+def _state(
+    optimizer: Any,
+    trained_params: PyTree,
+    pairs: list[tuple[KeyPath, Any]],
+    rules: Any,
+    abstract: Callable[[Any, Any], Any],
+    state_dtype: Any,
+    mesh: Mesh | AbstractMesh,
+) -> tuple[list[Any], list[tuple[KeyPath, Any]]]:
+    """The optimizer state of the trained parameters (`None` where not
+    trained), made abstractly in `state_dtype`, and the `(path, spec)` of each
+    of its arrays: following its parameter, or by `rules` where they hold host
+    rules."""
+    state_tree = jax.eval_shape(optimizer.init, trained_params)
+    state = jtu.tree_flatten_with_path(state_tree)[0]
+    if state_dtype is not None:
+        state = [(path, abstract(x, state_dtype)) for path, x in state]
+    by_path = {
+        tuple(path): (tuple(leaf.shape), spec)
+        for (path, spec), leaf in zip(
+            pairs, jtu.tree_leaves(trained_params, is_leaf=lambda x: x is None)
+        )
+        if leaf is not None
+    }
+    specs = state_pairs(state, by_path)
+    if rules is not None:
+        specs = ruled_state_pairs(
+            rules, trained_params, state_tree, specs, mesh=mesh, caller="plan_training"
+        )
+    return [leaf for _, leaf in state], specs
