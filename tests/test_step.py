@@ -511,7 +511,7 @@ def _edited(text, path, value):
         (
             lambda text: _edited(text, ("format",), True),
             "'format'",
-            "the format version 1",
+            "a format version 1 or 2",
         ),
         (
             lambda text: _edited(text, ("arguments", 0, "typo"), 1),

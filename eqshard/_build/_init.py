@@ -42,6 +42,7 @@ from .._internals import jaxpr as jaxprs, routes
 from .._internals.closures import closed_over
 from .._internals.program_keys import program_key
 from .._mesh._current import concrete_mesh
+from .._mesh._targets import require_runnable
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree
 from .._spectree._spec_args import resolve_specs
@@ -473,5 +474,10 @@ def init_sharded(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    run, _, inputs, _, assemble = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
+    run, _, inputs, shapes, assemble = sharded_init(
+        fn, args, kwargs, specs=specs, mesh=mesh
+    )
+    for leaf in jtu.tree_leaves(shapes):
+        require_runnable("init_sharded", leaf.sharding.mesh)
+        break
     return assemble(run(*host_private(inputs)))

@@ -16,6 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from .._typing import AxisTypesArg, Int, typecheck
+from ._targets import GPU_PREFIXES, target_devices
 
 
 # One builder per kind of message.
@@ -151,9 +152,20 @@ def _build_mesh(
     axis_types: AxisTypesArg,
     *,
     keep_device_order: bool = False,
+    target: tuple[str, int] | None = None,
 ) -> Mesh:
-    """The mesh behind `create_mesh` and `get_jax_mesh`."""
-    devs = resolve_devices(caller, devices, backend)
+    """The mesh behind `create_mesh` and `get_jax_mesh`; `target` is a target's
+    name and number of slices."""
+    if target is not None and (devices is not None or backend is not None):
+        which = "devices=" if devices is not None else f"backend={backend!r}"
+        raise ValueError(
+            f"eqshard.{caller}: pass either {which} or target={target[0]!r}, not "
+            "both: a target brings its own devices."
+        )
+    if target is None:
+        devs = resolve_devices(caller, devices, backend)
+    else:
+        devs = target_devices(caller, target[0], num_slices=target[1])
     # Devices left idle by default are a costly typo; `devices=` chooses them.
     names = _check_shape(caller, dims, names, len(devs), use_all=devices is None)
     types = _axis_types(caller, names, axis_types)
@@ -164,7 +176,39 @@ def _build_mesh(
         array = np.empty(len(devs), dtype=object)
         array[:] = devs
         return Mesh(array.reshape(shape), names, axis_types=types)
+    if target is not None and target[1] > 1:
+        return _sliced_mesh(caller, shape, names, devs, types, target[1])
+    if target is not None:
+        # A target's mesh may split a physical axis (8 x 8 over a 4x4x4 torus),
+        # as a user of that pod would arrange it.
+        array = mesh_utils.create_device_mesh(
+            shape, devs, allow_split_physical_axes=True
+        )
+        return Mesh(array, names, axis_types=types)
     return jax.make_mesh(shape, names, axis_types=types, devices=devs)
+
+
+def _sliced_mesh(
+    caller: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    devices: list[Any],
+    types: tuple[AxisType, ...],
+    num_slices: int,
+) -> Mesh:
+    """A mesh over `num_slices` slices: the first axis whose size they divide
+    runs across them (DCN), every other step inside one slice (ICI)."""
+    axis = next((i for i, d in enumerate(shape) if d % num_slices == 0), None)
+    if axis is None:
+        raise _shape_error(
+            caller, shape, names, f"no axis size is a multiple of num_slices="
+            f"{num_slices}; make one axis (usually the data axis) a multiple of "
+            "it, or lay the slices out with create_hybrid_mesh."
+        )  # fmt: skip
+    dcn = tuple(num_slices if i == axis else 1 for i in range(len(shape)))
+    ici = tuple(d // c for d, c in zip(shape, dcn))
+    array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    return Mesh(array, names, axis_types=types)
 
 
 _DEFAULT_NAMES = ("dp", "fsdp", "tp", "sp")
@@ -178,6 +222,8 @@ def create_mesh(
     devices: Sequence[Any] | None = None,
     backend: str | None = None,
     axis_types: AxisTypesArg = None,
+    target: str | None = None,
+    num_slices: Int = 1,
 ) -> Mesh:
     """Build a named device mesh from sizes or a mesh string; one size of `-1`
     takes the remaining devices.
@@ -200,6 +246,19 @@ def create_mesh(
     sharding is ambiguous is an error until it is named, which Equinox's layers
     do not do: see the how-to "Explicit axes".
 
+    With `target`, the mesh is made of compile-only devices of hardware this
+    machine need not have: a TPU slice (a JAX topology such as `"v5e:2x4"` or
+    `"v5p:8x8x8"`, or a Cloud TPU name such as `"v5p-1024"`, `"v4-128"`,
+    `"v5litepod-256"`, `"v6e-256"`; `v4-N` and `v5p-N` count TensorCores, two to
+    a chip and one JAX device) or NVIDIA GPUs (`"h100"`, `"h200"`,
+    `"a100-40g"`, `"a100-80g"`, `"b200"`: one host of 8, or `"h100:8x8"` for 8
+    hosts of 8). Steps compile for them with the real compiler
+    ([`eqshard.analyze_step`][], [`eqshard.search_layout`][], `.lower(...)
+    .compile()` of abstract arguments); nothing runs on them, and the process's
+    default backend stays what it was. TPUs need `pip install "eqshard[tpu]"`,
+    GPUs `pip install "eqshard[gpu]"` and `JAX_PLATFORMS=cpu` set before JAX
+    starts (see the how-to "Will it fit?").
+
     **Arguments:**
 
     - `axis_dims`: the size of each axis (at most one is `-1`), or a mesh string.
@@ -210,6 +269,10 @@ def create_mesh(
     - `backend`: the JAX backend to take devices from when `devices` is not given.
     - `axis_types`: one `jax.sharding.AxisType` for every axis (such as
       `AxisType.Explicit`) or one per axis (default all `Auto`).
+    - `target`: hardware to compile for instead of this machine's devices.
+    - `num_slices`: with a TPU `target`, that many slices over DCN (devices
+      with `slice_index`); with a GPU one, that many copies of the hosts. The
+      first axis whose size is a multiple of `num_slices` runs across them.
 
     **Returns:**
 
@@ -217,13 +280,16 @@ def create_mesh(
 
     **Raises:**
 
-    `ValueError` if sizes and names (or `axis_types` and names) differ in length,
-    a name repeats, more than one size is `-1`, a size is `0` or below `-1`, or
-    the sizes do not fit the device count (more than there are, or, unless
-    `devices` is given, fewer: the message gives both numbers); for a mesh string,
-    naming the offending entry (an empty entry, a size that is not an integer, an
-    unknown or repeated name, named and positional entries mixed). `TypeError` for
-    a bare string as `axis_names`.
+    `ValueError` for an unknown `target` (listing the names known), `target`
+    with `devices` or `backend`, or a GPU target in a process whose JAX started
+    without `JAX_PLATFORMS=cpu`; `ImportError` naming the extra to install when
+    the target's compiler is missing. `ValueError` if sizes and names (or
+    `axis_types` and names) differ in length, a name repeats, more than one size
+    is `-1`, a size is `0` or below `-1`, or the sizes do not fit the device
+    count (more than there are, or, unless `devices` is given, fewer: the message
+    gives both numbers); for a mesh string, naming the offending entry (an empty
+    entry, a size that is not an integer, an unknown or repeated name, named and
+    positional entries mixed). `TypeError` for a bare string as `axis_names`.
 
     !!! Example
 
@@ -234,8 +300,17 @@ def create_mesh(
         dict(mesh.shape)  # {"tp": 2, "dp": 4}
         mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), axis_types=AxisType.Explicit)
         mesh.axis_types  # (Explicit, Explicit)
+        pod = eqshard.create_mesh((64, 8), ("fsdp", "tp"), target="v5p-1024")
+        pod.devices.size  # 512 TPU v5p chips, compile-only
         ```
     """
+    slices = operator.index(num_slices)
+    if target is None and slices != 1:
+        raise ValueError(
+            f"eqshard.create_mesh: num_slices={slices} is for a target's slices; "
+            "give target= too, or leave num_slices out."
+        )
+    on = None if target is None else (target, slices)
     if isinstance(axis_dims, str):
         return _string_mesh(
             "create_mesh",
@@ -245,10 +320,13 @@ def create_mesh(
             backend,
             axis_types,
             argname="axis_names",
+            target=on,
         )
     dims = tuple(map(operator.index, axis_dims))
     names = _DEFAULT_NAMES if axis_names is None else axis_names
-    return _build_mesh("create_mesh", dims, names, devices, backend, axis_types)
+    return _build_mesh(
+        "create_mesh", dims, names, devices, backend, axis_types, target=on
+    )
 
 
 def _parse_mesh_string(
@@ -304,6 +382,7 @@ def _string_mesh(
     axis_types: AxisTypesArg,
     *,
     argname: str,
+    target: tuple[str, int] | None = None,
 ) -> Mesh:
     """The mesh of a mesh string, for `create_mesh` and `get_jax_mesh`."""
     given = None if names is None else _names_tuple(caller, names)
@@ -316,6 +395,7 @@ def _string_mesh(
         backend,
         axis_types,
         keep_device_order=keep_order,
+        target=target,
     )
 
 
@@ -395,6 +475,8 @@ def create_hybrid_mesh(
     *,
     devices: Sequence[Any] | None = None,
     axis_types: AxisTypesArg = None,
+    target: str | None = None,
+    num_slices: Int | None = None,
 ) -> Mesh:
     """Build a mesh over several slices or hosts: fast (ICI) axes inside each one,
     slow (DCN) axes across them.
@@ -413,6 +495,11 @@ def create_hybrid_mesh(
     - `axis_names`: one distinct name per axis.
     - `devices`: the devices (default `jax.devices()`).
     - `axis_types`: as for [`eqshard.create_mesh`][] (default all `Auto`).
+    - `target`: compile-only devices of this hardware instead, as for
+      [`eqshard.create_mesh`][]: a TPU slice name or a GPU name such as
+      `"h100:8x8"` (whose hosts are the DCN units).
+    - `num_slices`: with a TPU `target`, the number of slices (default the
+      product of `dcn_mesh_shape`).
 
     **Returns:**
 
@@ -420,10 +507,10 @@ def create_hybrid_mesh(
 
     **Raises:**
 
-    `ValueError` if the three sequences differ in length, a name repeats, a size
-    is not positive, the product of `dcn_mesh_shape` is neither the number of
-    slices nor of processes, or a unit does not hold exactly
-    `prod(ici_mesh_shape)` devices.
+    As [`eqshard.create_mesh`][] for `target`; `ValueError` if the three
+    sequences differ in length, a name repeats, a size is not positive, the
+    product of `dcn_mesh_shape` is neither the number of slices nor of
+    processes, or a unit does not hold exactly `prod(ici_mesh_shape)` devices.
 
     !!! Example
 
@@ -439,8 +526,23 @@ def create_hybrid_mesh(
     _check_shape(caller, ici, axis_names, None)
     names = _check_shape(caller, dcn, axis_names, None)
     types = _axis_types(caller, names, axis_types)
-    devs = resolve_devices(caller, devices, None)
     num_units = math.prod(dcn)
+    if target is not None and devices is not None:
+        raise ValueError(
+            f"eqshard.{caller}: pass either devices= or target={target!r}, not "
+            "both: a target brings its own devices."
+        )
+    if target is None and num_slices is not None:
+        raise ValueError(
+            f"eqshard.{caller}: num_slices={num_slices} is for a target's slices; "
+            "give target= too, or leave num_slices out."
+        )
+    if target is not None:
+        slices = 1 if target.startswith(GPU_PREFIXES) else num_units
+        slices = slices if num_slices is None else operator.index(num_slices)
+        devs = target_devices(caller, target, num_slices=slices)
+    else:
+        devs = resolve_devices(caller, devices, None)
     attr = _unit_attribute(devs, num_units)
     if attr is None:
         slices = len({getattr(d, "slice_index", 0) for d in devs})

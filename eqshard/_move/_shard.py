@@ -46,6 +46,7 @@ from jaxtyping import PyTree
 
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh._current import concrete_mesh
+from .._mesh._targets import require_runnable
 from .._spectree._memory import Host
 from .._spectree._spec_args import resolve_like, resolve_specs
 from .._spectree._specs import (
@@ -373,6 +374,7 @@ def shard_tree(
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
     blocks (`host_local`) and, in one process, donated buffers (`donate`)."""
+    require_runnable(caller, mesh)
     agreed = agreed_alone
     if jax.process_count() > 1:
         # All processes compare their trees: a process whose tree differs could

@@ -43,6 +43,7 @@ from .._caches import register
 from .._internals.jaxpr import boundary_of
 from .._internals.routes import Unrecognised
 from .._internals.xla import Captured, captured_stderr
+from .._mesh._targets import compiler_versions
 from .._transforms._explicit import explained
 from .._tree import path_name
 from .._typing import typecheck, warn
@@ -70,7 +71,11 @@ _KEEP = 32  # reports kept per function
 
 @typecheck
 def analyze_step(
-    fn: Callable[..., Any], *args: Any, capture_warnings: bool = True, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    capture_warnings: bool = True,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> StepReport:
     """Compiles `fn` for these arguments, without running it, and reports what the
     program communicates and holds on each device, named by tree path.
@@ -86,6 +91,13 @@ def analyze_step(
     how-to "What does my step communicate?" tells how collectives are tied to
     leaves, and the figures' limits.
 
+    On a target mesh ([`eqshard.create_mesh`][]'s `target=`, such as
+    `"v5p-1024"` or `"h100:8x8"`), the step is compiled by that hardware's own
+    compiler, here, and the report reads its program: collectives inside
+    fusions and async pairs, loop trip counts, whether the schedule overlaps
+    each collective with computation, and the peak as that backend holds it;
+    `report.memory.fits()` then compares with the target's device memory.
+
     **Arguments:**
 
     - `fn`: the step.
@@ -95,6 +107,9 @@ def analyze_step(
       descriptor 2), so it is redirected to a temporary file while the step
       compiles, and what was logged is written on to it afterwards. `False`
       leaves standard error alone; `report.warnings` is then empty.
+    - `compiler_options`: XLA options to compile with (as
+      `jax.jit(...).lower(...).compile(compiler_options=...)` takes them),
+      recorded in the report.
 
     **Returns:**
 
@@ -118,11 +133,14 @@ def analyze_step(
     call = arguments(fn, args, kwargs)
     key = call.key()
     cache = _cache_for(fn)
+    options = _options(compiler_options)
     if key is not None:
-        key = (key, capture_warnings)
+        key = (key, capture_warnings, options)
     if cache is not None and key is not None and key in cache:
         return cache[key]
-    report = _analyze(fn, call, capture_warnings=capture_warnings)
+    report = _analyze(
+        fn, call, compiler_options=compiler_options, capture_warnings=capture_warnings
+    )
     if cache is not None and key is not None:
         if len(cache) >= _KEEP:
             del cache[next(iter(cache))]
@@ -148,6 +166,11 @@ def analysis_report(
         compiler_options=compiler_options,
         capture_warnings=capture_warnings,
     )
+
+
+def _options(options: dict[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """Compiler options as the report records them: sorted, values as text."""
+    return tuple(sorted((str(k), str(v)) for k, v in (options or {}).items()))
 
 
 def _cache_for(fn: Any) -> dict[Any, StepReport] | None:
@@ -225,7 +248,13 @@ def _analyze(
 ) -> StepReport:
     traced = _trace(fn, call)
     compiled = _compile(traced, compiler_options, capture_warnings)
-    return _report(fn, call, traced, compiled)
+    report = _report(fn, call, traced, compiled)
+    devices = _devices(compiled)
+    return dataclasses.replace(
+        report,
+        versions=tuple(sorted(compiler_versions(devices).items())),
+        compiler_options=_options(compiler_options),
+    )
 
 
 def _step(fn: Callable[..., Any], call: Arguments, out_paths: list[str]) -> Any:
@@ -305,6 +334,14 @@ def _compile(
     return _Compiled(program, stats, in_shardings, out_shardings, mesh, captured.text)
 
 
+def _devices(compiled: _Compiled) -> list[Any]:
+    """The devices the program was compiled for."""
+    if compiled.mesh is not None:
+        return list(compiled.mesh.devices.flat)
+    shardings = compiled.in_shardings + compiled.out_shardings
+    return sorted({d for s in shardings for d in s.device_set}, key=lambda d: d.id)
+
+
 def _report(
     fn: Callable[..., Any], call: Arguments, traced: _Traced, compiled: _Compiled
 ) -> StepReport:
@@ -337,7 +374,7 @@ def _report(
         else (),
         arguments=arguments,
         outputs=outputs,
-        memory=memory(compiled.stats),
+        memory=memory(compiled.stats, _devices(compiled)),
         collectives=tuple(
             collective_row(c, paths, out_paths, mesh)
             for c in compiled.program.collectives()

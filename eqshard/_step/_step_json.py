@@ -14,7 +14,11 @@ import typing
 from typing import Any
 
 
-FORMAT = 1  # the version of `to_json`'s format
+FORMAT = 2  # the version of `to_json`'s format
+# Earlier formats still read: their reports lack fields added since, which
+# take their defaults (format 1: the host bytes, platform and device memory,
+# versions and compiler options, whether a collective overlaps).
+_READABLE = (1, 2)
 
 MISSING: Any = object()  # a field not in the document
 UNSHOWN: Any = object()  # a problem with the text, not with a value
@@ -40,6 +44,7 @@ class _Reader:
     choices: dict[tuple[type, str], tuple[str, ...]]
     least: dict[tuple[type, str], int]
     problems: list[Problem] = dataclasses.field(default_factory=list)
+    defaults: bool = False  # whether a missing field with a default takes it
 
     def checked(self, cls: type, data: Any, path: str) -> Any:
         """The dataclass `cls` from its dict, or `None` with its problems added."""
@@ -60,7 +65,12 @@ class _Reader:
         for f in fields:
             where = f"{path}/{f.name}" if path else f.name
             if f.name not in data:
-                self.problems.append(Problem(where, _expected(hints[f.name]), MISSING))
+                has_default = f.default is not dataclasses.MISSING or (
+                    f.default_factory is not dataclasses.MISSING
+                )
+                if not (self.defaults and has_default):
+                    expected = _expected(hints[f.name])
+                    self.problems.append(Problem(where, expected, MISSING))
                 continue
             least = self.least.get((cls, f.name), 0)
             value = self.value(hints[f.name], data[f.name], where, least=least)
@@ -76,6 +86,11 @@ class _Reader:
         at least `least`, a bool), or `None` with its problems added."""
         if dataclasses.is_dataclass(hint):
             return self.checked(typing.cast(type, hint), value, path)
+        optional = _optional(hint)
+        if optional is not None:
+            if value is None:
+                return None
+            return self.value(optional, value, path, least=least)
         if typing.get_origin(hint) is tuple:
             return self.items(hint, value, path)
         # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
@@ -127,10 +142,10 @@ def read_report(
         raise _json_error([Problem("", "an object", data)])
     data = dict(data)
     version = data.pop("format", MISSING)
-    if type(version) is not int or version != FORMAT:
-        reader.problems.append(
-            Problem("format", f"the format version {FORMAT}", version)
-        )
+    if type(version) is not int or version not in _READABLE:
+        listed = " or ".join(map(str, _READABLE))
+        reader.problems.append(Problem("format", f"a format version {listed}", version))
+    reader.defaults = version != FORMAT
     version = data.pop("jax", MISSING)
     if type(version) is not str:
         reader.problems.append(Problem("jax", "the JAX version, a string", version))
@@ -140,7 +155,18 @@ def read_report(
     return report
 
 
+def _optional(hint: Any) -> Any:
+    """`X` of a hint `X | None`, else `None`."""
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
 def _expected(hint: Any) -> str:
+    optional = _optional(hint)
+    if optional is not None:
+        return f"{_expected(optional)} or null"
     if dataclasses.is_dataclass(hint):
         return f"an object ({typing.cast(type, hint).__name__})"
     if typing.get_origin(hint) is tuple:

@@ -111,9 +111,15 @@ class CollectiveRow:
 class StepMemory:
     """Per-device bytes of the compiled program, from XLA's memory analysis.
 
-    `peak_bytes` is `argument + output + temp - alias`. XLA's own
-    `xla_peak_bytes` is shown beside it: on CPU it leaves temporaries out, so a
-    fit is never decided by it.
+    `peak_bytes` is what the program holds at its peak on its backend
+    (`platform`): on TPU and GPU, XLA's own `xla_peak_bytes`, which follows
+    the schedule (TPU often reports `temp_bytes` as 0 while its peak is real);
+    on CPU, whose `xla_peak_bytes` leaves temporaries out,
+    `argument + output + temp - alias`. The `host_*` figures are the bytes in
+    host memory (XLA's `host_*_size_in_bytes`; 0 where the backend reports
+    none). `device_memory` is the memory of one device of a target mesh
+    ([`eqshard.create_mesh`][]'s `target=`), the default budget of `fits` and
+    `headroom`; `None` otherwise.
     """
 
     argument_bytes: int
@@ -121,23 +127,43 @@ class StepMemory:
     temp_bytes: int
     alias_bytes: int
     xla_peak_bytes: int
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_temp_bytes: int = 0
+    platform: str = "cpu"
+    device_memory: int | None = None
 
     @property
     def peak_bytes(self) -> int:
+        if self.platform in ("tpu", "gpu") and self.xla_peak_bytes > 0:
+            return self.xla_peak_bytes
         return (
             self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
         )
 
-    def headroom(self, device_memory: int | str) -> int:
+    def headroom(self, device_memory: int | str | None = None) -> int:
         """`device_memory - peak_bytes` (negative when it does not fit);
-        `device_memory` in bytes or as a string such as `"16GiB"`."""
-        return (
-            parse_bytes(device_memory, caller="StepMemory.headroom") - self.peak_bytes
-        )
+        `device_memory` in bytes or as a string such as `"16GiB"`, by default
+        the target's (`self.device_memory`)."""
+        return self._budget("headroom", device_memory) - self.peak_bytes
 
-    def fits(self, device_memory: int | str) -> bool:
-        """Whether `peak_bytes` fits in `device_memory`."""
-        return self.headroom(device_memory) >= 0
+    def fits(self, device_memory: int | str | None = None) -> bool:
+        """Whether `peak_bytes` fits in `device_memory` (by default the
+        target's, `self.device_memory`)."""
+        return self._budget("fits", device_memory) >= self.peak_bytes
+
+    def _budget(self, method: str, device_memory: int | str | None) -> int:
+        caller = f"StepMemory.{method}"
+        if device_memory is not None:
+            return parse_bytes(device_memory, caller=caller)
+        if self.device_memory is None:
+            raise ValueError(
+                f"eqshard.{caller}: device_memory is None and the report knows no "
+                "device memory (it does only for a target mesh, made by "
+                "eqshard.create_mesh(..., target=...)). Pass device_memory, e.g. "
+                f"report.memory.{method}('16GiB')."
+            )
+        return self.device_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +262,9 @@ class StepReport(Report):
       at every call.
     - `warnings`: XLA's [`StepWarning`][eqshard._step._step_report.StepWarning]s of
       this compile.
+    - `versions`: `(package, version)` of JAX, jaxlib and the target's compiler
+      (`libtpu`, `jax-cuda12-plugin`) the step was compiled with.
+    - `compiler_options`: the XLA options it was compiled with, as text.
     """
 
     function: str
@@ -246,6 +275,14 @@ class StepReport(Report):
     collectives: tuple[CollectiveRow, ...]
     moved: tuple[MovedInput, ...] = ()
     warnings: tuple[StepWarning, ...] = ()
+    versions: tuple[tuple[str, str], ...] = ()
+    compiler_options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def device_memory(self) -> int | None:
+        """The memory of one device of the target the step was compiled for
+        (`memory.device_memory`), or `None` for this machine's devices."""
+        return self.memory.device_memory
 
     # -- totals -------------------------------------------------------------------
 
@@ -336,7 +373,15 @@ class StepReport(Report):
             x, y = sums[0].get((path, kind), 0), sums[1].get((path, kind), 0)
             if x != y:
                 changes.append(StepChange(path, kind, x, y))
-        for field in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
+        for field in (
+            "argument_bytes",
+            "output_bytes",
+            "temp_bytes",
+            "alias_bytes",
+            "host_argument_bytes",
+            "host_output_bytes",
+            "host_temp_bytes",
+        ):
             x, y = getattr(self.memory, field), getattr(other.memory, field)
             if x != y:
                 changes.append(StepChange("memory", field, x, y))
@@ -383,7 +428,9 @@ class StepReport(Report):
             f"outputs {format_bytes(m.output_bytes)}, temporaries "
             f"{format_bytes(m.temp_bytes)}, aliased {format_bytes(m.alias_bytes)}: "
             f"peak {format_bytes(m.peak_bytes)} "
-            f"(XLA's peak_memory_in_bytes: {format_bytes(m.xla_peak_bytes)})",
+            f"(XLA's peak_memory_in_bytes on {m.platform}: "
+            f"{format_bytes(m.xla_peak_bytes)})",
+            *_host_and_budget(m),
             f"collectives: {len(self.collectives)} instructions, "
             f"{sum(r.count for r in self.collectives)} runs, "
             f"{format_bytes(self.total_bytes)} per device per step; "
@@ -481,6 +528,25 @@ class StepReport(Report):
 
 
 _COLUMNS = ("kind", "shape", "dtype", "bytes", "count", "axes", "leaves")
+
+
+def _host_and_budget(m: StepMemory) -> list[str]:
+    """The summary's lines for host memory and the target's device memory."""
+    lines = []
+    host = (m.host_argument_bytes, m.host_output_bytes, m.host_temp_bytes)
+    if any(host):
+        lines.append(
+            f"host memory per device: arguments {format_bytes(host[0])}, outputs "
+            f"{format_bytes(host[1])}, temporaries {format_bytes(host[2])}"
+        )
+    if m.device_memory is not None:
+        room = m.device_memory - m.peak_bytes
+        verdict = "fits" if room >= 0 else "DOES NOT FIT"
+        lines.append(
+            f"device memory {format_bytes(m.device_memory)}: {verdict}, "
+            f"{format_bytes(abs(room))} {'to spare' if room >= 0 else 'over'}"
+        )
+    return lines
 
 
 # What `from_json` checks beyond the types: the values of a closed vocabulary,

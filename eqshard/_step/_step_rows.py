@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from .._internals.xla import logged_warnings
+from .._mesh._targets import device_memory
 from ._hlo_flow import Collective, Part, Program
 from ._step_args import Leaf, spec_text
 from ._step_report import (
@@ -66,14 +67,20 @@ def moved(leaf: Leaf, row: StepLeaf, program: Sharding) -> MovedInput | None:
     return MovedInput(row.path, row.shape, row.dtype, have, row.spec)
 
 
-def memory(stats: Any) -> StepMemory:
-    """The figures of XLA's `memory_analysis()`."""
+def memory(stats: Any, devices: Sequence[Any]) -> StepMemory:
+    """The figures of XLA's `memory_analysis()` of a program for `devices`."""
+    platform = devices[0].platform if devices else "cpu"
     return StepMemory(
         argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         xla_peak_bytes=int(getattr(stats, "peak_memory_in_bytes", 0)),
+        host_argument_bytes=int(getattr(stats, "host_argument_size_in_bytes", 0)),
+        host_output_bytes=int(getattr(stats, "host_output_size_in_bytes", 0)),
+        host_temp_bytes=int(getattr(stats, "host_temp_size_in_bytes", 0)),
+        platform="gpu" if platform == "cuda" else platform,
+        device_memory=device_memory(devices),
     )
 
 

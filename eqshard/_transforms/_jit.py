@@ -40,7 +40,8 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh
 from jaxtyping import PyTree
 
-from .._mesh._current import mesh_repr
+from .._mesh._current import find_mesh, mesh_repr
+from .._mesh._targets import compile_only_error
 from .._move._host import host_private
 from .._spectree._logical import LogicalRules, RulesContext
 from .._spectree._specs import is_spec_leaf
@@ -497,13 +498,22 @@ class JitFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise keywords_error(self._caller, self.__name__, kwargs)
-        if not self._donation.quiet:
+        try:
+            if self._donation.quiet:
+                with warnings.catch_warnings():
+                    # As `eqx.filter_jit(donate="all")`: buffers that no output can
+                    # reuse are donated in vain, which is no news.
+                    warnings.filterwarnings("ignore", message="Some donated buffers")
+                    return self._call(args)
             return self._call(args)
-        with warnings.catch_warnings():
-            # As `eqx.filter_jit(donate="all")`: buffers that no output can reuse
-            # are donated in vain, which is no news.
-            warnings.filterwarnings("ignore", message="Some donated buffers")
-            return self._call(args)
+        except (AttributeError, RuntimeError) as error:
+            # What JAX raises running a program for a target's compile-only
+            # devices ("no attribute 'local_devices'", "UNIMPLEMENTED").
+            given = getattr(self._resolve, "mesh", None)
+            failure = compile_only_error(self._caller, find_mesh(self._mesh or given))
+            if failure is not None:
+                raise failure from error
+            raise
 
     def _call(self, args: tuple[Any, ...]) -> Any:
         # The common case first: every argument is an array of a type seen before.

@@ -1,0 +1,257 @@
+"""Tests for compile-only target meshes (`create_mesh(target=...)`): real TPU
+(libtpu) and GPU (JAX's CUDA plugin) compilers, on this CPU machine."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqshard
+
+
+_GiB = 1 << 30
+
+
+def _step(w, x):
+    """A small step whose compile gathers `w` and reduces over `dp`."""
+    loss = lambda w: jnp.mean(jnp.tanh(x @ w) ** 2)
+    return w - 0.1 * jax.grad(loss)(w)
+
+
+def _abstract(mesh, dtype=jnp.float32):
+    w = jax.ShapeDtypeStruct((256, 256), dtype, sharding=NamedSharding(mesh, P("tp")))
+    x = jax.ShapeDtypeStruct((64, 256), dtype, sharding=NamedSharding(mesh, P("dp")))
+    return w, x
+
+
+# Names: Cloud TPU's accelerator types, as the issue's table gives them.
+
+
+@pytest.mark.parametrize(
+    "target, devices, kind",
+    [
+        ("v4-128", 64, "TPU v4"),  # 128 TensorCores: 64 megacore chips
+        ("v5p-1024", 512, "TPU v5"),
+        ("v5litepod-256", 256, "TPU v5 lite"),
+        ("v5e-256", 256, "TPU v5 lite"),
+        ("v6e-256", 256, "TPU v6 lite"),
+        ("v5e:2x4", 8, "TPU v5 lite"),
+        ("v5p:2x2x2", 8, "TPU v5"),
+    ],
+)
+def test_tpu_names_give_the_cloud_tpu_device_counts(target, devices, kind):
+    mesh = eqshard.create_mesh((-1,), ("fsdp",), target=target)
+    assert mesh.devices.size == devices
+    assert {d.platform for d in mesh.devices.flat} == {"tpu"}
+    assert {d.device_kind for d in mesh.devices.flat} == {kind}
+    assert jax.default_backend() == "cpu"  # the process's backend is unchanged
+
+
+def test_v4_128_is_the_4x4x4_topology_and_splits_its_axes():
+    mesh = eqshard.create_mesh((8, 8), ("fsdp", "tp"), target="v4-128")
+    coords = np.array([d.coords for d in mesh.devices.flat])
+    assert coords.max(axis=0).tolist() == [3, 3, 3]
+
+
+# Every shipped GPU name compiles a step; its memory is the spec's.
+
+
+@pytest.mark.parametrize(
+    "target, kind, memory",
+    [
+        ("h100", "NVIDIA H100 80GB HBM3", 84942979072),
+        ("h200", "NVIDIA H200 141GB HBM3e", 151397597184),
+        ("a100-40g", "NVIDIA A100-SXM4-40GB", 42331013120),
+        ("a100-80g", "NVIDIA A100-SXM4-80GB", 85100068864),
+        ("b200", "NVIDIA B200", 191514411008),
+    ],
+)
+def test_every_gpu_name_compiles_a_step(target, kind, memory):
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target=target)
+    assert {d.device_kind for d in mesh.devices.flat} == {kind}
+    report = eqshard.analyze_step(_step, *_abstract(mesh, jnp.bfloat16))
+    assert report.memory.platform == "gpu"
+    assert report.memory.peak_bytes == report.memory.xla_peak_bytes > 0
+    assert report.device_memory == int(memory * 0.75)
+    assert ("jax-cuda12-plugin", jax.__version__) in report.versions
+
+
+def test_gpu_hosts_are_processes_and_the_dcn_units_of_a_hybrid_mesh():
+    mesh = eqshard.create_mesh((8, 8), ("dp", "tp"), target="h100:8x8")
+    assert len({d.process_index for d in mesh.devices.flat}) == 8
+    hybrid = eqshard.create_hybrid_mesh((1, 8), (8, 1), ("dp", "tp"), target="h100:8x8")
+    for row in hybrid.devices:  # each dp row is one host's 8 GPUs
+        assert len({d.process_index for d in row}) == 1
+
+
+def test_tpu_slices_run_over_the_first_axis_that_they_divide():
+    mesh = eqshard.create_mesh((4, 4), ("dp", "tp"), target="v5e:2x4", num_slices=2)
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert slices[:, 0].tolist() == [0, 0, 1, 1]
+    assert (slices == slices[:, :1]).all()  # tp stays inside a slice
+    hybrid = eqshard.create_hybrid_mesh((2, 4), (2, 1), ("dp", "tp"), target="v5e-8")
+    assert sorted({d.slice_index for d in hybrid.devices.flat}) == [0, 1]
+
+
+def test_device_memory_follows_the_preallocation_fraction(monkeypatch):
+    mesh = eqshard.create_mesh((8,), ("dp",), target="a100-40g")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    report = eqshard.analyze_step(lambda w: w * 2, w)
+    assert report.device_memory == 42331013120 // 2
+
+
+# The report on a target: peak, budget, JSON.
+
+
+def test_tpu_report_decides_by_xla_peak_and_the_chips_memory():
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
+    w, x = _abstract(mesh)
+    report = eqshard.analyze_step(_step, w, x, compiler_options={})
+    compiled = jax.jit(_step).lower(w, x).compile().memory_analysis()
+    assert compiled is not None
+    assert report.memory.peak_bytes == compiled.peak_memory_in_bytes
+    assert report.memory.platform == "tpu"
+    assert report.device_memory == 16 * _GiB
+    assert report.memory.fits() and report.memory.headroom() > 15 * _GiB
+    assert not report.memory.fits(report.memory.peak_bytes - 1)
+    assert dict(report.versions)["libtpu"]
+    again = eqshard.StepReport.from_json(report.to_json())
+    assert again == report and again.device_memory == 16 * _GiB
+
+
+def test_fits_without_a_budget_names_the_argument():
+    mesh = eqshard.create_mesh((8,), ("dp",))
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+    report = eqshard.analyze_step(lambda w: w + 1, w)
+    assert report.device_memory is None and report.memory.platform == "cpu"
+    with pytest.raises(ValueError, match=r"StepMemory.fits: device_memory is None"):
+        report.memory.fits()
+    data = json.loads(report.to_json())
+    assert data["format"] == 2
+    # A format-1 report (before this release) reads, with the new fields' defaults.
+    for field in ("host_argument_bytes", "host_output_bytes", "host_temp_bytes"):
+        del data["memory"][field]
+    del data["memory"]["platform"], data["memory"]["device_memory"]
+    del data["versions"], data["compiler_options"]
+    data["format"] = 1
+    old = eqshard.StepReport.from_json(json.dumps(data))
+    assert old.memory == report.memory and old.versions == ()
+    data["format"] = 2
+    with pytest.raises(ValueError, match=r"at 'memory/platform': expected a string"):
+        eqshard.StepReport.from_json(json.dumps(data))
+
+
+def test_compiler_options_are_recorded():
+    mesh = eqshard.create_mesh((8,), ("dp",))
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+    options = {"xla_backend_optimization_level": 0}
+    report = eqshard.analyze_step(lambda w: w + 1, w, compiler_options=options)
+    assert report.compiler_options == (("xla_backend_optimization_level", "0"),)
+
+
+# Nothing runs on a target.
+
+
+def test_data_cannot_be_placed_or_run_on_a_target_mesh():
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
+    message = r"compile-only devices \(TPU v5 lite"
+    with pytest.raises(ValueError, match=r"eqshard.shard: .*" + message):
+        eqshard.shard({"w": np.ones((8, 8), np.float32)}, P("dp"), mesh)
+    with pytest.raises(ValueError, match=r"eqshard.init_sharded: .*" + message):
+        eqshard.init_sharded(lambda: {"w": jnp.ones((8, 8))}, specs=P("dp"), mesh=mesh)
+    step = eqshard.filter_jit(lambda w: w * 2, in_specs=P("dp"), mesh=mesh)
+    step.lower(eqshard.abstract(jnp.ones((8, 8)), P("dp"), mesh)).compile()
+    with pytest.raises(ValueError, match=r"eqshard.filter_jit: .*" + message):
+        step(np.ones((8, 8), np.float32))
+
+
+# Bad names and arguments.
+
+
+@pytest.mark.parametrize(
+    "target, kwargs, message",
+    [
+        ("a100", {}, r"'a100-40g' or 'a100-80g'"),
+        ("tpu-v9", {}, r"unknown name\. Known: .*'v5p-1024'.*'h100', 'h200'"),
+        ("v5p-1000", {}, r"counts TensorCores \(two per chip\); N=1000"),
+        ("h100:0x8", {}, r"'h100:HOSTSxGPUS'"),
+        ("v5e:2x4", {"devices": jax.devices()}, r"either devices= or target="),
+        ("v5e:3x3", {}, r"libtpu cannot make the topology 'v5e:3x3'"),
+    ],
+)
+def test_bad_targets_say_what_to_write(target, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        eqshard.create_mesh((-1,), ("dp",), target=target, **kwargs)
+
+
+def test_sizes_must_use_every_device_of_the_target():
+    with pytest.raises(ValueError, match=r"multiply to 4, fewer than the 8 devices"):
+        eqshard.create_mesh((2, 2), ("dp", "tp"), target="h100")
+    with pytest.raises(ValueError, match=r"num_slices=2 is for a target's slices"):
+        eqshard.create_mesh((8,), ("dp",), num_slices=2)
+
+
+# The process's environment: the GPU route needs JAX_PLATFORMS=cpu from the start;
+# libtpu is loaded by several processes at once.
+
+_GPU_SCRIPT = textwrap.dedent(
+    """
+    import jax
+    jax.devices()  # JAX starts here
+    import eqshard
+    try:
+        mesh = eqshard.create_mesh((8,), ("dp",), target="h100")
+    except ValueError as error:
+        print("ERROR", error)
+    else:
+        print("OK", mesh.devices.size)
+    """
+)
+
+
+def _python(code: str, **env: str) -> subprocess.Popen:
+    environment = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**environment, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # the plugins' start-up lines
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_gpu_target_needs_jax_platforms_set_before_jax_starts():
+    late, early = _python(_GPU_SCRIPT), _python(_GPU_SCRIPT, JAX_PLATFORMS="cpu")
+    late_out, _ = late.communicate(timeout=120)
+    early_out, _ = early.communicate(timeout=120)
+    assert early_out.strip() == "OK 8"
+    assert late_out.startswith("ERROR eqshard.create_mesh: target='h100': ")
+    assert "Set JAX_PLATFORMS=cpu" in late_out
+
+
+_TPU_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import eqshard
+    mesh = eqshard.create_mesh((8,), ("dp",), target="v5e:2x4")
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    print("OK", eqshard.analyze_step(lambda x: x @ x, x).memory.platform)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_compile_for_tpus_at_once():
+    runs = [_python(_TPU_SCRIPT, JAX_PLATFORMS="cpu") for _ in range(2)]
+    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    assert [out.strip() for out in outputs] == ["OK tpu", "OK tpu"]
