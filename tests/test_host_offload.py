@@ -12,7 +12,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqshard
-from tests.fakes import HostDevice
 
 
 OPTIMIZER = optax.adamw(1e-2)
@@ -203,9 +202,65 @@ def test_rules_file_writes_and_reads_host():
     ]
 
 
+def _analyzed(mesh, rules, make=_make):
+    shapes = jax.eval_shape(make, jax.random.key(0))
+    step = eqshard.filter_jit(
+        _step,
+        in_specs=(P("dp"), rules),
+        out_specs=(1, P()),
+        donate="all-except-first",
+        mesh=mesh,
+    )
+    rows = shapes[0]["w1"].shape[0]
+    x = eqshard.abstract(jax.ShapeDtypeStruct((8, rows), jnp.float32), P("dp"), mesh)
+    report = eqshard.analyze_step(step, x, eqshard.abstract(shapes, rules, mesh))
+    plan = eqshard.plan_training(shapes[0], rules, mesh, optimizer=OPTIMIZER)
+    return report, plan
+
+
+def test_analyze_step_on_cpu_counts_host_bytes_by_memory_kind(mesh):
+    report, plan = _analyzed(mesh, HOST_RULES)
+    memory = report.memory
+    assert memory.platform == "cpu"
+    assert memory.host_argument_bytes == plan.host_bytes_per_device[0] > 0
+    assert memory.host_output_bytes == plan.host_bytes_per_device[0]
+    (note,) = [w for w in report.warnings if w.message.startswith("eqshard:")]
+    assert "XLA:CPU reports no host memory" in note.message
+    assert "state/1/0/mu/w1" in note.paths
+    device, _ = _analyzed(mesh, RULES)
+    assert device.memory.host_argument_bytes == 0
+    assert not device.warnings
+
+
+@pytest.mark.slow
+def test_analyze_step_on_a_tpu_target_agrees_with_the_plan():
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
+
+    def make(key):  # every shard a whole number of TPU tiles: no padding
+        k1, k2 = jax.random.split(key)
+        w1, w2 = jax.random.normal(k1, (256, 1024)), jax.random.normal(k2, (1024, 256))
+        params = {"w1": w1, "w2": w2, "b": jnp.zeros((256,))}
+        return params, OPTIMIZER.init(params)
+
+    rules = [("w1", P(None, "tp")), ("w2", P("tp", None)), (".*", P())]
+    host_rules = [("(mu|nu)/w", eqshard.host()), *rules]
+    report, plan = _analyzed(mesh, host_rules, make)
+    device, _ = _analyzed(mesh, rules, make)
+    assert report.memory.platform == "tpu"
+    # XLA's own figures: the host arguments are the plan's host bytes, exactly,
+    # and the device arguments drop by them.
+    host = plan.host_bytes_per_device[0]
+    assert report.memory.host_argument_bytes == host > 0
+    assert device.memory.argument_bytes - report.memory.argument_bytes == host
+    assert not any(w.message.startswith("eqshard:") for w in report.warnings)
+
+
 def test_no_host_memory_names_the_backend():
-    # Stand-in devices of a backend that reports no memory kinds.
-    devices = np.array([HostDevice(i, 0, platform="gpu") for i in range(8)])
-    gpu = jax.sharding.Mesh(devices, ("dp",), axis_types=(AxisType.Auto,))
+    # The compile-only GPU devices report no memory kinds.
+    gpu = eqshard.create_mesh((8,), ("dp",), target="h100")
     with pytest.raises(ValueError, match="'x' asks for host memory.*'gpu' backend"):
         eqshard.named_shardings({"x": eqshard.host(P("dp"))}, gpu)
+    step = eqshard.filter_jit(lambda x: x, in_specs=eqshard.host(P("dp")), mesh=gpu)
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    with pytest.raises(ValueError, match="in_specs.*'gpu' backend"):
+        step.lower(x)
