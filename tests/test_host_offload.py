@@ -227,9 +227,6 @@ def test_analyze_step_on_cpu_counts_host_bytes_by_memory_kind(mesh):
     (note,) = [w for w in report.warnings if w.message.startswith("eqshard:")]
     assert "XLA:CPU reports no host memory" in note.message
     assert "state/1/0/mu/w1" in note.paths
-    device, _ = _analyzed(mesh, RULES)
-    assert device.memory.host_argument_bytes == 0
-    assert not device.warnings
 
 
 @pytest.mark.slow
