@@ -514,12 +514,13 @@ def plan_training(
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
     state_report = None
     if optimizer is not None:
-        trained_params = jtu.tree_unflatten(
-            jtu.tree_structure(params),
-            [leaf if t else None for leaf, t in zip(abstract, trained, strict=True)],
-        )
         state_leaves, state_specs = _state(
-            optimizer, trained_params, pairs, rules, _abstract, state_dtype, mesh
+            optimizer,
+            (jtu.tree_structure(params), abstract, trained, pairs),
+            rules,
+            _abstract,
+            state_dtype,
+            mesh,
         )
         state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
         parts.append((state_leaves, state_specs))
@@ -544,27 +545,29 @@ def plan_training(
 
 def _state(
     optimizer: Any,
-    trained_params: PyTree,
-    pairs: list[tuple[KeyPath, Any]],
+    params: tuple[Any, list[Any], list[bool], list[tuple[KeyPath, Any]]],
     rules: Any,
     abstract: Callable[[Any, Any], Any],
     state_dtype: Any,
     mesh: Mesh | AbstractMesh,
 ) -> tuple[list[Any], list[tuple[KeyPath, Any]]]:
-    """The optimizer state of the trained parameters (`None` where not
-    trained), made abstractly in `state_dtype`, and the `(path, spec)` of each
-    of its arrays: following its parameter, or by `rules` where they hold host
+    """The optimizer state of the trained parameters (`params`: their
+    structure, abstract leaves, whether each is trained, and `(path, spec)`
+    pairs), made abstractly in `state_dtype`, and the `(path, spec)` of each of
+    its arrays: following its parameter, or by `rules` where they hold host
     rules."""
+    treedef, leaves, trained, pairs = params
+    trained_params = jtu.tree_unflatten(
+        treedef, [leaf if t else None for leaf, t in zip(leaves, trained, strict=True)]
+    )
     state_tree = jax.eval_shape(optimizer.init, trained_params)
     state = jtu.tree_flatten_with_path(state_tree)[0]
     if state_dtype is not None:
         state = [(path, abstract(x, state_dtype)) for path, x in state]
     by_path = {
         tuple(path): (tuple(leaf.shape), spec)
-        for (path, spec), leaf in zip(
-            pairs, jtu.tree_leaves(trained_params, is_leaf=lambda x: x is None)
-        )
-        if leaf is not None
+        for (path, spec), leaf, t in zip(pairs, leaves, trained, strict=True)
+        if t
     }
     specs = state_pairs(state, by_path)
     if rules is not None:
