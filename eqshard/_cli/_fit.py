@@ -340,17 +340,14 @@ def _note_dead_rules(
     rules: Sequence[tuple[str, PartitionSpec | Host]], tree: PyTree
 ) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
+    # Host rules may be for the optimizer state, which `tree` does not hold.
+    dead = tuple(i for i in dead if not isinstance(rules[i][1], Host))
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
         print(
             f"note: {len(dead)} of the {len(rules)} rules matched no array (a typo, "
             f"or shadowed by an earlier rule): {listed}"
         )
-
-
-# ---------------------------------------------------------------------------------
-# Training-memory plans (--size, --model, --plan-only) and --fit.
-# ---------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------

@@ -278,6 +278,7 @@ def shard(
       `tree` has arrays) or a prefix of one (one spec for a whole subtree; `None`
       leaves that subtree where it is), partition rules, or a function of the
       abstract tree returning a spec tree (see [the spec-tree family](specs.md)).
+      [`eqshard.host`][]`(spec)` places in host memory (`"pinned_host"`).
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
     - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
