@@ -150,6 +150,29 @@ def test_plan_counts_host_bytes_apart(mesh):
     assert "in host memory" in plan.summary()
 
 
+def test_rules_place_followers_in_host_memory():
+    shapes = jax.eval_shape(_make, jax.random.key(0))
+    specs = eqshard.match_partition_rules(HOST_RULES, shapes)
+    assert specs[1][0].mu == {
+        "w1": eqshard.host(P("tp", "dp")),
+        "w2": eqshard.host(P(None, "tp")),
+        "b": eqshard.host(P()),
+    }
+    assert specs[1][0].count == P()
+    own = [("(mu|nu)/w1", eqshard.host(P("dp"))), *HOST_RULES]
+    assert eqshard.match_partition_rules(own, shapes)[1][0].nu["w1"] == eqshard.host(
+        P("dp")
+    )
+    # The report says what matching does.
+    report = eqshard.explain_partition_rules(own, shapes)
+    assert report.dead_rules == ()
+    by_path = {row.path: row.spec for row in report.rows}
+    assert by_path["1/0/nu/w1"] == eqshard.host(P("dp"))
+    assert by_path["1/0/nu/w2"] == eqshard.host(P(None, "tp"))
+    with pytest.raises(ValueError, match="'b'.*follows none"):
+        eqshard.match_partition_rules([(".*", eqshard.host())], shapes[0])
+
+
 def test_host_values():
     assert eqshard.host(eqshard.stacked(P("tp", None))) == eqshard.stacked(
         eqshard.host(P("tp", None))

@@ -427,7 +427,7 @@ def rules_to_specs(
     min_size = operator.index(min_size)
     compiled = compile_rules(rules, caller, source)
     matches = match_leaves(compiled, tree, min_size, sep, caller)
-    to_host = _host_followers(compiled, matches)
+    to_host = host_followers(compiled, matches)
     specs: list[PartitionSpec | Host | None] = []
     bad = []
     for leaf, name, rule in zip(
@@ -465,17 +465,18 @@ def _is_host_rule(compiled: Compiled, rule: int) -> bool:
     return rule >= 0 and isinstance(compiled[rule][1], Host)
 
 
-def _host_followers(compiled: Compiled, matches: Matches) -> set[int]:
+def host_followers(compiled: Compiled, matches: Matches) -> dict[int, int]:
     """Arrays that follow a parameter but whose first matching rule is a host
-    rule: with a spec (`host(P(...))`) they are matched by it; those left (whose
-    rule is `host()`) follow in host memory, and are returned."""
-    to_host = set()
+    rule: with a spec (`host(P(...))`) they are matched by it (`matches`
+    updated); those left (whose rule is `host()`) follow in host memory, and are
+    returned with their rule."""
+    to_host = {}
     for i in list(matches.follows):
         name = matches.names[i] or ""
         rule = next((j for j, (r, _) in enumerate(compiled) if r.search(name)), -1)
         value = compiled[rule][1] if rule >= 0 else None
         if isinstance(value, Host) and value.spec is None:
-            to_host.add(i)
+            to_host[i] = rule
         elif isinstance(value, Host):
             del matches.follows[i]
             matches.rules[i] = rule
