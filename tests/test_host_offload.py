@@ -210,6 +210,18 @@ def test_host_specs_in_spec_trees(mesh):
         eqshard.check_layout(eqshard.shard(tree, P(), mesh), specs, mesh)
 
 
+def test_layouts_inside_a_program_refuse_host_memory(mesh):
+    tree = eqshard.shard({"a": np.ones((8, 8), np.float32)}, P(), mesh)
+    specs = {"a": eqshard.host(P("dp"))}
+    with pytest.raises(TypeError, match="with_sharding_constraint.*host.*'a'"):
+        jax.jit(lambda t: eqshard.with_sharding_constraint(t, specs, mesh=mesh))(tree)
+    mapped = eqshard.filter_shard_map(
+        lambda t: t, in_specs=(specs,), out_specs=P("dp"), mesh=mesh
+    )
+    with pytest.raises(TypeError, match="filter_shard_map.*host.*'0/a'"):
+        mapped(tree)
+
+
 def test_rules_file_writes_and_reads_host():
     from eqshard._cli._main import parse_rules
     from eqshard._search._candidates import rules_text

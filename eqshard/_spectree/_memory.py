@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._tree import path_str
 from .._typing import typecheck
 from ._logical import AxisNames
 
@@ -191,6 +192,25 @@ def no_host_memory_error(caller: str, where: str, devices: Any) -> ValueError:
         "device memory (drop eqshard.host), or run on a backend whose devices "
         f"have {HOST_MEMORY!r} memory (TPU, GPU with its runtime, CPU)."
     )
+
+
+def refuse_host(
+    caller: str, pairs: Iterable[tuple[Any, Any]], argname: str, why: str
+) -> None:
+    """Raises a `TypeError` naming every leaf of `pairs` (`(path, spec)`) in
+    host memory, for a function where specs lay values out inside a program
+    (`why`) and do not move them between memories."""
+    paths = [path for path, spec in pairs if isinstance(spec, Host)]
+    if paths:
+        where = ", ".join(f"'{path_str(p)}'" for p in paths[:10])
+        more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+        raise TypeError(
+            f"eqshard.{caller}: `{argname}` asks for host memory (eqshard.host) at "
+            f"{where}{more}, but {why}, not which memory holds it. Give the layout "
+            "inside host(...) here; keep arrays in host memory between steps "
+            "with eqshard.filter_jit's in_specs/out_specs (inside a step of "
+            "your own: jax.device_put(x, sharding.with_memory_kind('pinned_host')))."
+        )
 
 
 def check_host_memory(caller: str, where: str, devices: Any) -> None:
