@@ -114,6 +114,7 @@ def test_init_sharded_builds_into_host_memory(mesh):
     np.testing.assert_array_equal(np.asarray(params["w1"]), np.asarray(expected))
 
 
+@pytest.mark.slow
 def test_save_restore_onto_another_mesh_keeps_memory_kinds(mesh, tmp_path):
     state = eqshard.init_sharded(_make, jax.random.key(2), specs=HOST_RULES, mesh=mesh)
     eqshard.save(tmp_path / "ckpt", state)
