@@ -195,6 +195,14 @@ def test_host_values():
         {"w": P("dp")},
         memory_kind="pinned_host",
     ) == {"mu": {"w": eqshard.host(P("dp"))}}
+    assert eqshard.derive_specs(
+        {"mu": {"w": jnp.zeros((8, 4))}},
+        {"w": jnp.zeros((8, 4))},
+        {"w": eqshard.host(P("dp"))},
+        memory_kind="device",
+    ) == {"mu": {"w": P("dp")}}
+    with pytest.raises(ValueError, match="memory_kind"):
+        eqshard.derive_specs({}, {}, {}, memory_kind="unpinned")  # pyright: ignore[reportArgumentType]
 
 
 def test_host_specs_in_spec_trees(mesh):

@@ -9,7 +9,7 @@ mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TYPE_CHECKING, TypeAlias
 
 import jax
 import jax.tree_util as jtu
@@ -44,6 +44,14 @@ from ._specs import (
     spec_error_message,
     SpecCheck,
 )
+
+
+# `derive_specs`' choices for `memory_kind`, checked by itself (as `_typing`'s
+# aliases of the arguments a function validates).
+if TYPE_CHECKING:
+    MemoryKind: TypeAlias = Literal["device", "pinned_host"]
+else:
+    MemoryKind = str
 
 
 def _struct(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -141,7 +149,7 @@ def derive_specs(
     param_specs: PyTree,
     *,
     on_invalid: OnInvalid = "raise",
-    memory_kind: Literal["device", "pinned_host"] | None = None,
+    memory_kind: MemoryKind | None = None,
 ) -> PyTree:
     """Specs for a tree that follows the parameters: an optimizer state, gradients,
     an EMA copy.
