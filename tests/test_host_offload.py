@@ -271,6 +271,7 @@ def test_analyze_step_on_cpu_counts_host_bytes_by_memory_kind(mesh):
     (note,) = [w for w in report.warnings if w.message.startswith("eqshard:")]
     assert "XLA:CPU reports no host memory" in note.message
     assert "state/1/0/mu/w1" in note.paths
+    assert eqshard.StepReport.from_json(report.to_json()) == report
 
 
 @pytest.mark.slow
