@@ -145,3 +145,89 @@ def config_for_size(target: int, mesh: Mesh) -> Config:
         return error + 0.02 * abs(math.log(config.dim / config.layers / 100))
 
     return min(candidates(), key=score)
+
+
+# A scan-stacked decoder step, as large models are written for TPU and GPU pods:
+# every layer's weights stacked on a leading axis, the layers a `jax.lax.scan`
+# with each layer rematerialised. `bench_targets.py` compiles it for targets
+# (50 B parameters, 80 layers) and `gpu_check.py` on a real GPU (small).
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    vocab: int
+    dim: int
+    hidden: int
+    layers: int
+    batch: int
+    seq: int
+    dtype: str = "bfloat16"
+
+    @property
+    def parameters(self) -> int:
+        d, f = self.dim, self.hidden
+        return self.layers * (4 * d * d + 2 * d * f) + 2 * self.vocab * d
+
+
+def scan_rules() -> list[tuple[str, object]]:
+    """FSDP x TP rules for `scan_params`: q/k/v and the MLP's first matrix split
+    on their output over `tp`, o and the second on their input."""
+    import eqshard
+
+    return [
+        ("embed", P("tp", "fsdp")),
+        ("blocks/w(q|k|v|1)", eqshard.stacked(P("fsdp", "tp"))),
+        ("blocks/w(o|2)", eqshard.stacked(P("tp", "fsdp"))),
+        ("head", P("fsdp", "tp")),
+        (".*", P()),
+    ]
+
+
+def scan_params(config: ScanConfig) -> dict:
+    """The step's parameters, abstract (`jax.ShapeDtypeStruct`s)."""
+    d, f, n, t = config.dim, config.hidden, config.layers, config.dtype
+    square = jax.ShapeDtypeStruct((n, d, d), t)
+    return {
+        "embed": jax.ShapeDtypeStruct((config.vocab, d), t),
+        "blocks": {
+            "wq": square,
+            "wk": square,
+            "wv": square,
+            "wo": square,
+            "w1": jax.ShapeDtypeStruct((n, d, f), t),
+            "w2": jax.ShapeDtypeStruct((n, f, d), t),
+        },
+        "head": jax.ShapeDtypeStruct((d, config.vocab), t),
+    }
+
+
+def scan_tokens(config: ScanConfig) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+
+
+def _layer(h: Array, w: dict) -> tuple[Array, None]:
+    """One causal attention (64-wide heads) and MLP layer on `h` (batch, seq, dim)."""
+    b, s, d = h.shape
+    heads = lambda x: x.reshape(b, s, d // 64, 64)
+    q, k, v = (heads(h @ w[name]) for name in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k).astype(jnp.float32) / 8.0
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    mixed = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(scores).astype(h.dtype), v)
+    h = h + mixed.reshape(b, s, d) @ w["wo"]
+    return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"], None
+
+
+def scan_step(params: dict, tokens: Array) -> tuple[dict, Array]:
+    """One SGD step of next-token cross-entropy; returns the new parameters and
+    the loss."""
+
+    def loss(p: dict) -> Array:
+        h = p["embed"][tokens]
+        h, _ = jax.lax.scan(jax.checkpoint(_layer), h, p["blocks"])
+        logits = (h @ p["head"]).astype(jnp.float32)[:, :-1]
+        targets = tokens[:, 1:]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value

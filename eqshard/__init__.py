@@ -90,7 +90,12 @@ from ._transforms._constraint import (
 )
 from ._transforms._explicit import auto_axes as auto_axes
 from ._transforms._filter_jit import filter_jit as filter_jit
+from ._transforms._pipeline import pipeline as pipeline
 from ._transforms._shard_map import filter_shard_map as filter_shard_map
+from ._transforms._stage_view import (
+    stage_view as stage_view,
+    unstage_view as unstage_view,
+)
 from ._tree import is_array as is_array, tree_path_to_string as tree_path_to_string
 from ._tree_utils import (
     flatten_tree as flatten_tree,
@@ -153,6 +158,9 @@ __all__ = [
     "corrected_spec",
     "named_shardings",
     "filter_shard_map",
+    "pipeline",
+    "stage_view",
+    "unstage_view",
     # Checkpoints.
     "save",
     "restore",

@@ -10,7 +10,7 @@ differs. The public tree utilities built on it (`flatten_tree`, `named_tree_map`
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.tree_util as jtu
@@ -390,3 +390,107 @@ def broadcast_prefix(
         for sub_path, _ in jtu.tree_flatten_with_path(subtree)[0]:
             out.append((path + sub_path, leaf))
     return out
+
+
+# ---------------------------------------------------------------- followers in lists
+
+
+class PathGroup(NamedTuple):
+    """A leaf listed with the leaves that follow it (`grouped_paths`): the index
+    of its path, and each follower's index and label (`mu`)."""
+
+    leader: int
+    followers: tuple[tuple[int, str], ...] = ()
+
+    def members(self) -> tuple[int, ...]:
+        return (self.leader, *(i for i, _ in self.followers))
+
+    @property
+    def suffix(self) -> str:
+        """`" (+ mu, nu)"`: the labels of the followers (`""` without any)."""
+        if not self.followers:
+            return ""
+        return f" (+ {', '.join(label for _, label in self.followers)})"
+
+    def name(self, paths: Sequence[str]) -> str:
+        """`blocks/3/attn/q/weight (+ mu, nu)`: the leader's path and the labels
+        of its followers."""
+        return paths[self.leader] + self.suffix
+
+
+def _follower_label(lead: list[str], follow: list[str]) -> str | None:
+    """The label of a path whose segments in front of the shared end are `follow`
+    when the leader's are `lead` (`mu` for `out/1/0/mu` against `out/0`), or
+    `None` if it does not follow: they differ just in front of the shared end;
+    after their common start, the leader's part is one segment naming the item
+    that holds it (an argument, `params`; or, below a common start, a tuple's
+    index: `out/0`), the follower's part starts with another item and ends
+    with a name that is not an index (the label). So `params/text/model/w` does
+    not follow `params/vision/w`: both are in the item `params`."""
+    if lead and follow and lead[-1] == follow[-1]:
+        return None
+    common = 0
+    while common < min(len(lead), len(follow)) and lead[common] == follow[common]:
+        common += 1
+    mine, theirs = lead[common:], follow[common:]
+    if len(mine) != 1 or len(theirs) <= 1:
+        return None
+    if common and not (mine[0].isdigit() and theirs[0].isdigit()):
+        return None
+    return None if theirs[-1].isdigit() else theirs[-1]
+
+
+def grouped_paths(
+    paths: Sequence[str], keys: Sequence[Any] | None = None
+) -> list[PathGroup]:
+    """`paths` (`/`-joined) grouped as an optimizer state's leaves follow their
+    parameter's: a path follows another of the list whose end it shares (the
+    parameter's own path, after the segments naming its tree: `params/`, with
+    the indices after it, `out/0/`, `out/0/0/`) when it is longer in front of
+    that end (`out/1/0/mu/`) and, with `keys`, has the same key (its shape, what
+    a message says of it). Each follower is labelled by the name in front of
+    the shared end (`mu`; its whole front where labels repeat). Groups come in
+    the order of their leaders; a path whose leader follows another stands
+    alone. Only what is shown is grouped: the reports keep every path."""
+    split = [p.split("/") for p in paths]
+    ends: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+    for i, segments in enumerate(split):
+        start = 1  # the tree holding it: `params`, `out/0`, `out/0/0`
+        while start < len(segments) - 1 and segments[start].isdigit():
+            start += 1
+        if start < len(segments):
+            ends.setdefault(tuple(segments[start:]), []).append((i, start))
+    leader_of: dict[int, tuple[int, str, tuple[str, ...]]] = {}
+    for q, segments in enumerate(split):
+        for cut in range(1, len(segments)):  # the longest shared end first
+            found = None
+            for p, start in ends.get(tuple(segments[cut:]), ()):
+                if p == q or (keys is not None and keys[p] != keys[q]):
+                    continue
+                label = _follower_label(split[p][:start], segments[:cut])
+                if label is not None:
+                    found = (p, label, tuple(segments[:cut]))
+                    break
+            if found is not None:
+                leader_of[q] = found
+                break
+    followers: dict[int, list[tuple[int, str, tuple[str, ...]]]] = {}
+    for q, (p, label, front) in leader_of.items():
+        if p not in leader_of:
+            followers.setdefault(p, []).append((q, label, front))
+    groups = []
+    for i in range(len(paths)):
+        if i in leader_of and leader_of[i][0] not in leader_of:
+            continue
+        own = followers.get(i, [])
+        labels = [label for _, label, _ in own]
+        groups.append(
+            PathGroup(
+                i,
+                tuple(
+                    (q, label if labels.count(label) == 1 else "/".join(front))
+                    for q, label, front in own
+                ),
+            )
+        )
+    return groups

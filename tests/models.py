@@ -1,12 +1,21 @@
 """Small Equinox models of the structures that third-party models have, for the
-lifecycle tests (tests/test_lifecycle.py): a scan-stacked encoder (as ESM2), a
-vision transformer, a bf16/fp32 language model with a tied head, a ResNet with
-`eqx.nn.BatchNorm` state, and a model holding `eqx.nn.StateIndex` caches in
-twice-stacked layers. Each has a `make(key)` returning what a training script
-builds, `(model, opt_state)` (or `(model, state, opt_state)`), a `train_step(batch,
-state)` returning the updated tree and the loss, a `batch`, and `big(key)`: the
-model in a larger configuration, for plans. Sizes are tiny, so that each
-compiles in about a second."""
+lifecycle tests (tests/test_lifecycle.py) and the search's candidates
+(tests/test_candidates.py), with the third-party names and shapes: a scan-stacked
+encoder (as ESM2: `query_proj`/`key_proj`/`value_proj`/`output_proj`,
+`fc1`/`fc2`), a vision transformer (as timm's: a fused `qkv` with `proj`), a
+bf16/fp32 language model with a tied head (Megalodon's attention: `wz` for the
+queries and keys, `wv`/`wr` with `wh2`; a gated MLP `fc1`/`fc3` with `fc2`), a
+ResNet with `eqx.nn.BatchNorm` state, a model holding `eqx.nn.StateIndex` caches
+in twice-stacked layers, a Llama-style decoder (grouped-query attention with
+per-head 3-D `W_Q`/`W_K`/`W_V`/`W_O`, rotary embeddings, SwiGLU `w1`/`w3` with
+`w2`) and a UNet (convolutions with `eqx.nn.GroupNorm`, skip connections). Each
+has a `make(key)` returning what a training script builds, `(model, opt_state)`
+(or `(model, state, opt_state)`), a `train_step(batch, state)` returning the
+updated tree and the loss, a `batch`, and `big(key)`: the model in a larger
+configuration, for plans. `ATTENTION` names, per model, the weights a person
+splits for tensor parallelism (q, k and v on their output, the output
+projection on its input). Sizes are tiny, so that each compiles in about a
+second."""
 
 import dataclasses
 import functools as ft
@@ -58,31 +67,59 @@ def _tokens(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ + 1), np.int32)
 
 
+HEADS = 4
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, causal=False) -> jax.Array:
+    """Attention of `(seq, heads, head_dim)` queries, keys and values."""
+    scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(q.shape[-1])
+    if causal:
+        mask = jnp.tril(jnp.ones(scores.shape[1:], bool))
+        scores = jnp.where(mask, scores, -1e9)
+    weights = jax.nn.softmax(scores.astype(jnp.float32)).astype(v.dtype)
+    return jnp.einsum("hqk,khd->qhd", weights, v)
+
+
+def _heads(x: jax.Array, heads: int) -> jax.Array:
+    return x.reshape(x.shape[0], heads, -1)
+
+
+def _self_attention(dim: int, key: jax.Array, heads: int) -> Any:
+    """ESM2's attention as Equinox builds it: `query_proj`, `key_proj`,
+    `value_proj` and `output_proj`, with biases, heads by a reshape."""
+    return eqx.nn.MultiheadAttention(
+        heads,
+        dim,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
+        key=key,
+    )
+
+
 class Block(eqx.Module):
-    """A pre-norm transformer block on one sequence `(seq, dim)`."""
+    """A pre-norm transformer block on one sequence `(seq, dim)` (ESM2's)."""
 
     ln1: eqx.nn.LayerNorm
-    qkv: eqx.nn.Linear
-    out: eqx.nn.Linear
+    attn: eqx.nn.MultiheadAttention
     ln2: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
 
-    def __init__(self, dim: int, key: jax.Array):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.ln1 = eqx.nn.LayerNorm(dim, use_bias=False)
-        self.qkv = eqx.nn.Linear(dim, 3 * dim, use_bias=False, key=k1)
-        self.out = eqx.nn.Linear(dim, dim, use_bias=False, key=k2)
-        self.ln2 = eqx.nn.LayerNorm(dim, use_bias=False)
-        self.up = eqx.nn.Linear(dim, 4 * dim, key=k3)
-        self.down = eqx.nn.Linear(4 * dim, dim, use_bias=False, key=k4)
+    def __init__(self, dim: int, key: jax.Array, heads: int = HEADS):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.ln1 = eqx.nn.LayerNorm(dim)
+        self.attn = _self_attention(dim, k1, heads)
+        self.ln2 = eqx.nn.LayerNorm(dim)
+        self.fc1 = eqx.nn.Linear(dim, 4 * dim, key=k2)
+        self.fc2 = eqx.nn.Linear(4 * dim, dim, key=k3)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = jnp.split(jax.vmap(self.qkv)(jax.vmap(self.ln1)(x)), 3, axis=-1)
-        attn = jax.nn.softmax(q @ k.T / jnp.sqrt(q.shape[-1]))
-        x = x + jax.vmap(self.out)(attn @ v)
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h)
         h = jax.vmap(self.ln2)(x)
-        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+        return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(h)))
 
 
 def _scan(blocks: Any, x: jax.Array) -> jax.Array:
@@ -120,11 +157,11 @@ class Encoder(eqx.Module):
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
 
-    def __init__(self, key: jax.Array, dim: int = 32, depth: int = 2):
+    def __init__(self, key: jax.Array, dim: int = 32, depth: int = 2, heads=HEADS):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = eqx.nn.Embedding(VOCAB, dim, key=k1)
         keys = jax.random.split(k2, depth)
-        self.layers = eqx.filter_vmap(lambda k: Block(dim, k))(keys)
+        self.layers = eqx.filter_vmap(lambda k: Block(dim, k, heads))(keys)
         self.norm = eqx.nn.LayerNorm(dim)
         self.head = eqx.nn.Linear(dim, VOCAB, key=k3)
 
@@ -136,14 +173,66 @@ class Encoder(eqx.Module):
 # ---------------------------------------------------------------- ViT
 
 
+class _VitAttention(eqx.Module):
+    """timm's attention: one fused `qkv` projection, read as `(3, heads,
+    head_dim)`, and `proj`."""
+
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, key: jax.Array, heads: int = HEADS):
+        k1, k2 = jax.random.split(key)
+        self.qkv = eqx.nn.Linear(dim, 3 * dim, key=k1)
+        self.proj = eqx.nn.Linear(dim, dim, key=k2)
+        self.heads = heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n, dim = x.shape
+        qkv = jax.vmap(self.qkv)(x).reshape(n, 3, self.heads, dim // self.heads)
+        q, k, v = jnp.moveaxis(qkv, 1, 0)
+        return jax.vmap(self.proj)(_attend(q, k, v).reshape(n, dim))
+
+
+class _VitMlp(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, dim: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(dim, 4 * dim, key=k1)
+        self.fc2 = eqx.nn.Linear(4 * dim, dim, key=k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(x)))
+
+
+class _VitBlock(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attn: _VitAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: _VitMlp
+
+    def __init__(self, dim: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(dim)
+        self.attn = _VitAttention(dim, k1)
+        self.norm2 = eqx.nn.LayerNorm(dim)
+        self.mlp = _VitMlp(dim, k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(jax.vmap(self.norm1)(x))
+        return x + self.mlp(jax.vmap(self.norm2)(x))
+
+
 class ViT(eqx.Module):
-    """A vision transformer: patches by a strided convolution, a class token,
-    position embeddings, a list of blocks, a classifier."""
+    """A vision transformer (timm's names): patches by a strided convolution, a
+    class token, position embeddings, a list of blocks, a classifier."""
 
     patch: eqx.nn.Conv2d
     cls: jax.Array
     pos: jax.Array
-    blocks: list[Block]
+    blocks: list[_VitBlock]
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
 
@@ -152,7 +241,7 @@ class ViT(eqx.Module):
         self.patch = eqx.nn.Conv2d(3, dim, 4, stride=4, use_bias=False, key=keys[0])
         self.cls = jax.random.normal(keys[1], (dim,)) * 0.02
         self.pos = jax.random.normal(keys[2], ((image // 4) ** 2 + 1, dim)) * 0.02
-        self.blocks = [Block(dim, k) for k in keys[4:]]
+        self.blocks = [_VitBlock(dim, k) for k in keys[4:]]
         self.norm = eqx.nn.LayerNorm(dim)
         self.head = eqx.nn.Linear(dim, 10, key=keys[3])
 
@@ -193,32 +282,55 @@ class _Dense(eqx.Module):
         return self.weight @ x
 
 
+def _rms(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMS norm in fp32, back to bf16."""
+    xf = x.astype(jnp.float32)
+    h = xf * jax.lax.rsqrt((xf**2).mean(-1, keepdims=True) + 1e-6) * scale
+    return h.astype(jnp.bfloat16)
+
+
 class _Layer(eqx.Module):
+    """Megalodon's layer: a shared `wz` for queries and keys (each scaled per
+    dimension), values `wv` and a gate `wr` (both through SiLU), the attention
+    gated by `r` into `wh2` beside `wh1` of the input; a SwiGLU `fc1`/`fc3`
+    with `fc2`."""
+
     norm: jax.Array  # fp32 RMS norm scale
-    wq: _Dense
-    wk: _Dense
+    wz: _Dense
+    qk_scale: jax.Array  # (2, dim) fp32
     wv: _Dense
-    wo: _Dense
-    up: _Dense
-    down: _Dense
+    wr: _Dense
+    wh1: _Dense
+    wh2: _Dense
+    ffn_norm: jax.Array
+    fc1: _Dense
+    fc3: _Dense
+    fc2: _Dense
 
     def __init__(self, dim: int, key: jax.Array):
-        keys = jax.random.split(key, 6)
+        keys = jax.random.split(key, 8)
         self.norm = jnp.ones(dim, jnp.float32)
-        self.wq, self.wk, self.wv, self.wo = (_Dense(dim, dim, k) for k in keys[:4])
-        self.up = _Dense(dim, 2 * dim, keys[4])
-        self.down = _Dense(2 * dim, dim, keys[5])
+        self.wz, self.wv, self.wr, self.wh1, self.wh2 = (
+            _Dense(dim, dim, k) for k in keys[:5]
+        )
+        self.qk_scale = jnp.ones((2, dim), jnp.float32)
+        self.ffn_norm = jnp.ones(dim, jnp.float32)
+        self.fc1 = _Dense(dim, 2 * dim, keys[5])
+        self.fc3 = _Dense(dim, 2 * dim, keys[6])
+        self.fc2 = _Dense(2 * dim, dim, keys[7])
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (seq, dim) bf16
-        xf = x.astype(jnp.float32)
-        h = (xf * jax.lax.rsqrt((xf**2).mean(-1, keepdims=True) + 1e-6)) * self.norm
-        h = h.astype(jnp.bfloat16)
-        q, k, v = (jax.vmap(w)(h) for w in (self.wq, self.wk, self.wv))
-        scores = (q @ k.T).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
-        mask = jnp.tril(jnp.ones(scores.shape, bool))
-        attn = jax.nn.softmax(jnp.where(mask, scores, -1e9)).astype(jnp.bfloat16)
-        x = x + jax.vmap(self.wo)(attn @ v)
-        return x + jax.vmap(self.down)(jax.nn.silu(jax.vmap(self.up)(x)))
+        h = _rms(x, self.norm)
+        z = jax.vmap(self.wz)(h)
+        q, k = ((z * s).astype(jnp.bfloat16) for s in self.qk_scale)
+        v = jax.nn.silu(jax.vmap(self.wv)(h))
+        r = jax.nn.silu(jax.vmap(self.wr)(h))
+        attn = _attend(*(_heads(a, HEADS) for a in (q, k, v)), causal=True)
+        gated = attn.reshape(x.shape) * r
+        x = x + jax.vmap(self.wh1)(h) + jax.vmap(self.wh2)(gated)
+        h = _rms(x, self.ffn_norm)
+        up = jax.nn.silu(jax.vmap(self.fc1)(h)) * jax.vmap(self.fc3)(h)
+        return x + jax.vmap(self.fc2)(up)
 
 
 def _where(pair: Any) -> Any:
@@ -328,23 +440,18 @@ def _make_resnet(key: jax.Array) -> Any:
 
 
 class _FlowLayer(eqx.Module):
-    """An attention layer with a key/value cache for sampling: the cache's
-    initial value is held by an `eqx.nn.StateIndex`."""
+    """An attention layer (transformer-flows' names) with a key/value cache for
+    sampling: the cache's initial value is held by an `eqx.nn.StateIndex`."""
 
-    qkv: eqx.nn.Linear
-    out: eqx.nn.Linear
+    attn: eqx.nn.MultiheadAttention
     cache: eqx.nn.StateIndex
 
     def __init__(self, dim: int, key: jax.Array):
-        k1, k2 = jax.random.split(key)
-        self.qkv = eqx.nn.Linear(dim, 3 * dim, key=k1)
-        self.out = eqx.nn.Linear(dim, dim, use_bias=False, key=k2)
+        self.attn = _self_attention(dim, key, HEADS)
         self.cache = eqx.nn.StateIndex(jnp.zeros((2, SEQ, dim)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = jnp.split(jax.vmap(self.qkv)(x), 3, axis=-1)
-        attn = jax.nn.softmax(q @ k.T / jnp.sqrt(q.shape[-1]))
-        return x + jax.vmap(self.out)(attn @ v)
+        return x + self.attn(x, x, x)
 
 
 class Flows(eqx.Module):
@@ -379,7 +486,166 @@ def _flows_step(batch: Any, state: Any) -> tuple[Any, jax.Array]:
     return _update(model, grads, opt_state), loss
 
 
-# ---------------------------------------------------------------- the five
+# ---------------------------------------------------------------- Llama-style
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embeddings on `(seq, heads, head_dim)`."""
+    seq, _, size = x.shape
+    freqs = 1.0 / 10000 ** (jnp.arange(0, size, 2) / size)
+    angles = jnp.arange(seq)[:, None] * freqs[None]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+class _GroupedAttention(eqx.Module):
+    """Grouped-query attention with per-head weights (TransformerLens's shapes):
+    `W_Q` `(heads, dim, head_dim)`, `W_K`/`W_V` `(kv_heads, dim, head_dim)`,
+    `W_O` `(heads, head_dim, dim)`."""
+
+    W_Q: jax.Array
+    W_K: jax.Array
+    W_V: jax.Array
+    W_O: jax.Array
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, key: jax.Array):
+        size = dim // heads
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        scale = dim**-0.5
+        self.W_Q = jax.random.normal(kq, (heads, dim, size)) * scale
+        self.W_K = jax.random.normal(kk, (kv_heads, dim, size)) * scale
+        self.W_V = jax.random.normal(kv, (kv_heads, dim, size)) * scale
+        self.W_O = jax.random.normal(ko, (heads, size, dim)) * scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q = _rotary(jnp.einsum("sd,hdk->shk", x, self.W_Q))
+        k = _rotary(jnp.einsum("sd,hdk->shk", x, self.W_K))
+        v = jnp.einsum("sd,hdk->shk", x, self.W_V)
+        group = self.W_Q.shape[0] // self.W_K.shape[0]
+        k, v = (jnp.repeat(a, group, axis=1) for a in (k, v))
+        return jnp.einsum("shk,hkd->sd", _attend(q, k, v, causal=True), self.W_O)
+
+
+class _SwiGLU(eqx.Module):
+    w1: eqx.nn.Linear  # the gate
+    w3: eqx.nn.Linear
+    w2: eqx.nn.Linear
+
+    def __init__(self, dim: int, hidden: int, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w1 = eqx.nn.Linear(dim, hidden, use_bias=False, key=k1)
+        self.w3 = eqx.nn.Linear(dim, hidden, use_bias=False, key=k2)
+        self.w2 = eqx.nn.Linear(hidden, dim, use_bias=False, key=k3)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+
+
+class _DecoderLayer(eqx.Module):
+    attention_norm: eqx.nn.RMSNorm
+    attention: _GroupedAttention
+    ffn_norm: eqx.nn.RMSNorm
+    feed_forward: _SwiGLU
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.attention_norm = eqx.nn.RMSNorm(dim)
+        self.attention = _GroupedAttention(dim, heads, kv_heads, k1)
+        self.ffn_norm = eqx.nn.RMSNorm(dim)
+        self.feed_forward = _SwiGLU(dim, 3 * dim, k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(jax.vmap(self.attention_norm)(x))
+        return x + jax.vmap(self.feed_forward)(jax.vmap(self.ffn_norm)(x))
+
+
+class Decoder(eqx.Module):
+    """A Llama-style decoder: an embedding, layers of grouped-query attention
+    and SwiGLU, a final RMS norm and an untied head."""
+
+    embed: eqx.nn.Embedding
+    layers: list[_DecoderLayer]
+    norm: eqx.nn.RMSNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, dim=32, depth=2, heads=2 * HEADS, kv_heads=HEADS):
+        keys = jax.random.split(key, depth + 2)
+        self.embed = eqx.nn.Embedding(VOCAB, dim, key=keys[0])
+        self.layers = [_DecoderLayer(dim, heads, kv_heads, k) for k in keys[2:]]
+        self.norm = eqx.nn.RMSNorm(dim)
+        self.head = eqx.nn.Linear(dim, VOCAB, use_bias=False, key=keys[1])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = jax.vmap(self.embed)(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# ---------------------------------------------------------------- UNet
+
+
+class _ConvBlock(eqx.Module):
+    """Two 3x3 convolutions, each followed by a group norm and a SiLU."""
+
+    conv1: eqx.nn.Conv2d
+    norm1: eqx.nn.GroupNorm
+    conv2: eqx.nn.Conv2d
+    norm2: eqx.nn.GroupNorm
+
+    def __init__(self, cin: int, cout: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.conv1 = eqx.nn.Conv2d(cin, cout, 3, padding=1, key=k1)
+        self.norm1 = eqx.nn.GroupNorm(HEADS, cout)
+        self.conv2 = eqx.nn.Conv2d(cout, cout, 3, padding=1, key=k2)
+        self.norm2 = eqx.nn.GroupNorm(HEADS, cout)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jax.nn.silu(self.norm1(self.conv1(x)))
+        return jax.nn.silu(self.norm2(self.conv2(x)))
+
+
+class UNet(eqx.Module):
+    """A UNet: an encoder block, a pooled one below it, a transposed
+    convolution up, a decoder block on the skip connection concatenated, and a
+    1x1 convolution out."""
+
+    down: _ConvBlock
+    bottom: _ConvBlock
+    up: eqx.nn.ConvTranspose2d
+    decode: _ConvBlock
+    out: eqx.nn.Conv2d
+
+    def __init__(self, key: jax.Array, channels: int = 8):
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        self.down = _ConvBlock(3, channels, k1)
+        self.bottom = _ConvBlock(channels, 2 * channels, k2)
+        self.up = eqx.nn.ConvTranspose2d(2 * channels, channels, 2, stride=2, key=k3)
+        self.decode = _ConvBlock(2 * channels, channels, k4)
+        self.out = eqx.nn.Conv2d(channels, 3, 1, key=k5)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        skip = self.down(x)
+        c, h, w = skip.shape
+        pooled = skip.reshape(c, h // 2, 2, w // 2, 2).mean((2, 4))
+        x = self.up(self.bottom(pooled))
+        return self.out(self.decode(jnp.concatenate([x, skip])))
+
+
+def _unet_step(batch: Any, state: Any) -> tuple[Any, jax.Array]:
+    model, opt_state = state
+    images, targets = batch
+
+    def loss_fn(model):
+        return jnp.mean((jax.vmap(model)(images) - targets) ** 2), None
+
+    (loss, _), grads = _value_and_grad(loss_fn, model)
+    return _update(model, grads, opt_state), loss
+
+
+# ---------------------------------------------------------------- the seven
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,4 +702,47 @@ CASES = {
         _RNG.normal(size=(BATCH, SEQ, 32)).astype(np.float32),
         lambda key: Flows(key, dim=1024, flows=8, layers=8),
     ),
+    "decoder": Case(
+        _with_optimizer(Decoder),
+        _lm_step,
+        _tokens(3),
+        lambda key: Decoder(key, dim=2048, depth=16, heads=32, kv_heads=8),
+    ),
+    "unet": Case(
+        _with_optimizer(UNet),
+        _unet_step,
+        (
+            _RNG.normal(size=(BATCH, 3, 8, 8)).astype(np.float32),
+            _RNG.normal(size=(BATCH, 3, 8, 8)).astype(np.float32),
+        ),
+        lambda key: UNet(key, channels=256),
+    ),
+}
+
+# The weights that tensor parallelism splits in each attention block: q, k and v
+# on their output (head) dimension, the output projection on its input, as
+# (path regex, dimension) for every model with attention. Stacked layers count
+# their leading axes. Megalodon's attention is `wv`/`wr` with `wh2` (and `wz`,
+# whose product is the queries and keys).
+ATTENTION: dict[str, list[tuple[str, int]]] = {
+    "esm2": [
+        (r"^layers/attn/(query|key|value)_proj/weight$", 1),
+        (r"^layers/attn/output_proj/weight$", 2),
+    ],
+    "vit": [
+        (r"^blocks/\d+/attn/qkv/weight$", 0),
+        (r"^blocks/\d+/attn/proj/weight$", 1),
+    ],
+    "mixed_lm": [
+        (r"^layers/\d+/w[zvr]/weight$", 0),
+        (r"^layers/\d+/wh2/weight$", 1),
+    ],
+    "flows": [
+        (r"^flows/attn/(query|key|value)_proj/weight$", 2),
+        (r"^flows/attn/output_proj/weight$", 3),
+    ],
+    "decoder": [
+        (r"^layers/\d+/attention/W_[QKV]$", 0),
+        (r"^layers/\d+/attention/W_O$", 0),
+    ],
 }

@@ -1,7 +1,8 @@
-# The door's reads of traced programs (eqshard/_internals/jaxpr.py): what they
-# find in JAX's own programs, and `Unrecognised` where a known primitive's
-# parameters are not laid out as they expect (the programs below are JAX's,
-# with one equation's parameters taken away, as a new JAX might lay them out).
+# The door's reads of traced programs (eqshard/_internals/jaxpr.py and
+# flow.py): what they find in JAX's own programs, and `Unrecognised` where a
+# known primitive's parameters are not laid out as they expect (the programs
+# below are JAX's, with one equation's parameters taken away, as a new JAX
+# might lay them out).
 import types
 
 import equinox as eqx
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from jax.extend.core import ClosedJaxpr
 
-from eqshard._internals import jaxpr as jaxprs
+from eqshard._internals import flow, jaxpr as jaxprs
 from eqshard._internals.routes import Unrecognised
 
 
@@ -38,10 +39,15 @@ def _step_program():
 
 
 def test_parameter_uses_of_a_stacked_step():
-    uses = jaxprs.parameter_uses(_step_program(), 2)
+    uses = flow.parameter_uses(_step_program(), 2)
     # `x @ w.T` contracts the layer's dimension 1 (dimension 2 of the stack, whose
-    # leading dimension the scan iterates over); the embedding is indexed on 0.
-    assert uses == [jaxprs.Use("dot", (2,), 1), jaxprs.Use("gather", (0,), 0)]
+    # leading dimension the scan iterates over) and keeps its dimension 1 (whose
+    # product nothing reduces before the last matrix's use); the embedding is
+    # indexed on 0.
+    assert uses == [
+        flow.Use("dot", (2,), 1, out=(1,), local=True),
+        flow.Use("gather", (0,), 0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -54,13 +60,28 @@ def test_parameter_uses_of_a_stacked_step():
 )
 def test_parameter_uses_refuse_what_they_do_not_recognise(name, params):
     with pytest.raises(Unrecognised, match=f"'{name}'.*'{params[0]}'"):
-        jaxprs.parameter_uses(_without(_step_program(), name, *params), 2)
+        flow.parameter_uses(_without(_step_program(), name, *params), 2)
 
 
 def test_a_dot_without_its_dimension_numbers_is_unrecognised():
     closed = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 4)))
     with pytest.raises(Unrecognised, match="dimension_numbers"):
-        jaxprs.parameter_uses(_without(closed, "dot_general", "dimension_numbers"), 2)
+        flow.parameter_uses(_without(closed, "dot_general", "dimension_numbers"), 2)
+
+
+def test_a_convolution_uses_its_kernel_on_its_features():
+    # OIHW: the kernel's input features (1) are contracted, its outputs (0) kept.
+    def conv(w, x):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+
+    closed = jax.make_jaxpr(conv)(jnp.ones((4, 3, 3, 3)), jnp.ones((1, 3, 8, 8)))
+    assert flow.parameter_uses(closed, 1) == [
+        flow.Use("conv", (1,), 0, out=(0,), local=True)
+    ]
+    with pytest.raises(Unrecognised, match="dimension_numbers"):
+        flow.parameter_uses(
+            _without(closed, "conv_general_dilated", "dimension_numbers"), 1
+        )
 
 
 def test_search_reads_an_unrecognised_step_as_other_uses_once():
@@ -71,7 +92,7 @@ def test_search_reads_an_unrecognised_step_as_other_uses_once():
         uses = parameter_uses(broken, 2)
         assert parameter_uses(broken, 2) == uses
     assert len(record) == 1
-    assert uses == [jaxprs.Use("other", (), 0)] * 2
+    assert uses == [flow.Use("other", (), 0)] * 2
 
 
 def _traced():

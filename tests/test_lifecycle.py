@@ -71,9 +71,9 @@ def _sharding_lines(fn):
 RULES = {
     # Layers stacked by filter_vmap and scanned: rules written for one layer.
     "esm2": [
-        ("qkv/weight|up/weight", eqshard.stacked(P("tp", None))),
-        ("out/weight|down/weight", eqshard.stacked(P(None, "tp"))),
-        ("up/bias", eqshard.stacked(P("tp"))),
+        ("(query|key|value)_proj/weight|fc1/weight", eqshard.stacked(P("tp", None))),
+        ("output_proj/weight|fc2/weight", eqshard.stacked(P(None, "tp"))),
+        ("fc1/bias", eqshard.stacked(P("tp"))),
         ("embed/weight", P(None, "tp")),
         ("head/weight", P("tp")),
         (".*", P()),
@@ -82,25 +82,39 @@ RULES = {
     # the (4, 2) mesh, its spec (and its moments') loses 'dp', with a warning.
     "vit": [
         ("patch/weight", P("tp")),
-        ("qkv/weight|up/weight", P("tp", None)),
-        ("out/weight|down/weight", P(None, "tp")),
+        ("qkv/weight|fc1/weight", P("tp", None)),
+        ("proj/weight|fc2/weight", P(None, "tp")),
         ("head/weight", P("dp", "tp")),
         (".*", P()),
     ],
     # bf16 weights, fp32 norms, the head tied to the embedding (eqx.nn.Shared).
     "mixed_lm": [
         ("tied/pytree/0/weight", P("tp")),
-        ("w[qkv]/weight|up/weight", P("tp")),
-        ("wo/weight|down/weight", P(None, "tp")),
+        ("w[zvr]/weight|fc[13]/weight", P("tp")),
+        ("wh2/weight|fc2/weight", P(None, "tp")),
         (".*", P()),
     ],
     # BatchNorm's running statistics in eqx.nn.State, next to the model.
     "resnet": [("(stem|conv\\d)/weight", P("tp")), (".*", P())],
     # Layers stacked twice, each with a KV cache held by an eqx.nn.StateIndex.
     "flows": [
-        ("qkv/weight", eqshard.stacked(P("tp", None))),
-        ("out/weight", eqshard.stacked(P(None, "tp"))),
+        ("(query|key|value)_proj/weight", eqshard.stacked(P("tp", None))),
+        ("output_proj/weight", eqshard.stacked(P(None, "tp"))),
         ("cache", eqshard.stacked(P(None, None, "tp"))),
+        (".*", P()),
+    ],
+    # Per-head weights split on their heads, SwiGLU's gate and up on their output.
+    "decoder": [
+        ("W_[QKVO]", P("tp")),
+        ("w[13]/weight", P("tp")),
+        ("w2/weight", P(None, "tp")),
+        ("embed/weight", P(None, "tp")),
+        (".*", P()),
+    ],
+    # Each block's convolutions split on their channels, as a pair.
+    "unet": [
+        ("conv1/weight|conv1/bias", P("tp")),
+        ("conv2/weight", P(None, "tp")),
         (".*", P()),
     ],
 }

@@ -4,6 +4,7 @@
 # candidates ranked with the built-in ones; bandwidths; budgets; errors. Models
 # are small MLPs that compile in well under a second per candidate.
 
+import dataclasses
 import gc
 import io
 import json
@@ -25,8 +26,6 @@ from probes import Compiles
 
 import eqshard
 from eqshard._cli._main import parse_rules
-from eqshard._search._candidates import Param, tensor_pairs
-from eqshard._search._uses import Use
 
 
 D = 32
@@ -266,7 +265,12 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
         assert best is not None
         monkeypatch.setattr(_search_step, "_OPTIONS", None)
         default = _search_step.Step(fn, params, (state, x), mesh).report(best.specs)
-        assert default.to_json() == best.report.to_json()
+        # Each report records the options it was compiled with; all else is equal.
+        assert best.report.compiler_options == (
+            ("xla_backend_optimization_level", "0"),
+        )
+        unoptimised = dataclasses.replace(best.report, compiler_options=())
+        assert default.to_json() == unoptimised.to_json()
 
 
 # ---------------------------------------------------------------------------------
@@ -548,65 +552,3 @@ def test_two_candidates_of_one_name(mesh):
         eqshard.search_layout(
             step, *args, mesh=mesh, device_memory="1GiB", candidates=mine
         )
-
-
-# ---------------------------------------------------------------------------------
-# Tensor-parallel pairs from paths and shapes.
-# ---------------------------------------------------------------------------------
-
-
-def _matrix(path, shape, contracted, stacked=0):
-    return Param(tuple(path.split("/")), shape, Use("dot", (contracted,), stacked))
-
-
-def _names(pairs):
-    return [
-        (
-            [m.name for m in p.firsts],
-            [m.name for m in p.seconds],
-            [b.name for b in p.biases],
-        )
-        for p in pairs
-    ]
-
-
-def test_pairs_are_found_from_paths_and_shapes():
-    # Equinox's Linear, (out, in), under attention and MLP modules, with biases.
-    eqx_style = [
-        _matrix("b/0/attn/q/weight", (64, 64), 1),
-        Param(("b", "0", "attn", "q", "bias"), (64,), Use("other", (), 0)),
-        _matrix("b/0/attn/k/weight", (16, 64), 1),
-        _matrix("b/0/attn/v/weight", (16, 64), 1),
-        _matrix("b/0/attn/o/weight", (64, 64), 1),
-        _matrix("b/0/mlp/up/weight", (256, 64), 1),
-        _matrix("b/0/mlp/down/weight", (64, 256), 1),
-        _matrix("head/weight", (1000, 64), 1),
-    ]
-    assert _names(tensor_pairs(eqx_style)) == [
-        (
-            ["b/0/attn/q/weight", "b/0/attn/k/weight", "b/0/attn/v/weight"],
-            ["b/0/attn/o/weight"],
-            ["b/0/attn/q/bias"],
-        ),
-        (["b/0/mlp/up/weight"], ["b/0/mlp/down/weight"], []),
-    ]
-    # Kernels (in, out) named in one module (`attn_q`, Hugging Face's
-    # `q_proj`/`o_proj`), and two unnamed matrices paired by shape alone.
-    others = [
-        _matrix("l/attn_q/kernel", (64, 64), 0),
-        _matrix("l/attn_o/kernel", (64, 64), 0),
-        _matrix("l/mlp_up/kernel", (64, 128), 0),
-        _matrix("l/mlp_down/kernel", (128, 64), 0),
-        _matrix("m/q_proj/weight", (64, 64), 1),
-        _matrix("m/o_proj/weight", (64, 64), 1),
-        _matrix("f/w_b", (64, 32), 0),
-        _matrix("f/w_a", (32, 64), 0),
-    ]
-    assert _names(tensor_pairs(others)) == [
-        (["l/attn_q/kernel"], ["l/attn_o/kernel"], []),
-        (["l/mlp_up/kernel"], ["l/mlp_down/kernel"], []),
-        (["m/q_proj/weight"], ["m/o_proj/weight"], []),
-        (["f/w_a"], ["f/w_b"], []),
-    ]
-    # Square matrices without names are not guessed at.
-    assert tensor_pairs([_matrix("s/a", (8, 8), 0), _matrix("s/b", (8, 8), 0)]) == []

@@ -255,3 +255,76 @@ def test_two_processes_compile_for_tpus_at_once():
     runs = [_python(_TPU_SCRIPT, JAX_PLATFORMS="cpu") for _ in range(2)]
     outputs = [run.communicate(timeout=120)[0] for run in runs]
     assert [out.strip() for out in outputs] == ["OK tpu", "OK tpu"]
+
+
+# The command.
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eqshard", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_command_plans_for_a_pod_it_does_not_have():
+    result = _command("--target", "v5p-1024", "--mesh", "fsdp:64,tp:8", "--size", "70B")
+    assert result.returncode == 0, result.stderr[-2000:]
+    first = result.stdout.splitlines()[0]
+    assert first.endswith(
+        "for --target v5p-1024: 512 TPU v5 (compile-only), mesh {'fsdp': 64, 'tp': 8}"
+    )
+    assert "the bar's end is the budget 95.0 GiB" in result.stdout
+    refused = _command("--target", "h100", "--size", "1B", "--devices", "4")
+    assert refused.returncode == 2
+    assert "--target h100 brings its own: leave --devices out" in refused.stderr
+
+
+def test_a_step_the_tpu_compiler_refuses_is_eqshards_error():
+    mesh = eqshard.create_mesh((8,), ("dp",), target="v5e:2x4")
+    big = jax.ShapeDtypeStruct(
+        (1 << 16, 1 << 16), jnp.float32, sharding=NamedSharding(mesh, P())
+    )  # 16 GiB on every chip, twice (argument and result): more than its HBM
+    with pytest.raises(ValueError, match=r"eqshard.analyze_step: the compiler refused"):
+        eqshard.analyze_step(lambda w: w * 2, big)
+
+
+def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="h100")
+    shapes = {"w1": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((512, 256), jnp.float32)}  # fmt: skip
+    specs = {"w1": P(None, "tp"), "w2": P("tp", None)}
+    params = eqshard.abstract(shapes, specs, mesh)
+    assert eqshard.check_layout(params, specs, mesh).ok
+    plan = eqshard.plan_training(params, specs, mesh, device_memory="1GiB")
+    assert plan.bytes_per_device[0] == (256 * 512 + 512 * 256) * 4 // 4 * 2
+    x = jax.ShapeDtypeStruct(
+        (64, 256), jnp.float32, sharding=NamedSharding(mesh, P("dp"))
+    )
+
+    def step(p, x):
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+
+    search = eqshard.search_layout(
+        step, shapes, x, mesh=mesh, device_memory="1GiB",
+        candidates={"tp": [("w1", P(None, "tp")), ("w2", P("tp", None))],
+                    "fsdp": [("w1", P("dp", None)), ("w2", P(None, "dp"))],
+                    "replicated": [(".*", P())]},
+        builtin=False, progress=False,
+    )  # fmt: skip
+    assert len(search.candidates) == 3
+    exposed = []
+    for candidate in search.candidates:  # ranked by what the schedule exposes
+        assert candidate.report.memory.platform == "gpu" and candidate.fits
+        rows = candidate.report.collectives
+        assert candidate.cost == sum(r.link_bytes * r.count for r in rows)
+        hidden = [r for r in rows if r.overlapped is True]
+        assert candidate.exposed_cost == candidate.cost - sum(
+            r.link_bytes * r.count for r in hidden
+        )
+        exposed.append((candidate.exposed_cost, candidate.cost))
+    assert exposed == sorted(exposed)

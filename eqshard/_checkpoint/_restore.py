@@ -47,6 +47,7 @@ from ._targets import (
     named_arrays,
     restore_targets,
 )
+from ._views import into_views, layer_views
 
 
 def _from_orbax(
@@ -356,6 +357,8 @@ class _Plan:
     casts: list[np.dtype | None]
     held: Held
     before: Any
+    # The targets of the arrays read in another view of their layers.
+    views: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
 
 
 def _compared(
@@ -385,9 +388,11 @@ def _compared(
     targets = restore_targets(named, placed, casts, caller)
     try:  # the checkpoint's description, compared with the targets
         saved, held = saved_arrays(ocp, path, caller)
+        # Stacked layers saved in another view (`_views.py`): read as saved.
+        targets, compared, views = layer_views(targets, named, saved)
         check_against(
             targets,
-            named,
+            compared,
             {name: (s.shape, s.dtype) for name, s in saved.items()},
             casts,
             caller=caller,
@@ -396,7 +401,7 @@ def _compared(
         )
     except ValueError as error:
         raise _during_save(caller, path, before, error) from error.__cause__
-    return _Plan(named, targets, saved, casts, held, before)
+    return _Plan(named, targets, saved, casts, held, before, views)
 
 
 def _lost_error(caller: str, plan: _Plan, lost: dict[str, Lost]) -> ValueError:
@@ -437,7 +442,11 @@ def restore(
     read, the checkpoint's names, shapes and dtypes are compared with `like`'s,
     and every difference is reported at once. A checkpoint that orbax wrote
     directly (a nested dict of arrays, say) restores too: its arrays are named by
-    their paths, as `like`'s are.
+    their paths, as `like`'s are. Stacked layers saved in another view of the
+    same layer order, `(L, ...)` against the circular pipeline's `(R, S, K, ...)`
+    of [`eqshard.stage_view`][] (or another such view), are read and reshaped
+    into `like`'s, bit for bit (read first with every layer of their block of
+    the other dimensions on each device).
 
     Values are never changed silently, with [`eqshard.shard`][]'s policy: a cast
     asked for with `dtype=` may round, but an array whose values would become inf
@@ -549,6 +558,7 @@ def restore(
     lost = _losses(ocp, path, plan.held, plan.saved, restored, checks, meeting.status)
     if lost:
         raise _lost_error(caller, plan, lost)
+    restored = into_views(restored, plan.views)
     out = list(leaves)
     for name, (i, _, _) in plan.named.items():
         out[i] = restored[name]

@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 from .._keys import is_key
 from .._tree import (
     collision_message,
+    grouped_paths,
     is_array,
     path_name,
     paths_text,
@@ -137,17 +138,16 @@ def check_against(
     labels = labels or {}
     missing = [n for n in targets if n not in found]
     extra = [n for n in found if n not in targets]
-    lines = []
+    differ: list[tuple[str, str]] = []  # (name, what differs)
     for name in targets:
         if name not in found:
             continue
         i, _, leaf = named[name]
         shape, dtype = stored_like(leaf)
         saved_shape, saved_dtype = found[name]
-        label = f"'{name}'{labels.get(name, '')}"
         floating = jnp.issubdtype(saved_dtype, jnp.floating)
         if saved_shape != shape:
-            lines.append(f"  - {label}: shape {saved_shape} there, {shape} in `like`.")
+            differ.append((name, f"shape {saved_shape} there, {shape} in `like`."))
         elif not (
             placed_dtype(saved_dtype) == placed_dtype(dtype)
             or (casts[i] is not None and floating)
@@ -157,7 +157,15 @@ def check_against(
                 if floating and jnp.issubdtype(dtype, jnp.floating)
                 else ""
             )
-            lines.append(f"  - {label}: {saved_dtype} there, {dtype} in `like`{hint}.")
+            differ.append((name, f"{saved_dtype} there, {dtype} in `like`{hint}."))
+    # An optimizer state's arrays share their parameter's line, where the same.
+    names = [name for name, _ in differ]
+    keys = [(what, labels.get(name)) for name, what in differ]
+    lines = [
+        f"  - '{names[g.leader]}'{g.suffix}{labels.get(names[g.leader], '')}: "
+        f"{differ[g.leader][1]}"
+        for g in grouped_paths(names, keys)
+    ]
     if missing:
         lines.insert(0, f"  - in `like`, not there: {paths_text(missing)}.")
     if extra:

@@ -1,7 +1,9 @@
 """The demo of `python -m eqshard`: a small Equinox transformer, its built-in rules,
-the size solver of `--size`, a few training steps and the round trip
-(gather -> serialise -> load -> shard) checked bit for bit; with the progress bar
-and the phase timer that the command's summary prints.
+the size solver of `--size`, and the model's life as the README shows it: built
+with its optimizer state by `init_sharded`, trained by `filter_jit`, checked by
+`check_layout`, saved by `save` and restored onto another mesh by `restore`,
+checked bit for bit; with the progress bar and the phase timer that the
+command's summary prints (compile times said as such).
 
 The command (`_main.py`) reads the options and dispatches; the plans it prints
 are `_fit.py`'s.
@@ -256,49 +258,80 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 # ---------------------------------------------------------------------------------
-# Training and the round trip.
+# The model's life: built, trained, checked, saved and restored.
 # ---------------------------------------------------------------------------------
+
+
+def make_state(config: Config, key: PRNGKeyArray) -> tuple[Transformer, PyTree]:
+    """The model and its optimizer state (SGD's momentum, one array per
+    floating-point parameter), built together as `init_sharded` builds them."""
+    model = Transformer(config, key=key)
+    momentum = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    return model, {"momentum": momentum}
+
+
+def build(config: Config, specs: PyTree, mesh: Mesh, timer: Timer) -> PyTree:
+    """The state built straight into its shardings by `eqshard.init_sharded`,
+    timed twice: the first call compiles the constructor, the second only runs
+    it."""
+    key = jax.random.key(0)
+
+    def made() -> PyTree:
+        return jax.block_until_ready(
+            eqshard.init_sharded(make_state, config, key, specs=specs, mesh=mesh)
+        )
+
+    _, first = timed(made)
+    state, running = timed(made)  # the program is kept: this only runs it
+    compiling = max(first - running, 0.0)
+    timer(
+        "build model",
+        first,
+        f"eqshard.init_sharded: compiling the constructor {compiling:.3f} s, "
+        f"then each device makes its shards in {running:.3f} s",
+    )
+    arrays = len(jax.tree.leaves(eqx.filter(state, eqx.is_array)))
+    print(
+        f"built sharded with eqshard.init_sharded: {arrays} arrays (model and "
+        f"momentum) in {first:.3f} s, of which {compiling:.3f} s compiling"
+    )
+    return state
 
 
 def _bit_exact(a: PyTree, b: PyTree) -> int:
     """The number of NumPy arrays in `a`, after checking that `b` has the same
     structure, the same arrays bit for bit, and the same other leaves."""
     if jax.tree.structure(a) != jax.tree.structure(b):
-        raise AssertionError("the reloaded model has another structure")
+        raise AssertionError("the restored state has another structure")
     count = 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         if isinstance(x, np.ndarray):
             same = x.dtype == y.dtype and x.shape == y.shape
             if not (same and x.tobytes() == y.tobytes()):
-                raise AssertionError("an array changed in the round trip")
+                raise AssertionError("an array changed in the checkpoint")
             count += 1
         elif x is not y and x != y:
-            raise AssertionError(f"a leaf changed in the round trip: {x!r} -> {y!r}")
+            raise AssertionError(f"a leaf changed in the checkpoint: {x!r} -> {y!r}")
     return count
 
 
-def _same_shardings(a: PyTree, b: PyTree) -> None:
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(
-            y.sharding, x.ndim
-        ):
-            raise AssertionError(f"a sharding changed: {x.sharding} -> {y.sharding}")
+def train_step(
+    tokens: Int[Array, "batch seq"], state: tuple[Transformer, PyTree]
+) -> tuple[tuple[Transformer, PyTree], Float[Array, ""]]:
+    """One SGD step with momentum: the step as the user writes it, with no
+    sharding in it."""
+    model, opt_state = state
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+    momentum = jax.tree.map(lambda m, g: 0.9 * m + g, opt_state["momentum"], grads)
+    model = eqx.apply_updates(model, jax.tree.map(lambda m: -0.05 * m, momentum))
+    return (model, {"momentum": momentum}), loss
 
 
-# ---------------------------------------------------------------------------------
-# The command.
-# ---------------------------------------------------------------------------------
-
-
-def train(
-    model: Transformer,
-    specs: PyTree,
-    mesh: Mesh,
-    steps: int,
-    timer: Timer,
-) -> Transformer:
-    """A few SGD steps under `eqx.filter_jit`, with a progress bar on stderr."""
-    config = model.config
+def train(state: PyTree, specs: PyTree, mesh: Mesh, steps: int, timer: Timer) -> PyTree:
+    """A few steps of `eqshard.filter_jit`, which keeps the state in its layout
+    (donated: updated in place), with a progress bar on stderr; then the layout
+    checked and the compiled step's report."""
+    config = state[0].config
     data_axes = tuple(a for a in _DATA_AXES if a in mesh.axis_names)
     batch_spec = P(data_axes or None)
     batch = eqshard.compat.round_up_to_multiple(8, axis_product(mesh, data_axes))
@@ -306,29 +339,24 @@ def train(
         0, config.vocab, (batch, config.seq + 1), dtype=np.int32
     )
     tokens = eqshard.shard(tokens, batch_spec, mesh)
-
-    @eqx.filter_jit
-    def train_step(
-        model: Transformer, tokens: Int[Array, "batch seq"]
-    ) -> tuple[Transformer, Float[Array, ""]]:
-        tokens = eqshard.with_sharding_constraint(tokens, batch_spec)
-        model = eqshard.with_sharding_constraint(model, specs)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
-        model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
-        return eqshard.with_sharding_constraint(model, specs), loss
-
+    step_fn = eqshard.filter_jit(
+        train_step,
+        in_specs=(batch_spec, specs),
+        out_specs=(1, P()),  # the state as it came in, the loss replicated
+        donate="all-except-first",
+        mesh=mesh,
+    )
     losses: list[float] = []
     times: list[float] = []
     sys.stdout.flush()  # before the progress bar, which is on stderr
     progress = Progress(steps, sys.stderr)
-    with jax.set_mesh(mesh):
-        for step in range(steps):
-            (model, loss), seconds = timed(
-                lambda: jax.block_until_ready(train_step(model, tokens))
-            )
-            losses.append(float(loss))
-            times.append(seconds)
-            progress.update(step + 1, f"loss {losses[-1]:.4f}  {seconds:.3f} s")
+    for step in range(steps):
+        (state, loss), seconds = timed(
+            lambda: jax.block_until_ready(step_fn(tokens, state))
+        )
+        losses.append(float(loss))
+        times.append(seconds)
+        progress.update(step + 1, f"loss {losses[-1]:.4f}  {seconds:.3f} s")
     progress.close()
     if steps:
         note = f"first {times[0]:.3f} s (compiling)"
@@ -336,56 +364,76 @@ def train(
             note += f", then {sum(times[1:]) / (steps - 1):.4f} s/step"
         timer(f"train ({steps} steps)", sum(times), note)
         print(
-            f"trained: {steps} steps of eqx.filter_jit with sharding constraints, "
-            f"batch {batch} over {batch_spec}, loss {losses[0]:.4f} -> "
-            f"{losses[-1]:.4f}"
+            f"trained: {steps} steps of eqshard.filter_jit (batch {batch} over "
+            f"{batch_spec}, the state donated and kept in its layout), loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}"
         )
-    step_report(train_step, model, tokens, mesh, timer)
-    return model
+    report, seconds = timed(lambda: eqshard.check_layout(state, specs, mesh))
+    timer("check layout", seconds, "eqshard.check_layout: nothing moved")
+    print(f"checked with eqshard.check_layout: all {report.checked} arrays as asked")
+    step_report(step_fn, tokens, state, timer)
+    return state
 
 
-def step_report(
-    train_step: Any, model: Transformer, tokens: Any, mesh: Mesh, timer: Timer
-) -> None:
+def step_report(train_step: Any, tokens: Any, state: PyTree, timer: Timer) -> None:
     """Prints what the training step's compiled program holds and communicates,
     each collective named by the leaves it belongs to."""
-    with jax.set_mesh(mesh):
-        report, seconds = timed(lambda: eqshard.analyze_step(train_step, model, tokens))
+    report, seconds = timed(lambda: eqshard.analyze_step(train_step, tokens, state))
     timer("step report", seconds, "eqshard.analyze_step: compiled, not run")
     print()
     print("the training step, compiled (eqshard.analyze_step):")
-    print(report.table())
+    print(report.table(top=8))
 
 
-def round_trip(
-    model: Transformer, specs: PyTree, mesh: Mesh, *, key: PRNGKeyArray, timer: Timer
+def other_mesh(mesh: Mesh, shapes: PyTree, specs: PyTree) -> Mesh:
+    """Another mesh for the restore: the axis sizes in reverse order where every
+    spec applies on it, else the same sizes over the devices in reverse order."""
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    devices = list(mesh.devices.flat)[::-1]
+    reversed_sizes = eqshard.create_mesh(sizes[::-1], names, devices=devices)
+    if not eqshard.analyze_sharding_strategy(shapes, specs, reversed_sizes).problems:
+        return reversed_sizes
+    return eqshard.create_mesh(sizes, names, devices=devices)
+
+
+def checkpoint(
+    state: PyTree, specs: PyTree, mesh: Mesh, *, config: Config, timer: Timer
 ) -> None:
-    """Gathers the sharded `model`, serialises it, loads it into a skeleton,
-    reshards it, and checks that nothing changed (bit for bit, same shardings)."""
-    host, seconds = timed(lambda: eqshard.gather(model))
-    timer("gather", seconds, "eqshard.gather: to NumPy, straight from the shards")
+    """Saves the state with `eqshard.save`, restores it onto another mesh with
+    `eqshard.restore`, and checks that nothing changed (bit for bit, laid out
+    as asked there)."""
+    key = jax.random.key(0)
+    like = eqx.filter_eval_shape(make_state, config, key)
+    other = other_mesh(mesh, like, specs)
     with tempfile.TemporaryDirectory(prefix="eqshard-") as directory:
-        path = os.path.join(directory, "model.eqx")
-        _, seconds = timed(lambda: eqx.tree_serialise_leaves(path, host))
-        nbytes = os.path.getsize(path)
-        timer("serialise", seconds, f"eqx.tree_serialise_leaves, {nbytes:,} bytes")
-        skeleton = eqx.filter_eval_shape(Transformer, model.config, key=key)
-        loaded, seconds = timed(lambda: eqx.tree_deserialise_leaves(path, skeleton))
-        timer("load", seconds, "into an eqx.filter_eval_shape skeleton")
-    resharded, seconds = timed(
-        lambda: jax.block_until_ready(eqshard.shard(loaded, specs, mesh))
+        path = os.path.join(directory, "step_5")
+        try:
+            _, seconds = timed(lambda: eqshard.save(path, state))
+        except ImportError as error:
+            print(f"checkpoint: skipped ({error})")
+            return
+        timer("save", seconds, "eqshard.save: each device writes its shards")
+        restored, seconds = timed(
+            lambda: jax.block_until_ready(eqshard.restore(path, like, specs, other))
+        )
+        timer("restore", seconds, f"eqshard.restore onto {mesh_text(other)}")
+    print(
+        f"checkpoint: eqshard.save, then eqshard.restore onto mesh {mesh_text(other)}"
     )
-    timer("reshard", seconds, "eqshard.shard")
-    print(f"round trip: gather -> serialise ({nbytes:,} bytes) -> load -> shard")
 
     def verify() -> int:
-        count = _bit_exact(host, eqshard.gather(resharded))
-        _same_shardings(model, resharded)
+        count = _bit_exact(eqshard.gather(state), eqshard.gather(restored))
+        eqshard.check_layout(restored, specs, other)
         return count
 
     count, seconds = timed(verify)
     timer("verify", seconds)
     print(
-        f"verified: all {count} arrays bit-exact after the round trip, with the same "
-        "shardings; the static field and the activation function unchanged"
+        f"verified: all {count} arrays bit-exact after the restore, laid out as "
+        "asked on the other mesh; the static field and the activation function "
+        "unchanged"
     )
+
+
+def mesh_text(mesh: Mesh) -> str:
+    return str(dict(mesh.shape))

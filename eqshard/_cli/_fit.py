@@ -40,10 +40,11 @@ import eqshard
 
 from .._mesh._current import mesh_repr
 from .._readers._plan import TrainingPlan
+from .._readers._plan_pipeline import pipeline_from_text
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
-from .._spectree._memory import Host, map_layout, offloads
+from .._spectree._memory import follower_rules_text, Host, map_layout, offloads
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
@@ -217,13 +218,21 @@ def data_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
 
 
 def fsdp_rules(
-    rules: Sequence[tuple[Any, PartitionSpec | Host]],
+    rules: Sequence[tuple[Any, Any]],
     mesh: Mesh | AbstractMesh,
     axes: tuple[str, ...],
     min_size: int,
 ) -> list[tuple[Any, Any]]:
     """`rules` with FSDP over `axes` added to each spec, and a last rule that
     shards whatever they leave out."""
+    for regex, value in rules:
+        layout = value.spec if isinstance(value, Host) else value
+        if not isinstance(layout, PartitionSpec) and value != Host(None):
+            raise ValueError(
+                f"--fit adds FSDP to each rule's spec, but the rule {regex!r} has "
+                f"{value!r}; write that rule's spec for the whole array (as "
+                "P(None, 'tp', None)), or leave --fit out"
+            )
     fsdp = ft.partial(auto_fsdp, axes, min_size=min_size, mesh=mesh)
     out = [(regex, map_layout(spec, lambda s: fsdp(base=s))) for regex, spec in rules]
     out.append((".*", fsdp()))
@@ -232,7 +241,7 @@ def fsdp_rules(
 
 def propose_rules(
     shapes: PyTree,
-    rules: Sequence[tuple[Any, PartitionSpec | Host]],
+    rules: Sequence[tuple[Any, Any]],
     mesh: Mesh | AbstractMesh,
     plan: Callable[[PyTree], TrainingPlan],
 ) -> tuple[PyTree, TrainingPlan, int]:
@@ -266,14 +275,12 @@ class Setup:
     come from (for messages), and the timer of the summary."""
 
     mesh: Mesh
-    rules: Sequence[tuple[str, PartitionSpec | Host]]
+    rules: list[tuple[str, Any]]  # a rules file's: specs, stacked(...)
     origin: str
     timer: Timer
 
 
-def _match(
-    rules: Sequence[tuple[str, PartitionSpec | Host]], tree: PyTree, origin: str
-) -> PyTree:
+def _match(rules: list[tuple[str, Any]], tree: PyTree, origin: str) -> PyTree:
     try:
         return eqshard.match_partition_rules(rules, tree)
     except (ValueError, TypeError) as error:
@@ -336,12 +343,9 @@ def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
     return specs
 
 
-def _note_dead_rules(
-    rules: Sequence[tuple[str, PartitionSpec | Host]], tree: PyTree
-) -> None:
+def _note_dead_rules(rules: list[tuple[str, Any]], tree: PyTree) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
-    # Host rules may be for the optimizer state, which `tree` does not hold.
-    dead = tuple(i for i in dead if not isinstance(rules[i][1], Host))
+    dead = [i for i in dead if not isinstance(rules[i][1], Host)]  # state's rules
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
         print(
@@ -390,6 +394,7 @@ class PlanOptions:
     device_memory: int | None
     fit: bool
     save_rules: str | None
+    pipeline: dict[str, Any] | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PlanOptions":
@@ -408,8 +413,10 @@ class PlanOptions:
             raise UsageError("--save-rules writes the rules that --fit proposes")
         if args.save_rules is not None:
             _check_not_an_input(args.save_rules, args)
+        text = getattr(args, "pipeline", None)
         try:
             optimizer = make_optimizer(args.optimizer or "adamw")
+            pipeline = None if text is None else pipeline_from_text(text, _DTYPES)
         except ValueError as error:
             raise UsageError(str(error)) from None
         return cls(
@@ -420,6 +427,7 @@ class PlanOptions:
             device_memory=memory,
             fit=args.fit,
             save_rules=args.save_rules,
+            pipeline=pipeline,
         )
 
 
@@ -427,15 +435,21 @@ def _plan_for(
     shapes: PyTree, mesh: Mesh, options: PlanOptions
 ) -> Callable[[PyTree], eqshard.TrainingPlan]:
     def plan(specs: PyTree) -> eqshard.TrainingPlan:
-        return eqshard.plan_training(
-            shapes,
-            specs,
-            mesh,
-            optimizer=options.optimizer,
-            param_dtype=options.param_dtype,
-            state_dtype=options.state_dtype,
-            device_memory=options.device_memory,
-        )
+        try:
+            return eqshard.plan_training(
+                shapes,
+                specs,
+                mesh,
+                optimizer=options.optimizer,
+                param_dtype=options.param_dtype,
+                state_dtype=options.state_dtype,
+                device_memory=options.device_memory,
+                pipeline=options.pipeline,
+            )
+        except ValueError as error:
+            if "`pipeline`" not in str(error):
+                raise
+            raise UsageError(f"--pipeline: {error}") from None
 
     return plan
 
@@ -532,9 +546,7 @@ def training_memory(
     plan_for = _plan_for(shapes, mesh, options)
     print()
     if not options.fit:
-        plan, seconds = timed(
-            lambda: plan_for(list(rules) if offloads(rules) else specs)
-        )
+        plan, seconds = timed(lambda: plan_for(rules if offloads(rules) else specs))
         timer("training plan", seconds, what)
         _print_plan(plan)
         return 0 if plan.fits else 1
@@ -552,9 +564,7 @@ def training_memory(
         f"from {origin}, plus FSDP over {axes} for arrays of at least "
         f"{min_size:,} elements (eqshard.auto_fsdp).",
     ]
-    text = rules_text(shapes, specs, header=header) + "".join(
-        f"{regex}  host()\n" for regex, value in rules if value == Host(None)
-    )
+    text = rules_text(shapes, specs, header=header) + follower_rules_text(rules)
     if plan.fits:
         print("rules that fit (a --rules file):")
     else:

@@ -17,22 +17,27 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import eqshard
 
 from .._mesh._current import mesh_repr
-from .._spectree._memory import Host
-from .._spectree._rules_syntax import parse_rule, parse_rule_value, SPEC_SYNTAX
+from .._mesh._targets import device_memory
+from .._spectree._rules_syntax import (
+    parse_rule,
+    SPEC_SYNTAX,
+    VALUE_CALLS,
+)
 from ._demo import (
+    build,
     builtin_rules,
+    checkpoint,
     config_for_size,
     demo_config,
-    round_trip,
     timed,
     Timer,
     train,
@@ -121,6 +126,25 @@ def _what_options(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--target",
+        metavar="NAME",
+        help=(
+            "plan and compile for hardware this machine need not have, with its "
+            "real compiler: a TPU slice (v5p-1024, v4-128, v5litepod-256, "
+            "v5e:2x4) or NVIDIA GPUs (h100, h100:8x8 for 8 hosts of 8, h200, "
+            "a100-40g, a100-80g, b200); --device-memory defaults to one of its "
+            "devices' memory. Needs eqshard[tpu] or eqshard[gpu]; implies "
+            "--plan-only"
+        ),
+    )
+    parser.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --target, that many slices over DCN (1)",
+    )
+    parser.add_argument(
         "--size",
         metavar="N",
         help=(
@@ -198,6 +222,16 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--pipeline",
+        metavar="SCHEDULE",
+        help=(
+            "plan for eqshard.pipeline: microbatches=M,activation=ROWSxDxD... (one "
+            "microbatch's activation) and optionally dtype=, spec=AXIS (its rows' "
+            "axes, joined by +), axis= (pp), schedule= (gpipe, circular), repeats=; "
+            "the plan adds the stage inputs and buffers the schedule keeps"
+        ),
+    )
+    parser.add_argument(
         "--save-rules",
         metavar="FILE",
         help=(
@@ -229,9 +263,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices",
         type=int,
-        default=8,
         metavar="N",
-        help="number of virtual CPU devices (8)",
+        help="number of virtual CPU devices (8); not with --target",
     )
 
 
@@ -257,25 +290,31 @@ def _rules_error(path: str, number: int, line: str, problem: str) -> UsageError:
 
 
 def _split_rule(stripped: str) -> tuple[str, str] | None:
-    """A rule line's regex and spec: `REGEX -> SPEC` (the spec may have spaces),
-    `REGEX P(...)`, or `REGEX SPEC` (the spec is the last field); `None` if there
-    is one field only."""
+    """A rule line's regex and value: `REGEX -> VALUE` (the value may have
+    spaces), `REGEX P(...)` or `REGEX stacked(...)` (a call after a space), or
+    `REGEX SPEC` (the spec is the last field); `None` if there is one field
+    only."""
     if "->" in stripped:
         regex, _, spec = stripped.rpartition("->")
         return regex.strip(), spec
-    for opener in ("host(", "P("):  # `REGEX host(P('dp', None))` too
-        start = stripped.rfind(opener)
-        if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
-            return stripped[:start].strip(), stripped[start:]
+    if stripped.endswith(")"):
+        for name in VALUE_CALLS:  # the first call after a space
+            found = re.search(rf"\s({name}\s*\()", stripped)
+            if found is not None:
+                return stripped[: found.start()].strip(), stripped[found.start(1) :]
+    start = stripped.rfind("P(")
+    if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
+        return stripped[:start].strip(), stripped[start:]
     fields = stripped.split()
     if len(fields) < 2:
         return None
     return stripped[: -len(fields[-1])].strip(), fields[-1]
 
 
-def parse_rules(text: str, path: str) -> list[tuple[str, P | Host]]:
-    """The rules of a rules file: one `REGEX SPEC` (or `REGEX -> SPEC`) a line,
-    `#` comment lines; the spec syntax is `_rules.parse_spec`'s."""
+def parse_rules(text: str, path: str) -> list[tuple[str, Any]]:
+    """The rules of a rules file: one `REGEX VALUE` (or `REGEX -> VALUE`) a line,
+    `#` comment lines; a value is a spec in `_rules_syntax.parse_spec`'s syntax
+    or a call on one, `stacked(P('tp', None))` (`parse_value`)."""
     rules = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
@@ -299,8 +338,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P | Host]]:
                 "write 'REGEX -> SPEC' to space it out",
             )
         try:
-            parse_rule(regex, "()")  # the regex checked
-            spec = parse_rule_value(spec_text)
+            _, spec = parse_rule(regex, spec_text, values=True)
         except ValueError as error:
             raise _rules_error(path, number, line, str(error)) from None
         rules.append((regex, spec))
@@ -309,7 +347,7 @@ def parse_rules(text: str, path: str) -> list[tuple[str, P | Host]]:
     return rules
 
 
-def _read_rules(path: str) -> list[tuple[str, P | Host]]:
+def _read_rules(path: str) -> list[tuple[str, Any]]:
     try:
         with open(path) as file:
             text = file.read()
@@ -354,7 +392,7 @@ def run(
     args: argparse.Namespace,
     size: int | None,
     mesh: Mesh,
-    rules: Sequence[tuple[str, P | Host]],
+    rules: list[tuple[str, Any]],
     origin: str,
     start: float,
 ) -> int:
@@ -368,10 +406,14 @@ def run(
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform
-    print(
-        f"eqshard {eqshard.__version__} on {jax.device_count()} {kind} devices, "
-        f"mesh {mesh_repr(mesh)}"
-    )
+    where = f"on {jax.device_count()} {kind} devices"
+    if args.target is not None:
+        first = mesh.devices.flat[0]
+        where = (
+            f"for --target {args.target}: {mesh.devices.size} {first.device_kind} "
+            "(compile-only)"
+        )
+    print(f"eqshard {eqshard.__version__} {where}, mesh {mesh_repr(mesh)}")
     if options is not None and args.model is not None:
         shapes, specs = show_model(args, setup)
         if args.step is not None:
@@ -394,24 +436,57 @@ def run(
     specs = show_plan(shapes, config, setup)
     print()
 
-    # Built under `jit` straight into the shardings: no device holds a whole
-    # sharded array, and the values are those of eager init followed by `shard`.
-    model, seconds = timed(
-        lambda: jax.block_until_ready(
-            eqshard.init_sharded(Transformer, config, key=key, specs=specs, mesh=mesh)
-        )
-    )
-    timer("build model", seconds, "eqshard.init_sharded: each device makes its shards")
-    arrays = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    print(
-        f"built sharded with eqshard.init_sharded: {arrays} arrays in {seconds:.3f} s"
-    )
-
-    model = train(model, specs, mesh, args.steps, timer)
-    round_trip(model, specs, mesh, key=key, timer=timer)
+    # Built under `jit` straight into the shardings, with its optimizer state
+    # (whose specs are the model's): no device holds a whole sharded array.
+    state_specs = (specs, {"momentum": specs})
+    state = build(config, state_specs, mesh, timer)
+    state = train(state, state_specs, mesh, args.steps, timer)
+    checkpoint(state, state_specs, mesh, config=config, timer=timer)
     print()
     print(timer.summary(time.perf_counter() - start))
     return 0
+
+
+def _check_target_options(args: argparse.Namespace) -> None:
+    """`--target` plans a model for hardware that is not here: no demo, no
+    virtual devices."""
+    if args.target is None:
+        if args.num_slices != 1:
+            raise UsageError("--num-slices counts a --target's slices: give --target")
+        args.devices = 8 if args.devices is None else args.devices
+        return
+    if args.devices is not None:
+        raise UsageError(
+            f"--devices {args.devices} sets this machine's virtual devices; "
+            f"--target {args.target} brings its own: leave --devices out"
+        )
+    if args.size is None and args.model is None and args.step is None:
+        raise UsageError(
+            f"--target {args.target} plans a model for that hardware (nothing runs "
+            "on it): give --size, --model or --step"
+        )
+    args.devices, args.plan_only = 1, True
+
+
+def _target_mesh(args: argparse.Namespace) -> Mesh:
+    """The mesh of `--mesh` (default `fsdp:-1`) over `--target`'s compile-only
+    devices; `--device-memory` defaults to one device's memory."""
+    text = "fsdp:-1" if args.mesh is None else args.mesh
+    names = None
+    if ":" not in text:
+        names = _DEFAULT_NAMES.get(len(text.split(",")), ())
+    try:
+        mesh = eqshard.create_mesh(
+            text, names, target=args.target, num_slices=args.num_slices
+        )
+    except ImportError as error:
+        raise UsageError(f"--target {args.target}: {_one_line(error)}") from None
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"--target {args.target}: {_one_line(error)}") from None
+    memory = device_memory(list(mesh.devices.flat))
+    if args.device_memory is None and memory is not None:
+        args.device_memory = str(memory)
+    return mesh
 
 
 def _check_step_options(args: argparse.Namespace) -> None:
@@ -441,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 or more steps")
+        _check_target_options(args)
         if args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1 device")
         size = None if args.size is None else parse_size(args.size)
@@ -458,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
         # An empty --mesh is an error, not the default.
-        if args.mesh is None:
+        if args.target is not None:
+            mesh = _target_mesh(args)
+        elif args.mesh is None:
             mesh = build_mesh(_default_mesh_string(jax.device_count()))
         else:
             mesh = build_mesh(args.mesh)

@@ -6,9 +6,8 @@ Three readers use them, each through its own functions here:
 - `init_sharded` (`_build/`): `cut` splits a traced constructor into its keys'
   work and its pieces; `nested_consts` lists the data a trace captured;
   `consts_of` and `as_function` run a program with other constants.
-- `search_layout` (`_search/`): `parameter_uses`, how a step uses each parameter
-  (`dot_general`'s contracting dimensions, `gather`'s indexed ones, the leading
-  dimensions a `scan` iterates over).
+- `search_layout` (`_search/`): `parameter_uses` in `flow.py`, built on the
+  reads here (`eqn_name`, `eqn_param`, `inner_program`).
 - `analyze_step` (`_step/`): `boundary_of`, the shardings and donations of the
   one `jit` call a step makes.
 
@@ -21,7 +20,7 @@ plain route. Nothing here guesses.
 import dataclasses
 import functools as ft
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +39,19 @@ from jax.sharding import Sharding
 from .routes import Unrecognised
 
 
-def _param(eqn: Any, name: str) -> Any:
+def eqn_param(eqn: Any, name: str) -> Any:
     """`eqn`'s parameter `name`, or `Unrecognised` if it has none."""
     params = getattr(eqn, "params", None)
     if not isinstance(params, dict) or name not in params:
-        raise Unrecognised(f"'{_name(eqn)}' without its parameter '{name}'")
+        raise Unrecognised(f"'{eqn_name(eqn)}' without its parameter '{name}'")
     return params[name]
 
 
-def _name(eqn: Any) -> str:
+def eqn_name(eqn: Any) -> str:
     return getattr(getattr(eqn, "primitive", None), "name", "?")
 
 
-def _inner(value: Any, what: str) -> Jaxpr:
+def inner_program(value: Any, what: str) -> Jaxpr:
     """The program of a parameter that holds one (a `ClosedJaxpr` or a `Jaxpr`)."""
     program = getattr(value, "jaxpr", value)
     if not isinstance(program, Jaxpr):
@@ -119,12 +118,12 @@ def boundary_of(traced: Any, n_in: int, n_out: int) -> Boundary | None:
     """The boundary of the one `jit` (`jax.jit`, `eqx.filter_jit`, ...) that
     `traced` (a `jax.jit(...).trace(...)` of `n_in` inputs and `n_out` outputs)
     calls, or `None` when its program is not exactly one such call."""
-    jaxpr = _inner(getattr(traced, "jaxpr", None), "the trace's program")
-    if len(jaxpr.eqns) != 1 or _name(jaxpr.eqns[0]) not in ("jit", "pjit"):
+    jaxpr = inner_program(getattr(traced, "jaxpr", None), "the trace's program")
+    if len(jaxpr.eqns) != 1 or eqn_name(jaxpr.eqns[0]) not in ("jit", "pjit"):
         return None
     eqn = jaxpr.eqns[0]
-    ins, donated = _param(eqn, "in_shardings"), _param(eqn, "donated_invars")
-    outs = _param(eqn, "out_shardings")
+    ins, donated = eqn_param(eqn, "in_shardings"), eqn_param(eqn, "donated_invars")
+    outs = eqn_param(eqn, "out_shardings")
     if not len(eqn.invars) == len(ins) == len(donated) or len(eqn.outvars) != len(outs):
         raise Unrecognised("a 'jit' whose shardings do not match its variables")
     position = {id(v): i for i, v in enumerate(jaxpr.invars)}
@@ -139,168 +138,6 @@ def boundary_of(traced: Any, n_in: int, n_out: int) -> Boundary | None:
         sharding = made.get(id(var))
         found.out_shardings[k] = sharding if isinstance(sharding, Sharding) else None
     return found
-
-
-# ----------------------------------------------------- how a step uses its inputs
-
-
-class Use(NamedTuple):
-    """How the step uses one parameter."""
-
-    kind: str  # "dot", "gather", "other" or "" (unused)
-    dims: tuple[int, ...]  # the dimensions contracted ("dot") or indexed ("gather")
-    stacked: int  # leading dimensions a scan iterates over
-
-
-# Operations whose results are their operands, dimension for dimension.
-_SAME = frozenset(
-    {
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "reduce_precision",
-        "sharding_constraint",
-        "mesh_cast",
-        "pvary",
-        "optimization_barrier",
-    }
-)
-# Where a call keeps the program it calls.
-_CALLEES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-# A parameter's variable in a jaxpr: (its index, the parameter dimension of each
-# of the variable's dimensions, `None` where there is none).
-_Found = tuple[int, tuple[int | None, ...]]
-
-
-def parameter_uses(closed: ClosedJaxpr, count: int) -> list[Use]:
-    """The use of each of the first `count` inputs of `closed` (as
-    `jax.make_jaxpr` makes it)."""
-    jaxpr = closed.jaxpr
-    walker = _Walker()
-    env: dict[int, _Found] = {}
-    for i, var in enumerate(jaxpr.invars[:count]):
-        env[id(var)] = (i, tuple(range(len(var.aval.shape))))
-    walker.walk(jaxpr, env)
-    uses = []
-    for i in range(count):
-        kind, dims = walker.first.get(i, ("", ()))
-        scanned = walker.scanned.get(i, set())
-        stacked = 0
-        while stacked in scanned:
-            stacked += 1
-        uses.append(Use(kind, dims, stacked))
-    return uses
-
-
-def _callee(eqn: Any) -> Jaxpr | None:
-    for name in _CALLEES:
-        value = eqn.params.get(name)
-        program = getattr(value, "jaxpr", value)
-        if isinstance(program, Jaxpr):
-            return program
-    return None
-
-
-def contracting_dims(eqn: Any) -> tuple[Sequence[int], Sequence[int]]:
-    """The dimensions a `dot_general` contracts, of its two operands."""
-    try:
-        (contracting, _) = _param(eqn, "dimension_numbers")
-        lhs, rhs = contracting
-        return tuple(lhs), tuple(rhs)
-    except (TypeError, ValueError) as error:
-        raise Unrecognised(f"'dot_general' dimension numbers ({error})") from None
-
-
-def gathered_dims(eqn: Any) -> list[int]:
-    """The dimensions of its operand that a `gather` indexes: those of
-    `start_index_map` it does not take whole."""
-    shape = eqn.invars[0].aval.shape
-    sizes = _param(eqn, "slice_sizes")
-    index_map = getattr(_param(eqn, "dimension_numbers"), "start_index_map", None)
-    if index_map is None:
-        raise Unrecognised("'gather' dimension numbers without start_index_map")
-    return [d for d in index_map if sizes[d] < shape[d]]
-
-
-def scan_iterated(eqn: Any) -> tuple[int, Jaxpr]:
-    """How many leading inputs of a `scan` are not iterated over (its constants
-    and carry), and its body."""
-    carried = _param(eqn, "num_consts") + _param(eqn, "num_carry")
-    return carried, _inner(_param(eqn, "jaxpr"), "a 'scan' body")
-
-
-class _Walker:
-    def __init__(self) -> None:
-        self.first: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self.scanned: dict[int, set[int]] = {}
-
-    def _use(self, found: _Found | None, kind: str, dims: Sequence[int]) -> None:
-        if found is None or found[0] in self.first:
-            return
-        index, mapped = found
-        self.first[index] = (
-            kind,
-            tuple(d for d in (mapped[k] for k in dims) if d is not None),
-        )
-
-    def walk(self, jaxpr: Jaxpr, env: dict[int, _Found]) -> None:
-        for eqn in jaxpr.eqns:
-            found = [env.get(id(var)) for var in eqn.invars]
-            if any(found):
-                self._eqn(eqn, found, env)
-
-    def _eqn(self, eqn: Any, found: list[_Found | None], env: dict) -> None:
-        name = _name(eqn)
-        if name == "dot_general":
-            for operand, dims in zip(found[:2], contracting_dims(eqn), strict=True):
-                self._use(operand, "dot", dims)
-        elif name == "gather":
-            self._use(found[0], "gather", gathered_dims(eqn))
-        elif name in _SAME:
-            for var, f in zip(eqn.outvars, found, strict=False):
-                if f is not None:
-                    env[id(var)] = f
-        elif name == "transpose" and found[0] is not None:
-            index, dims = found[0]
-            order = _param(eqn, "permutation")
-            env[id(eqn.outvars[0])] = (index, tuple(dims[p] for p in order))
-        elif name == "scan":
-            self._scan(eqn, found)
-        elif name == "while":
-            skip = _param(eqn, "cond_nconsts")
-            body = _inner(_param(eqn, "body_jaxpr"), "a 'while' body")
-            self._call(body, found[skip:])
-        elif name == "cond":
-            for branch in _param(eqn, "branches"):
-                self._call(_inner(branch, "a 'cond' branch"), found[1:])
-        elif (callee := _callee(eqn)) is not None:
-            self._call(callee, found)
-        else:
-            for f in found:
-                self._use(f, "other", ())
-
-    def _call(self, jaxpr: Jaxpr, found: Sequence[_Found | None]) -> None:
-        if len(jaxpr.invars) != len(found):
-            return
-        inner = {
-            id(var): f
-            for var, f in zip(jaxpr.invars, found, strict=True)
-            if f is not None
-        }
-        self.walk(jaxpr, inner)
-
-    def _scan(self, eqn: Any, found: list[_Found | None]) -> None:
-        carried, body = scan_iterated(eqn)
-        inner: list[_Found | None] = []
-        for k, f in enumerate(found):
-            if f is not None and k >= carried:
-                index, dims = f
-                if dims and dims[0] is not None:
-                    self.scanned.setdefault(index, set()).add(dims[0])
-                f = (index, dims[1:])
-            inner.append(f)
-        self._call(body, inner)
 
 
 # ------------------------------------------------- a constructor cut in pieces
@@ -376,9 +213,12 @@ def key_step(eqn: Any) -> Callable[[list[Any]], list[Any]]:
     slice, which is compiled once for every start rather than once for each:
     the same elements, moved."""
     primitive, params = eqn.primitive, dict(eqn.params)
-    if _name(eqn) == "slice":
-        strides = _param(eqn, "strides")
-        starts, limits = _param(eqn, "start_indices"), _param(eqn, "limit_indices")
+    if eqn_name(eqn) == "slice":
+        strides = eqn_param(eqn, "strides")
+        starts, limits = (
+            eqn_param(eqn, "start_indices"),
+            eqn_param(eqn, "limit_indices"),
+        )
         if all(stride in (None, 1) for stride in strides or ()):
             begin = [np.int32(start) for start in starts]
             sizes = [limit - start for start, limit in zip(starts, limits, strict=True)]

@@ -3,7 +3,7 @@ through `libtpu` (`eqshard[tpu]`) and NVIDIA GPUs through JAX's CUDA plugin
 (`eqshard[gpu]`), named as users name them (`"v5p-1024"`, `"v5e:2x4"`,
 `"h100:8x8"`). Programs compiled for them are the real compiler's; nothing can
 run on them. `target_devices` is the one entry; `is_compile_only` tells a
-target's devices (by their client's type, which JAX does not name publicly),
+target's devices (their client's runtime type),
 `device_memory` the memory of one, `compiler_versions` what compiles for it."""
 
 import dataclasses
@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 
 _GiB = 1 << 30
@@ -224,15 +225,23 @@ def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     return list(topology.devices)
 
 
+def _cuda_plugin() -> tuple[str, str] | None:
+    """The installed CUDA plugin of JAX and its version, or `None`."""
+    for name in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     from jax.experimental import topologies
 
-    try:
-        metadata.version("jax-cuda12-plugin")
-    except metadata.PackageNotFoundError:
+    if _cuda_plugin() is None:
         raise _missing_extra(
             caller, target.name, "gpu", "JAX's CUDA plugin (jax-cuda12-plugin)"
-        ) from None
+        )
     _, hosts, per_host = target.topology.split("x")
     gpu = GPUS[target.name.split(":")[0].strip().lower()]
     try:
@@ -266,7 +275,8 @@ def target_devices(caller: str, target: str, *, num_slices: int = 1) -> list[Any
 
 def is_compile_only(device: Any) -> bool:
     """Whether `device` exists only to compile for (a target's device)."""
-    return type(device.client).__name__ == "CompileOnlyPyClient"
+    client = getattr(device, "client", None)
+    return getattr(client, "runtime_type", None) == "compile_only_runtime"
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:
@@ -295,22 +305,24 @@ def compiler_versions(devices: Sequence[Any]) -> dict[str, str]:
     """The versions of JAX and of the compiler behind `devices`."""
     versions = {"jax": jax.__version__, "jaxlib": metadata.version("jaxlib")}
     platform = devices[0].platform if devices else "cpu"
-    plugin = {"tpu": "libtpu", "cuda": "jax-cuda12-plugin", "gpu": "jax-cuda12-plugin"}
-    if platform in plugin:
+    if platform == "tpu":
         try:
-            versions[plugin[platform]] = metadata.version(plugin[platform])
+            versions["libtpu"] = metadata.version("libtpu")
         except metadata.PackageNotFoundError:
             pass
+    elif platform in ("gpu", "cuda"):
+        plugin = _cuda_plugin()
+        if plugin is not None:
+            versions[plugin[0]] = plugin[1]
     return versions
 
 
 def compile_only_error(caller: str, mesh: Any) -> ValueError | None:
     """The message for placing data on, or running on, a target's mesh; `None`
     where `mesh` has devices that run."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or not hasattr(devices, "flat"):
+    if not isinstance(mesh, Mesh):  # no mesh, or an AbstractMesh: no devices
         return None
-    first = next(iter(devices.flat), None)
+    first = next(iter(mesh.devices.flat), None)
     if first is None or not is_compile_only(first):
         return None
     return ValueError(

@@ -26,7 +26,7 @@ from .._report import Report
 from .._spectree._memory import Host, memory_of
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import check_spec, entry_axes, leaf_specs
-from .._tree import DELETED, is_array, is_deleted, path_str
+from .._tree import DELETED, grouped_paths, is_array, is_deleted, path_str
 from .._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
 
 
@@ -98,13 +98,25 @@ class LayoutMismatch:
     memory_kind: str | None
     problem: str
 
-    def line(self) -> str:
-        """The mismatch as one line of the error message."""
+    def line(self, followers: str = "") -> str:
+        """The mismatch as one line of the error message; `followers` names the
+        arrays that follow it with the same mismatch (`" (+ mu, nu)"`)."""
         kind = self.memory_kind
         kind_note = f" in {kind!r} memory" if kind not in (None, "device") else ""
         return (
-            f"  - '{self.path}' (shape {self.shape}): asked {self.spec} on mesh "
-            f"{mesh_repr(self.mesh)}{kind_note}; {self.problem}."
+            f"  - '{self.path}'{followers} (shape {self.shape}): asked {self.spec} "
+            f"on mesh {mesh_repr(self.mesh)}{kind_note}; {self.problem}."
+        )
+
+    def _key(self) -> tuple[Any, ...]:
+        """What the line says besides the path: followers with the same key share
+        their parameter's line."""
+        return (
+            self.shape,
+            self.spec,
+            mesh_repr(self.mesh),
+            self.memory_kind,
+            self.problem,
         )
 
 
@@ -117,7 +129,9 @@ class LayoutReport(Report):
     """What [`eqshard.check_layout`][] found: `report.ok` when every array is
     laid out as asked.
 
-    `str(report)` lists the mismatches (the first 20) with the fix,
+    `str(report)` lists the mismatches (the first 20 lines; an optimizer
+    state's arrays share their parameter's line, `'0/w' (+ mu, nu)`, where their
+    mismatch is the same) with the fix,
     `report.show()` prints it with `rich` when installed, `report.to_json()` is a
     byte-stable `str`.
 
@@ -149,11 +163,14 @@ class LayoutReport(Report):
             "1 array is" if len(mismatches) == 1 else f"{len(mismatches)} arrays are"
         )
         lines = [f"eqshard.{caller}: {count} not laid out as asked:"]
-        lines += [mismatch.line() for mismatch in mismatches[:_SHOWN]]
-        if len(mismatches) > _SHOWN:
+        # An optimizer state's arrays with their parameter's, where the same.
+        paths = [mismatch.path for mismatch in mismatches]
+        groups = grouped_paths(paths, [mismatch._key() for mismatch in mismatches])
+        lines += [mismatches[g.leader].line(g.suffix) for g in groups[:_SHOWN]]
+        hidden = sum(len(g.members()) for g in groups[_SHOWN:])
+        if hidden:
             lines.append(
-                f"  ... and {len(mismatches) - _SHOWN} more (the report's "
-                "`mismatches` lists every one)."
+                f"  ... and {hidden} more (the report's `mismatches` lists every one)."
             )
         lines.append(
             "Place them with `eqshard.shard(tree, specs, mesh)` (or make them "

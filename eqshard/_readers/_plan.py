@@ -10,7 +10,7 @@ budget, and a per-device picture.
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,21 +25,27 @@ from .._mesh._current import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
-from .._tree import broadcast_prefix, is_array, path_str, placed_dtype
+from .._tree import (
+    grouped_paths,
+    is_array,
+    PathGroup,
+    placed_dtype,
+)
 from .._typing import (
     check_choice,
-    KeyPath,
     ON_INVALID,
     OnInvalid,
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
-from ._plan_state import host_bytes, ruled_state_pairs, state_pairs
+from ._plan_pipeline import pipeline_buffers, PipelineBuffers
+from ._plan_state import (
+    check_optimizer,
+    host_bytes,
+    optimizer_state,
+    trained_mask,
+)
 from ._strategy import analyze_pairs
-
-
-def _is_trainable(leaf: Any) -> bool:
-    return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
 def _placed(dtype: Any) -> Any:
@@ -80,55 +86,6 @@ def _abstracter() -> Callable[[Any, Any], Any]:
         return struct
 
     return abstract
-
-
-def _is_filter_leaf(x: Any) -> bool:
-    return isinstance(x, bool) or (
-        callable(x) and jtu.treedef_is_leaf(jtu.tree_structure(x))
-    )
-
-
-def _trained(trainable: Any, params: PyTree, caller: str) -> list[bool]:
-    """For each leaf of `params`, whether it is trained: a floating-point array
-    that the filter `trainable` (as `eqx.partition`'s `filter_spec`) selects."""
-    if trainable is True:
-        return [_is_trainable(leaf) for leaf in jtu.tree_leaves(params)]
-    pairs = broadcast_prefix(
-        trainable, params, is_leaf=_is_filter_leaf, name="trainable", caller=caller
-    )
-    out = []
-    for (path, chosen), leaf in zip(pairs, jtu.tree_leaves(params), strict=True):
-        if not _is_filter_leaf(chosen):
-            raise TypeError(
-                f"eqshard.{caller}: `trainable` has {chosen!r} at '{path_str(path)}'; "
-                "its leaves must be bools or callables of a leaf returning a bool, "
-                "as `eqx.partition`'s `filter_spec`."
-            )
-        if callable(chosen):
-            chosen = chosen(leaf)
-            if not isinstance(chosen, bool | np.bool_):
-                raise TypeError(
-                    f"eqshard.{caller}: `trainable` returned {chosen!r} for the "
-                    f"leaf at '{path_str(path)}'; a filter returns a bool."
-                )
-        out.append(bool(chosen) and _is_trainable(leaf))
-    return out
-
-
-def _check_optimizer(optimizer: Any, caller: str) -> None:
-    if optimizer is None or callable(getattr(optimizer, "init", None)):
-        return
-    hint = (
-        " It is callable: call it to make the transformation, e.g. "
-        "`optax.adamw(1e-3)`, not `optax.adamw`."
-        if callable(optimizer)
-        else ""
-    )
-    raise TypeError(
-        f"eqshard.{caller}: `optimizer` must have an `.init(params)` method, such "
-        f"as an optax `GradientTransformation`; got {optimizer!r}.{hint} Pass "
-        "`optimizer=None` to plan without optimizer state."
-    )
 
 
 # ---------------------------------------------------------------------------------
@@ -174,6 +131,9 @@ class TrainingPlan(Report):
       `AbstractMesh`): the arrays kept there, and the device copy of the
       offloaded ones that the update holds (`copy_bytes_per_device`).
     - `device_memory`: the per-device budget in bytes, or `None`.
+    - `pipeline`: what a pipeline schedule keeps on each device
+      (`PipelineBuffers`: `kept`, `buffers`, `total`, `steps`, `bubble`), or
+      `None`.
     - `host_bytes_per_device`: the bytes of the arrays kept in host memory
       between steps ([`eqshard.host`][]), per device (each device's shards, in
       the host memory attached to it); zeros when nothing is offloaded.
@@ -188,6 +148,7 @@ class TrainingPlan(Report):
     opt_state: ShardingReport | None
     bytes_per_device: tuple[int, ...]
     device_memory: int | None
+    pipeline: PipelineBuffers | None = None
     host_bytes_per_device: tuple[int, ...] = ()
     copy_bytes_per_device: tuple[int, ...] = ()
 
@@ -229,9 +190,12 @@ class TrainingPlan(Report):
         headroom = self.headroom
         return not self.problems and (headroom is None or headroom >= 0)
 
-    def largest_replicated(self, n: int = 5) -> tuple[tuple[str, ShardingRow], ...]:
+    def largest_replicated(
+        self, n: int | None = 5
+    ) -> tuple[tuple[str, ShardingRow], ...]:
         """The `n` largest arrays of any part placed whole on every device (or on
-        a single device), largest first, as `(part, row)` pairs."""
+        a single device), largest first, as `(part, row)` pairs (all of them for
+        `None`)."""
         rows = [
             (name, row)
             for name, report in self.parts
@@ -239,6 +203,35 @@ class TrainingPlan(Report):
             if row.replicated or row.single_device
         ]
         return tuple(sorted(rows, key=lambda item: -item[1].nbytes)[:n])
+
+    def _largest_groups(self, n: int) -> list[tuple[str, ShardingRow, str, int]]:
+        """`largest_replicated` with a parameter's gradient and optimizer state
+        on its line (where placed whole too, with its shape and spec):
+        `(part, row, " (+ grad, mu, nu)", their bytes)`, the `n` largest."""
+        rows = self.largest_replicated(None)
+        key = {i: (row.shape, row.spec) for i, (_, row) in enumerate(rows)}
+        params = {r.path: i for i, (part, r) in enumerate(rows) if part == "parameters"}
+        grads: dict[int, int] = {}  # parameter's row -> its gradient's
+        for i, (part, row) in enumerate(rows):
+            lead = params.get(row.path)
+            if part == "gradients" and lead is not None and key[lead] == key[i]:
+                grads[lead] = i
+        placed = set(grads.values())
+        listed = [i for i in range(len(rows)) if i not in placed]
+        paths = [
+            f"{'o' if rows[i][0] == 'optimizer state' else 'p'}/{rows[i][1].path}"
+            for i in listed
+        ]
+        out = []
+        for group in grouped_paths(paths, [key[i] for i in listed]):
+            lead = listed[group.leader]
+            members = [(listed[i], label) for i, label in group.followers]
+            if lead in grads:
+                members.insert(0, (grads[lead], "grad"))
+            total = sum(rows[i][1].nbytes for i in (lead, *(i for i, _ in members)))
+            suffix = PathGroup(lead, tuple(members)).suffix
+            out.append((rows[lead][0], rows[lead][1], suffix, total))
+        return sorted(out, key=lambda item: -item[3])[:n]
 
     def summary(self) -> str:
         """One line per part with its bytes on the fullest device, then the total
@@ -254,6 +247,8 @@ class TrainingPlan(Report):
                 f"  {name:<16} {format_bytes(report.bytes_per_device[fullest]):>10}"
                 f"   ({report.total_parameters:,} elements, {'/'.join(dtypes)})"
             )
+        if self.pipeline is not None:
+            lines.append(self.pipeline.line())
         total = format_bytes(self.max_bytes_per_device)
         line = f"  {'total':<16} {total:>10}"
         headroom = self.headroom
@@ -318,13 +313,13 @@ class TrainingPlan(Report):
         for label, bar, value, over in rows:
             flag = "  over budget" if over else ""
             lines.append(f"  {label:<{width}}  {bar}  {value}{flag}".rstrip())
-        largest = self.largest_replicated(n)
+        largest = self._largest_groups(n)
         if largest:
             lines.append("largest arrays placed whole on a device:")
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 where = "single device" if row.single_device else "replicated"
                 lines.append(
-                    f"  {format_bytes(row.nbytes):>10}  {part}: {row.path} "
+                    f"  {format_bytes(nbytes):>10}  {part}: {row.path}{suffix} "
                     f"{row.shape} {row.dtype} ({where})"
                 )
         return "\n".join(lines)
@@ -357,17 +352,35 @@ class TrainingPlan(Report):
             style = "red" if over else "green"
             table.add_row(label, f"[{style}]{bar}[/{style}]", value)
         out.append(table)
-        largest = self.largest_replicated()
+        largest = self._largest_groups(5)
         if largest:
             replicated = Table(title="largest arrays placed whole on a device")
             for header in ("bytes", "part", "path", "shape", "dtype"):
                 replicated.add_column(header)
-            for part, row in largest:
+            for part, row, suffix, nbytes in largest:
                 replicated.add_row(
-                    format_bytes(row.nbytes), part, row.path, str(row.shape), row.dtype
+                    format_bytes(nbytes),
+                    part,
+                    row.path + suffix,
+                    str(row.shape),
+                    row.dtype,
                 )
             out.append(replicated)
         return out
+
+
+def _total(
+    params: ShardingReport,
+    reports: tuple[ShardingReport | None, ...],
+    buffers: PipelineBuffers | None,
+) -> tuple[int, ...]:
+    """The bytes on each device: the parts' and a pipeline's buffers."""
+    total = np.asarray(params.bytes_per_device, dtype=np.int64)
+    total += 0 if buffers is None else buffers.total
+    for report in reports:
+        if report is not None:
+            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    return tuple(total.tolist())
 
 
 @typecheck
@@ -384,6 +397,7 @@ def plan_training(
     trainable: Any = True,
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
+    pipeline: Mapping[str, Any] | None = None,
     offload_copy: float = 1.0,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
@@ -440,6 +454,15 @@ def plan_training(
       (which `eqx.is_inexact_array` is `False` for).
     - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
       reports them, `"warn"` reports them and warns, `"raise"` raises.
+    - `pipeline`: for a model run by [`eqshard.pipeline`][], its schedule:
+      `{"microbatches": M, "activation": one microbatch's activation (a
+      jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
+      over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
+      "repeats": 1}`. The plan adds on every device the stage inputs the loop
+      keeps for the backward pass, `(R·M + S - 1)` microbatch activations, and
+      its buffers of the microbatches' inputs and outputs, `2·M` of them
+      (`plan.pipeline`); the parameters and optimizer state are per stage as
+      their specs say (`eqshard.stacked(spec, stages="pp")`).
     - `offload_copy`: the fraction of the arrays kept in host memory
       ([`eqshard.host`][]) that the step holds on the device at once: its
       update needs a device copy of what it updates, so `1.0` (the default)
@@ -483,7 +506,7 @@ def plan_training(
     """
     caller = "plan_training"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
-    _check_optimizer(optimizer, caller)
+    check_optimizer(optimizer, caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
     rules = specs if is_partition_rules(specs) else None
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
@@ -492,7 +515,7 @@ def plan_training(
     else:
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
-    trained = _trained(trainable, params, caller)
+    trained = trained_mask(trainable, params, caller)
     _abstract = _abstracter()
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
@@ -514,7 +537,7 @@ def plan_training(
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
     state_report = None
     if optimizer is not None:
-        state_leaves, state_specs = _state(
+        state_leaves, state_specs = optimizer_state(
             optimizer,
             (jtu.tree_structure(params), abstract, trained, pairs),
             rules,
@@ -524,54 +547,19 @@ def plan_training(
         )
         state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
         parts.append((state_leaves, state_specs))
-    total = np.zeros(len(param_report.bytes_per_device), dtype=np.int64)
-    for report in (param_report, grad_report, state_report):
-        if report is not None:
-            total += np.asarray(report.bytes_per_device, dtype=np.int64)
+    buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
+    total = _total(param_report, (grad_report, state_report), buffers)
     host = host_bytes(parts, mesh, caller)
     copy = np.round(host * float(offload_copy)).astype(np.int64)
-    total += copy - host
+    total = tuple((np.asarray(total, dtype=np.int64) + copy - host).tolist())
     return TrainingPlan(
         mesh=mesh,
         params=param_report,
         grads=grad_report,
         opt_state=state_report,
-        bytes_per_device=tuple(total.tolist()),
+        bytes_per_device=total,
         device_memory=budget,
+        pipeline=buffers,
         host_bytes_per_device=tuple(host.tolist()),
         copy_bytes_per_device=tuple(copy.tolist()),
     )
-
-
-def _state(
-    optimizer: Any,
-    params: tuple[Any, list[Any], list[bool], list[tuple[KeyPath, Any]]],
-    rules: Any,
-    abstract: Callable[[Any, Any], Any],
-    state_dtype: Any,
-    mesh: Mesh | AbstractMesh,
-) -> tuple[list[Any], list[tuple[KeyPath, Any]]]:
-    """The optimizer state of the trained parameters (`params`: their
-    structure, abstract leaves, whether each is trained, and `(path, spec)`
-    pairs), made abstractly in `state_dtype`, and the `(path, spec)` of each of
-    its arrays: following its parameter, or by `rules` where they hold host
-    rules."""
-    treedef, leaves, trained, pairs = params
-    trained_params = jtu.tree_unflatten(
-        treedef, [leaf if t else None for leaf, t in zip(leaves, trained, strict=True)]
-    )
-    state_tree = jax.eval_shape(optimizer.init, trained_params)
-    state = jtu.tree_flatten_with_path(state_tree)[0]
-    if state_dtype is not None:
-        state = [(path, abstract(x, state_dtype)) for path, x in state]
-    by_path = {
-        tuple(path): (tuple(leaf.shape), spec)
-        for (path, spec), leaf, t in zip(pairs, leaves, trained, strict=True)
-        if t
-    }
-    specs = state_pairs(state, by_path)
-    if rules is not None:
-        specs = ruled_state_pairs(
-            rules, trained_params, state_tree, specs, mesh=mesh, caller="plan_training"
-        )
-    return [leaf for _, leaf in state], specs

@@ -1,32 +1,33 @@
 """The built-in layouts of `search_layout`: rules lists a person can read, made
-from the parameters' paths and shapes, how the step uses them (`_uses.py`) and the
-mesh's axes; and the rules-file text of a layout.
+from the parameters' shapes, how the step uses them and where their products
+go (`_uses.py`) and the mesh's axes; and the rules-file text of a layout.
 
 How candidates are made:
 
-1. **Parameters.** Each array of the tree with its path, shape and use: a
-   *matrix* is one whose first use is a matmul contracting one of its two
-   dimensions past the stacked ones (its input dimension; the other is its
-   output), an *embedding* one whose first use is a gather indexing one
-   dimension.
-2. **Pairs.** Tensor parallelism splits the output of a pair's first matrices
-   and the input of its second, so that the activations between them stay split
-   and one reduction ends the pair (Megatron's layout). Matrices are grouped by
-   module: the parent of an `eqx.nn.Linear` (`blocks/0/mlp` for
-   `blocks/0/mlp/up/weight`), or of the matrix itself where it shares its
-   parent with others; a name's role (`q`, `k`, `v`, `up`, `gate`, `fc1`, ...
-   first; `o`, `out`, `down`, `fc2`, `proj`, ... second) and the rest of the name
-   (`attn` of `attn_q`) make the group. A group pairs when the output size of a
-   first matrix is the input size of a second. A module of two unnamed matrices
-   pairs by shape alone when each maps the other's output back (the one that
-   widens is first). The bias of a first matrix follows its output.
+1. **Parameters.** Each array of the tree with its path, shape and use
+   (`_uses.py`): a *matrix* is one whose first use is a matmul (or a
+   convolution) that contracts some of its dimensions past the stacked ones
+   (its input: the first of them) and keeps others (its output: the first,
+   the heads of a per-head `(heads, dim, head_dim)` weight), an *embedding*
+   one whose first use is a gather indexing one dimension.
+2. **Pairs** (`tensor_pairs`). Tensor parallelism splits the output of a
+   pair's first matrices and the input of its second, so that the activations
+   between them stay split and one reduction ends the pair (Megatron's
+   layout). Pairs come from the step's data flow, not from names: a matrix
+   whose product stays split until other matrices read it is *first* (q, k and
+   v, separate, fused or per head, through attention's heads; an MLP's up and
+   gate; a convolution before a channel-wise norm); the matrices its product
+   feeds are *second* (the output projection, the down projection); firsts
+   and seconds that feed each other are one pair. The bias of a first matrix
+   follows its output. Matrices no pair holds are listed (`unpaired`).
 3. **Strategies** over the mesh's axes (`strategies`): replicated; FSDP over the
    data axes ([`eqshard.auto_fsdp`][]), and over all axes; tensor parallel over
    the other axes (or over each axis, when the batch spans them all), alone or
    with FSDP over the remaining data axes, each with and without the vocabulary
-   (embeddings split on the dimension they index, unpaired matrices that widen,
-   such as the head, on their output). Stacked leading axes are never split: the
-   specs start with `None` there and `auto_fsdp` gets `stacked=`.
+   (embeddings split on the dimension they index, unpaired matmul matrices that
+   widen, such as the head, on their output; not convolutions). Stacked leading
+   axes are never split: the specs start with `None` there and `auto_fsdp` gets
+   `stacked=`.
 4. **Rules** (`strategy_rules`): a rule per group of paths that differ only in
    their layer numbers, for the arrays whose value differs from the strategy's
    default; a prefix rule for stacked subtrees; the default last (`.*`). Rules
@@ -57,15 +58,6 @@ from ._uses import Use
 # collective each for almost no memory.
 FSDP_MIN_SIZE = 1024
 
-_FIRST = re.compile(
-    r"(?:^|_)(q|k|v|qkv|query|key|value|wq|wk|wv|wqkv|c_attn|in_proj|up|gate|"
-    r"wi(?:_\d+)?|fc1|w1|w3|c_fc|lin1|linear1|dense_h_to_4h)(?:_|$)"
-)
-_SECOND = re.compile(
-    r"(?:^|_)(o|out|wo|out_proj|down|fc2|w2|c_proj|lin2|linear2|dense_4h_to_h|"
-    r"proj)(?:_|$)"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Param:
@@ -84,18 +76,26 @@ class Param:
         return self.use.stacked
 
     @property
+    def matrix(self) -> bool:
+        """Whether its first use is a matmul or a convolution that contracts and
+        keeps dimensions past the stacked ones."""
+        use = self.use
+        return (
+            use.kind in ("dot", "conv")
+            and bool(use.dims and use.out)
+            and min(use.dims + use.out) >= self.stacked
+        )
+
+    @property
     def in_dim(self) -> int | None:
-        """A matrix's input dimension (the one its matmul contracts)."""
-        free = range(self.stacked, len(self.shape))
-        if self.use.kind == "dot" and len(free) == 2 and len(self.use.dims) == 1:
-            dim = self.use.dims[0]
-            return dim if dim in free else None
-        return None
+        """A matrix's input dimension (the first its matmul contracts)."""
+        return self.use.dims[0] if self.matrix else None
 
     @property
     def out_dim(self) -> int | None:
-        dim = self.in_dim
-        return None if dim is None else 2 * self.stacked + 1 - dim
+        """A matrix's output dimension (the first its matmul keeps: the heads of
+        a per-head `(heads, dim, head_dim)` weight)."""
+        return self.use.out[0] if self.matrix else None
 
     @property
     def indexed_dim(self) -> int | None:
@@ -137,68 +137,99 @@ class Pair:
     seconds: tuple[Param, ...]
 
 
-def _role(name: str) -> tuple[str | None, str]:
-    """`("first" | "second" | None, the rest of the name)`."""
-    for role, pattern in (("first", _FIRST), ("second", _SECOND)):
-        match = pattern.search(name)
-        if match is not None:
-            rest = name[: match.start(1)] + name[match.end(1) :]
-            return role, rest.strip("_")
-    return None, name
-
-
 def tensor_pairs(params: Sequence[Param]) -> list[Pair]:
-    """The tensor-parallel pairs of `params`, in the order of their first
-    matrices."""
-    matrices = [p for p in params if p.in_dim is not None]
-    per_module: dict[tuple[str, ...], int] = {}
-    for m in matrices:
-        per_module[m.path[:-1]] = per_module.get(m.path[:-1], 0) + 1
-    groups: dict[tuple[tuple[str, ...], str], list[tuple[str | None, Param]]] = {}
-    unnamed: dict[tuple[str, ...], list[Param]] = {}
-    own: set[str] = set()  # matrices that are the only one of their module
-    for m in matrices:
-        # An `eqx.nn.Linear` is named by its module: `up` of `mlp/up/weight`.
-        cut = 2 if per_module[m.path[:-1]] == 1 and len(m.path) >= 2 else 1
-        if cut == 2:
-            own.add(m.name)
-        name, parent = m.path[len(m.path) - cut], m.path[: len(m.path) - cut]
-        role, rest = _role(name)
-        if role is None:
-            unnamed.setdefault(parent, []).append(m)
-        else:
-            groups.setdefault((parent, rest), []).append((role, m))
-    found: list[tuple[list[Param], list[Param]]] = []
-    for members in groups.values():
-        firsts = [m for role, m in members if role == "first"]
-        seconds = [m for role, m in members if role == "second"]
-        if any(f.size(f.out_dim) == s.size(s.in_dim) for f in firsts for s in seconds):
-            found.append((firsts, seconds))
-    for members in unnamed.values():
-        if len(members) == 2:
-            a, b = members
-            if (
-                a.size(a.out_dim) == b.size(b.in_dim)
-                and b.size(b.out_dim) == a.size(a.in_dim)
-                and a.size(a.out_dim) != a.size(a.in_dim)
-            ):
-                widens = a.size(a.out_dim) > a.size(a.in_dim)
-                found.append(([a], [b]) if widens else ([b], [a]))
+    """The tensor-parallel pairs of `params` (in the order of their first
+    matrices), from the step's data flow: a matrix is *first* when its product
+    stays split until other matrices read it (`Use.local`) and no first matrix
+    feeds it; a matrix fed by first ones is *second*. Matrices are taken in
+    the order of the flow (a matrix after those that feed it), so a chain
+    alternates; firsts and seconds that feed each other form one pair."""
+    index = {p.name: i for i, p in enumerate(params)}
+    matrices = [i for i, p in enumerate(params) if p.matrix]
+    feeds: dict[int, set[int]] = {}
+    for i in matrices:
+        for j in params[i].use.fed_by:
+            if j < len(params) and params[j].matrix:
+                feeds.setdefault(j, set()).add(i)
+    role: dict[int, str] = {}
+    owner = list(range(len(params)))
+
+    def find(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    for i in _flow_order(params, matrices, feeds):
+        firsts = [j for j in params[i].use.fed_by if role.get(j) == "first"]
+        if firsts:
+            role[i] = "second"
+            for j in firsts:
+                owner[find(j)] = find(i)
+        elif params[i].use.local and i in feeds:
+            role[i] = "first"
+    groups: dict[int, list[int]] = {}
+    for i in sorted(role):
+        groups.setdefault(find(i), []).append(i)
     pairs = []
-    for firsts, seconds in found:
-        biases = tuple(
+    for members in groups.values():
+        firsts = [params[i] for i in members if role[i] == "first"]
+        seconds = [params[i] for i in members if role[i] == "second"]
+        if firsts and seconds:
+            pairs.append(Pair(tuple(firsts), _biases(params, firsts), tuple(seconds)))
+    return sorted(pairs, key=lambda pair: index[pair.firsts[0].name])
+
+
+def _flow_order(
+    params: Sequence[Param], matrices: list[int], feeds: dict[int, set[int]]
+) -> list[int]:
+    """`matrices`, each after those that feed it (else in the tree's order)."""
+    waiting = {
+        i: {j for j in params[i].use.fed_by if j in feeds and j != i} for i in matrices
+    }
+    order: list[int] = []
+    ready = [i for i in matrices if not waiting[i]]
+    while ready:
+        i = ready.pop(0)
+        order.append(i)
+        for k in sorted(feeds.get(i, ())):
+            if k in waiting and i in waiting[k]:
+                waiting[k].discard(i)
+                if not waiting[k]:
+                    ready.append(k)
+                    ready.sort()
+    return order + [i for i in matrices if i not in order]  # (a cycle: none)
+
+
+def _biases(params: Sequence[Param], firsts: Sequence[Param]) -> tuple[Param, ...]:
+    """The biases that follow the first matrices' outputs: a vector of the
+    output's size beside a matrix that is the only one of its module (the
+    `bias` of an `eqx.nn.Linear`)."""
+    found = []
+    for f in firsts:
+        siblings = [p for p in params if p.path[:-1] == f.path[:-1] and p is not f]
+        if any(p.matrix for p in siblings) or f.out_dim is None:
+            continue
+        size = f.shape[f.out_dim]
+        found += [
             p
-            for f in firsts
-            if f.name in own
-            for p in params
-            if p.path[:-1] == f.path[:-1]
-            and p is not f
-            and len(p.shape) == p.stacked + 1
-            and p.shape[-1] == f.size(f.out_dim)
-        )
-        pairs.append(Pair(tuple(firsts), biases, tuple(seconds)))
-    order = {p.name: i for i, p in enumerate(params)}
-    return sorted(pairs, key=lambda pair: order[pair.firsts[0].name])
+            for p in siblings
+            if (dim := bias_dim(p)) is not None and p.shape[dim] == size
+        ]
+    return tuple(found)
+
+
+def bias_dim(param: Param) -> int | None:
+    """The dimension of a bias: its one dimension past the stacked ones other
+    than 1 (a convolution's bias is `(channels, 1, 1)`)."""
+    dims = [d for d in range(param.stacked, len(param.shape)) if param.shape[d] != 1]
+    return dims[0] if len(dims) == 1 else None
+
+
+def unpaired(params: Sequence[Param], pairs: Sequence[Pair]) -> list[str]:
+    """The matrices (and convolutions) that no pair holds, by path."""
+    paired = {m.name for pair in pairs for m in pair.firsts + pair.seconds}
+    return [p.name for p in params if p.matrix and p.name not in paired]
 
 
 # ---------------------------------------------------------------------------------
@@ -277,15 +308,16 @@ def tp_specs(
             if dim is not None and f.shape[dim] % size == 0:
                 specs[f.name] = _split(dim, axes)
         for b in pair.biases:
-            if b.shape[-1] % size == 0:
-                specs[b.name] = _split(len(b.shape) - 1, axes)
+            dim = bias_dim(b)
+            if dim is not None and b.shape[dim] % size == 0:
+                specs[b.name] = _split(dim, axes)
         for s in seconds:
             specs[s.name] = _split(s.in_dim or 0, axes)
     if vocab:
         for p in params:
             dim = p.indexed_dim
             if dim is None and p.name not in paired:
-                widens = p.size(p.out_dim) > p.size(p.in_dim)
+                widens = p.use.kind == "dot" and p.size(p.out_dim) > p.size(p.in_dim)
                 dim = p.out_dim if widens else None
             if dim is not None and p.shape[dim] % size == 0:
                 specs.setdefault(p.name, _split(dim, axes))

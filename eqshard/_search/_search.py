@@ -39,6 +39,7 @@ from .._mesh._current import require_mesh
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules
+from .._step._step_records import OutOfMemory
 from .._step._step_report import StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
@@ -49,6 +50,7 @@ from ._candidates import (
     strategies,
     strategy_rules,
     tensor_pairs,
+    unpaired,
 )
 from ._search_report import LayoutCandidate, LayoutSearch
 from ._search_step import CALLER, function_name, search_error, Step
@@ -216,9 +218,15 @@ def _bandwidth(
     return weights
 
 
-def _cost(report: StepReport, weights: Mapping[str, float]) -> float:
+def _cost(
+    report: StepReport, weights: Mapping[str, float], *, exposed: bool = False
+) -> float:
+    """The bytes a device sends per step, each over its slowest axis's relative
+    bandwidth; with `exposed`, only those the schedule does not overlap."""
     total = 0.0
     for row in report.collectives:
+        if exposed and row.overlapped is True:
+            continue
         slowest = min((weights.get(a, 1.0) for a in row.axes), default=1.0)
         total += row.link_bytes * row.count / slowest
     return total
@@ -313,6 +321,8 @@ def _compiled(
     mesh = step.mesh
     try:
         report = step.report(layout.specs)
+    except OutOfMemory as error:  # the TPU compiler checks the fit itself
+        return _REFUSED + str(error).split(": ", 1)[1]
     except (TypeError, ValueError) as error:
         if not (AxisType.Explicit in mesh.axis_types and _untyped(error)):
             raise
@@ -337,18 +347,24 @@ def _compiled(
         budget,
         cost,
         text,
+        exposed_cost=_cost(report, weights, exposed=True),
     )
 
 
+_REFUSED = "does not fit: "  # a layout the compiler itself refused
+
+
 def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """The layouts that fit first, cheapest first; then the others, smallest
-    first; ties in the order they were compiled."""
+    """The layouts that fit first, least exposed communication first, then
+    least in all; then the others, smallest first; ties in the order they were
+    compiled."""
     order = {id(c): i for i, c in enumerate(compiled)}
     return sorted(
         compiled,
         key=lambda c: (
             not c.fits,
-            c.cost if c.fits else c.memory.peak_bytes,
+            c.exposed_cost if c.fits else c.memory.peak_bytes,
+            c.cost,
             c.memory.peak_bytes,
             order[id(c)],
         ),
@@ -377,13 +393,14 @@ def search_layout(
     (`candidates`), and built-in strategies over the mesh's axes: replicated
     (data parallel); FSDP ([`eqshard.auto_fsdp`][]) over the data axes and over
     all axes; tensor parallel on the step's attention and MLP pairs (found from
-    paths and shapes: the first matrices split on their output, the second on its
-    input), with and without the vocabulary, alone or with FSDP. The *data axes*
-    are the mesh axes that split the leading dimension of the arguments that
-    carry shardings (the batch, kept as it is); all axes if none does. Leading
-    axes a `lax.scan` iterates over (stacked layers) are never split. An argument
-    whose arrays follow the parameters (an optimizer state, as
-    [`eqshard.derive_specs`][] reads it) follows each candidate; others are
+    the step's matmuls and data flow, not from names: the first matrices split
+    on their output, the second on its input; those it cannot pair are in the
+    result's `unpaired`), with and without the vocabulary, alone or with FSDP.
+    The *data axes* are the mesh axes that split the leading dimension of the
+    arguments that carry shardings (the batch, kept as it is); all axes if none
+    does. Leading axes a `lax.scan` iterates over (stacked layers) are never
+    split. An argument whose arrays follow the parameters (an optimizer state,
+    as [`eqshard.derive_specs`][] reads it) follows each candidate; others are
     replicated.
 
     Each candidate is compiled once with [`eqshard.analyze_step`][], for
@@ -394,7 +411,12 @@ def search_layout(
     not compiled: it is listed in the result's `skipped` with JAX's reason, and
     the others are ranked. The figures are XLA's for the backend compiled for:
     a search on virtual CPU devices ranks layouts; it does not forecast GPU or
-    TPU time.
+    TPU time. On a target mesh ([`eqshard.create_mesh`][]'s `target=`, such as
+    `"h100:8x8"` or `"v5p-1024"`) each candidate is compiled by that hardware's
+    compiler, judged against its peak, and the layouts that fit are ranked by
+    the communication the schedule leaves exposed (not overlapped with
+    computation) first, then by all of it; a layout the TPU compiler refuses
+    for lack of memory is listed in `skipped`.
 
     **Arguments:**
 
@@ -472,6 +494,8 @@ def search_layout(
             done = _compiled(step, layout, budget, weights)
             if isinstance(done, LayoutCandidate):
                 compiled.append(done)
+            elif done.startswith(_REFUSED):
+                skipped.append((layout.name, done))
             else:
                 untyped.append((layout.name, done))
             bar.update(layout.name)
@@ -480,6 +504,7 @@ def search_layout(
     if untyped and not compiled:
         raise _all_untyped_error(untyped)
     ranked = _ranked(compiled)
+    found = parameters(step.params, step.uses)
     return LayoutSearch(
         function=ranked[0].report.function if ranked else function_name(fn),
         mesh=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
@@ -488,4 +513,5 @@ def search_layout(
         bandwidth=tuple(sorted(weights.items())),
         candidates=tuple(ranked),
         skipped=tuple(skipped + untyped),
+        unpaired=tuple(unpaired(found, tensor_pairs(found))) if builtin else (),
     )

@@ -13,24 +13,15 @@ import json
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
 from .._report import format_bytes, Report, text_table
-from .._spectree._auto import AutoFSDP
-from .._spectree._logical import AxisNames
-from .._step._step_report import StepMemory, StepReport
+from .._spectree._rules_syntax import value_text
+from .._step._step_records import StepMemory
+from .._step._step_report import StepReport
 
 
 _FORMAT = 1  # the version of `to_json`'s format
-
-
-def value_text(value: Any) -> str:
-    """A rule's value as it reads in Python, without object addresses."""
-    if isinstance(value, PartitionSpec | AutoFSDP | AxisNames):
-        return repr(value)
-    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
-    return name if isinstance(name, str) else type(value).__name__
 
 
 def pattern_text(pattern: Any) -> str:
@@ -54,7 +45,11 @@ class LayoutCandidate:
     - `device_memory`: the budget it was judged against, in bytes.
     - `cost`: the bytes each device sends per step (the collectives' `link_bytes`
       times their count), each divided by the relative bandwidth of the slowest
-      mesh axis it crosses: what the ranking orders by.
+      mesh axis it crosses.
+    - `exposed_cost`: the part of `cost` the compiled schedule does not overlap
+      with computation (collectives whose `overlapped` is False, or not known):
+      what the ranking orders by first. On CPU, whose collectives are all
+      synchronous, it is `cost`; on TPU and GPU targets the schedule decides.
     """
 
     name: str
@@ -65,6 +60,7 @@ class LayoutCandidate:
     device_memory: int
     cost: float
     file_text: str = dataclasses.field(repr=False)
+    exposed_cost: float = 0.0
 
     @property
     def memory(self) -> StepMemory:
@@ -137,6 +133,7 @@ class LayoutCandidate:
             "memory": memory,
             "total_bytes": self.total_bytes,
             "cost": self.cost,
+            "exposed_cost": self.exposed_cost,
             "bytes_by_axes": self.report.bytes_by_axes,
         }
 
@@ -162,6 +159,10 @@ class LayoutSearch(Report):
     - `skipped`: `(name, why)` of the layouts not compiled: the same layout as
       an earlier one, beyond `max_candidates` or the time budget, or, on
       Explicit axes, one with which JAX cannot type the step (why says where).
+    - `unpaired`: the paths of the matrices (and convolutions) that the
+      built-in tensor-parallel candidates found no pair for, in the step's data
+      flow: they are replicated there (or, with the vocabulary, split on their
+      output where they widen, as a head).
     """
 
     function: str
@@ -171,6 +172,7 @@ class LayoutSearch(Report):
     bandwidth: tuple[tuple[str, float], ...]
     candidates: tuple[LayoutCandidate, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    unpaired: tuple[str, ...] = ()
 
     @property
     def best(self) -> LayoutCandidate | None:
@@ -230,11 +232,21 @@ class LayoutSearch(Report):
         lines = [self.summary(), "", *text_table(_COLUMNS, self._rows())]
         for name, why in self.skipped:
             lines.append(f"not compiled: {name} ({why})")
+        if self.unpaired:
+            lines.append(self._unpaired_line())
         best = self.best
         if best is not None:
             lines += ["", f"rules of {best.name}:"]
             lines += [f"  {line}" for line in best.rule_lines()]
         return "\n".join(lines)
+
+    def _unpaired_line(self) -> str:
+        shown = ", ".join(self.unpaired[:_UNPAIRED_SHOWN])
+        more = len(self.unpaired) - _UNPAIRED_SHOWN
+        rest = f" and {more} more (`.unpaired`)" if more > 0 else ""
+        return (
+            f"not paired for tensor parallelism ({len(self.unpaired)}): {shown}{rest}"
+        )
 
     def _summary(self) -> dict[str, Any]:
         best = self.best
@@ -262,6 +274,8 @@ class LayoutSearch(Report):
             table.add_row(*cells, style=None if c.fits else "dim")
         out: list[Any] = [Text(self.summary()), table]
         out += [Text(f"not compiled: {name} ({why})") for name, why in self.skipped]
+        if self.unpaired:
+            out.append(Text(self._unpaired_line()))
         best = self.best
         if best is not None:
             out.append(Text(f"rules of {best.name}:"))
@@ -282,10 +296,12 @@ class LayoutSearch(Report):
             "bandwidth": dict(self.bandwidth),
             "candidates": [c._plain() for c in self.candidates],
             "skipped": [list(pair) for pair in self.skipped],
+            "unpaired": list(self.unpaired),
             "best": best.name if best is not None else None,
             "best_report": json.loads(best.report.to_json()) if best else None,
         }
         return data
 
 
+_UNPAIRED_SHOWN = 8  # names in the text; all of them in `unpaired` and the JSON
 _COLUMNS = ("rank", "layout", "peak", "headroom", "communication", "cost")

@@ -160,6 +160,14 @@ def offloads(rules: Iterable[tuple[Any, Any]]) -> bool:
     return any(isinstance(value, Host) for _, value in rules)
 
 
+def follower_rules_text(rules: Iterable[tuple[Any, Any]]) -> str:
+    """The lines of a rules file for the rules `host()` of `rules`, which match
+    the optimizer state (the arrays that follow a parameter), not the model."""
+    return "".join(
+        f"{regex}  host()\n" for regex, value in rules if value == Host(None)
+    )
+
+
 def is_host_memory(sharding: Any) -> bool:
     """Whether a sharding (or a spec leaf) places in host memory."""
     kind = getattr(sharding, "memory_kind", None)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._report import Report, text_table
+from .._report import plain, Report, text_table
 from .._typing import Int, typecheck
 from ._follow import item_follower_note, item_follower_spec
 from ._memory import Host, HOST_MEMORY, in_memory
@@ -28,6 +28,7 @@ from ._rules import (
     RuleValue,
     strict_spec,
 )
+from ._rules_syntax import value_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ class RulesReport(Report):
             (
                 str(i),
                 repr(pattern),
-                repr(spec),
+                value_text(spec),
                 str(count),
                 "dead: matched nothing" if i in self.dead_rules else "",
             )
@@ -125,6 +126,14 @@ class RulesReport(Report):
                 *text_table(("rule", "pattern", "spec", "leaves", "note"), rule_body),
             ]
         )
+
+    def _json(self) -> Any:
+        """The fields, each rule's value as Python writes it (`P('tp', None)`,
+        `stacked(P('tp', None))`; a function by its name): as a rules file and
+        `match_partition_rules` read them back."""
+        data = plain(self)
+        data["rules"] = [[pattern, value_text(value)] for pattern, value in self.rules]
+        return data
 
     def _summary(self) -> dict[str, Any]:
         return {

@@ -1,18 +1,24 @@
 """The text syntax of specs and rules: one spec syntax (`SPEC_SYNTAX`, read by
 `parse_spec`) for the rules files of `python -m eqshard --rules` and the rule
 strings of `eqshard.compat.create_pattern_based_partition_spec`, and `parse_rule`
-for a rule written as a regex and a spec. Each raises a bare `ValueError` saying
+for a rule written as a regex and a spec. A rule's value is written as text by
+`value_text` (as Python writes it: `P('tp', None)`, `stacked(P('tp', None))`),
+which `parse_value` reads back. Each reader raises a bare `ValueError` saying
 what is wrong; its caller adds where.
 """
 
 import ast
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._memory import Host
+from ._logical import AxisNames
+from ._memory import host
 from ._specs import spec_entry
+from ._stacked import stacked
 
 
 SPEC_SYNTAX = (
@@ -83,9 +89,12 @@ def parse_spec(text: str) -> PartitionSpec:
     return PartitionSpec(*dims)
 
 
-def parse_rule(regex: str, spec: str) -> tuple[re.Pattern[str], PartitionSpec]:
+def parse_rule(
+    regex: str, spec: str, *, values: bool = False
+) -> tuple[re.Pattern[str], Any]:
     """A rule written as text, as rules files and rule strings write it: `regex`
-    compiled, `spec` read by `parse_spec`. Raises `ValueError` saying what is
+    compiled, `spec` read by `parse_spec` (by `parse_value` with `values`, as a
+    rules file reads it: `stacked(...)` too). Raises `ValueError` saying what is
     wrong; each caller adds where."""
     if not regex:
         raise ValueError("the regex is empty")
@@ -93,17 +102,106 @@ def parse_rule(regex: str, spec: str) -> tuple[re.Pattern[str], PartitionSpec]:
         compiled = re.compile(regex)
     except re.error as error:
         raise ValueError(f"invalid regex {regex!r} ({error})") from None
-    return compiled, parse_spec(spec)
+    return compiled, parse_value(spec) if values else parse_spec(spec)
 
 
-def parse_rule_value(text: str) -> PartitionSpec | Host:
-    """A rules file's value: a spec (`parse_spec`), or `host(SPEC)` for that
-    layout in host memory (`host()`: the layout of the parameter an array
-    follows). Raises `ValueError` saying what is wrong; each caller adds where."""
+# The rule values written as a call on a spec, `NAME(SPEC, ...)`: the name, and
+# the public function that makes the value (its `repr` is such a call).
+VALUE_CALLS: dict[str, Callable[..., Any]] = {"stacked": stacked, "host": host}
+
+
+def value_text(value: Any) -> str:
+    """A rule's value as text without object addresses: a spec, logical names or
+    a value such as `stacked(P('tp', None))` as Python writes it (its `repr`,
+    which `parse_value` and a rules file read back, and which
+    `match_partition_rules` takes once evaluated), a function or class by its
+    qualified name, anything whose `repr` holds an address by its type's name."""
+    if isinstance(value, functools.partial):
+        value = value.func
+    name = getattr(value, "__qualname__", None)  # functions and classes
+    if isinstance(name, str):
+        return name
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text
+
+
+def _spec_argument(node: ast.expr, body: str) -> Any:
+    """The spec argument of a value's call: a spec in the spec syntax, logical
+    names written `AxisNames('embed', 'mlp')`, or another value's call
+    (`host(stacked(P('tp', None)))`)."""
+    text = ast.get_source_segment(body, node) or ""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in VALUE_CALLS
+    ):
+        return parse_value(text)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "AxisNames"
+    ):
+        try:
+            names = [ast.literal_eval(arg) for arg in node.args]
+        except ValueError:
+            names = [None]
+        if node.keywords or not all(isinstance(n, str | None) for n in names):
+            raise ValueError(f"{text!r} is not logical names: AxisNames('embed', None)")
+        return AxisNames(*names)
+    return parse_spec(text)
+
+
+def parse_value(text: str) -> Any:
+    """The rule value written as `text`: a spec (`parse_spec`), or a call of a
+    value of `VALUE_CALLS` on a spec, as its `repr` writes it
+    (`stacked(P('tp', None))`, with literal options after the spec) or on a
+    compact spec (`stacked(tp,None)`). Raises `ValueError` saying what is wrong;
+    each caller adds where."""
     body = text.strip()
-    if not (body.startswith("host(") and body.endswith(")")):
+    called = re.match(r"([A-Za-z_]\w*)\s*\(", body)
+    if called is None or called[1] == "P":
         return parse_spec(body)
-    inner = body[len("host(") : -1].strip()
-    if inner.startswith("host("):
-        raise ValueError(f"{body!r} puts host memory in host memory; write it once")
-    return Host(parse_spec(inner) if inner else None)
+    name, make = called[1], VALUE_CALLS.get(called[1])
+    spellings = " or ".join(f"{known}(SPEC)" for known in VALUE_CALLS)
+    if make is None:
+        raise ValueError(f"{name!r} is not a rule value: write a spec, or {spellings}")
+    inner = body[called.end() : -1] if body.endswith(")") else ""
+    if make is host and body.endswith(")") and not inner.strip():
+        return host()  # host(): the layout of the parameter an array follows
+    if inner.strip() and not any(c in inner for c in "=()'\""):
+        args, options = [parse_spec(inner)], {}  # stacked(tp,None)
+    else:
+        args, options = _call_arguments(body, spellings)
+    try:
+        return make(*args, **options)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{body!r}: {error}") from None
+
+
+def _call_arguments(body: str, spellings: str) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments of a rule value's call written as Python writes it: a spec
+    first (`P(...)`, `()`, or `AxisNames(...)`), then literals."""
+    try:
+        call = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        call = None
+    if (
+        not isinstance(call, ast.Call)
+        or not call.args
+        or not isinstance(call.args[0], ast.Call | ast.Tuple)
+        or any(isinstance(a, ast.Starred) for a in call.args)
+        or any(k.arg is None for k in call.keywords)
+    ):
+        raise ValueError(
+            f"{body!r} is not a rule value: write {spellings} with a spec such as "
+            "P('tp', None) or tp,None"
+        )
+    spec = _spec_argument(call.args[0], body)
+    try:
+        rest = [ast.literal_eval(arg) for arg in call.args[1:]]
+        options = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+    except ValueError:
+        raise ValueError(
+            f"the options of {body!r} must be literals (numbers, strings, None)"
+        ) from None
+    return [spec, *rest], options

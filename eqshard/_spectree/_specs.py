@@ -19,7 +19,7 @@ from jaxtyping import PyTree
 
 from .._caches import register
 from .._mesh._current import mesh_repr
-from .._tree import broadcast_prefix, is_array, path_str, paths_text
+from .._tree import broadcast_prefix, grouped_paths, is_array, path_str, paths_text
 from .._typing import KeyPath, SpecLeaf
 from ._logical import axis_names_resolver, AxisNames, normalize_rules
 from ._memory import check_host_memory, Host, HOST_MEMORY
@@ -386,7 +386,8 @@ def spec_error_message(
 ) -> str:
     """The message for leaves whose specs do not fit: one line per leaf with its path,
     shape, spec, what is wrong, and the nearest spec that fits (which is used
-    instead if `corrected`)."""
+    instead if `corrected`); an optimizer state's leaves with the same problem
+    share their parameter's line (`'0/w' (+ mu, nu)`)."""
     meshes = {mesh_repr(p.mesh) for p in problems}
     count = (
         "1 leaf has a spec"
@@ -395,10 +396,15 @@ def spec_error_message(
     )
     on = f" on mesh {meshes.pop()}" if len(meshes) == 1 else ""
     lines = [f"eqshard.{caller}: {count} that cannot apply{on}:"]
-    for p in problems:
+    # An optimizer state's leaves share their parameter's line, where the same.
+    paths = [p.path for p in problems]
+    keys = [(p.shape, p.spec, mesh_repr(p.mesh), p.reasons) for p in problems]
+    for group in grouped_paths(paths, keys):
+        p = problems[group.leader]
         mesh_note = "" if on else f" on mesh {mesh_repr(p.mesh)}"
         lines.append(
-            f"  - '{p.path}' (shape {p.shape}), spec {p.spec}{mesh_note}: "
+            f"  - '{p.path}'{group.suffix} (shape {p.shape}), spec {p.spec}"
+            f"{mesh_note}: "
             f"{'; '.join(p.reasons)}. "
             + (
                 f"Using {p.suggestion} instead."

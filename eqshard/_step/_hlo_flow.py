@@ -3,8 +3,9 @@ collective runs, and which of the program's arguments and results its data comes
 from and goes to.
 
 1. **Count** (`Program`): how many times each computation runs per step: a
-   `while` body as many times as its `known_trip_count` (times the runs of the
-   computation holding the loop), a branch of a `conditional` at most once per
+   `while` body as many times as its `known_trip_count`, or as its condition
+   says (`_hlo_loops`; times the runs of the computation holding the loop), a
+   branch of a `conditional` at most once per
    run of its caller (marked), a fusion or call as often as its caller.
 2. **Follow the data** (`Program`): inside each computation, its graph
    (`_hlo_graph`) tells which of its parameter slots each slot derives from and
@@ -23,7 +24,16 @@ from and goes to.
 import dataclasses
 from collections.abc import Iterable, Iterator
 
+from ._hlo_forms import (
+    is_scatter_fusion,
+    KERNELS,
+    overlapped,
+    read_forms,
+    target,
+    unknown_collective_target,
+)
 from ._hlo_graph import DONES, Graph, Graphs, KINDS, span, STARTS
+from ._hlo_loops import loop_trips
 from ._hlo_text import (
     ArrayShape,
     BadLine,
@@ -91,13 +101,16 @@ def _count(module: Module, order: list[str]) -> dict[str, _Runs]:
     runs[module.entry].count = 1
     for name in order:  # callers first
         mine = runs[name]
-        for instruction in module.computations[name].instructions:
+        computation = module.computations[name]
+        for instruction in computation.instructions:
             here = callees(instruction)
             if not here:
                 continue
             times, branch, unknown = mine.count, mine.conditional, mine.unknown_trips
             if instruction.opcode == "while":
                 trips = trip_count(instruction.attrs)
+                if trips is None:
+                    trips = loop_trips(module, computation, instruction)
                 if trips is None:
                     trips, unknown = 1, True
                 condition = called(instruction, "condition")
@@ -271,6 +284,8 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # device groups (collective-permute: pairs)
     op_name: str
     source: str
+    # Whether the schedule overlaps it with computation (`None`: not known).
+    overlapped: bool | None = None
 
 
 def _result_slots(
@@ -355,38 +370,99 @@ class Program:
             raise text_error(self.caller, e.what, e.line) from None
 
     def _collectives(self) -> list[Collective]:
+        forms = read_forms(self.module, self._order)
         out = []
         for name, position, instruction in self.instructions():
             opcode = instruction.opcode
             kind = KINDS.get(opcode) or STARTS.get(opcode)
-            if kind is None:
-                if (
-                    "all-" in opcode or "collective" in opcode or "scatter-" in opcode
-                ) and opcode not in DONES:
-                    raise text_error(
-                        self.caller,
-                        f"an unknown collective {opcode!r}",
-                        instruction.line,
-                    )
+            if opcode == "ragged-all-to-all" or opcode == "ragged-all-to-all-start":
+                kind = "ragged-all-to-all"  # its bytes: the output buffer, at most
+            if (name, position) in forms.skipped:
                 continue
-            out.append(self._collective(name, position, instruction, kind))
+            if kind is not None:
+                collective = self._collective(name, position, instruction, kind)
+                flag = overlapped(
+                    self.module, self.module.computations[name], position, forms
+                )
+                out.append(dataclasses.replace(collective, overlapped=flag))
+            elif is_scatter_fusion(self.module, instruction):
+                out.append(self._scatter_fusion(name, position, instruction))
+            elif target(instruction) in KERNELS:
+                out.append(self._kernel(name, instruction))
+            elif (unknown := unknown_collective_target(instruction)) is not None:
+                raise text_error(
+                    self.caller,
+                    f"a custom-call to an unknown collective {unknown!r}",
+                    instruction.line,
+                )
+            elif (
+                "all-" in opcode or "collective" in opcode or "scatter-" in opcode
+            ) and opcode not in DONES:
+                raise text_error(
+                    self.caller, f"an unknown collective {opcode!r}", instruction.line
+                )
         return out
+
+    def _scatter_fusion(
+        self, name: str, position: int, instruction: Instruction
+    ) -> Collective:
+        """A TPU all-reduce-scatter fusion: one reduce-scatter, whose arrays are
+        the fusion's results, over the device groups of the all-reduce inside."""
+        (callee,) = callees(instruction)
+        inner = next(
+            i
+            for i in self.module.computations[callee].instructions
+            if i.opcode == "all-reduce"
+        )
+        graph = self._graphs[name]
+        slots = span(graph.base, position, len(instruction.slots))
+        collective = self._collective(name, position, instruction, "reduce-scatter")
+        parts = tuple(
+            self._part(name, shape, slot)
+            for shape, slot in zip(instruction.slots, slots, strict=True)
+        )
+        groups = _groups(inner, "reduce-scatter", self.num_devices)
+        return dataclasses.replace(
+            collective, parts=parts, groups=groups, overlapped=False
+        )
+
+    def _kernel(self, name: str, instruction: Instruction) -> Collective:
+        """A Pallas/Mosaic kernel: one opaque row, without bytes (what it sends,
+        if anything, is not in the text)."""
+        runs = self._runs[name]
+        return Collective(
+            name=instruction.name,
+            kind="kernel",
+            parts=(),
+            count=runs.count,
+            conditional=runs.conditional,
+            unknown_trips=runs.unknown_trips,
+            groups=(),
+            op_name=op_name(instruction.attrs),
+            source=source(instruction.attrs, self.module.sources),
+            overlapped=None,
+        )
+
+    def _part(self, name: str, shape: ArrayShape, k: int) -> Part:
+        """The array of slot `k` of computation `name`, with its flow."""
+        slot, context = self._graphs[name].slots[k], self._contexts[name]
+        return Part(
+            shape,
+            context.arguments(slot.back),
+            context.results(slot.forward),
+            context.arguments(slot.producers),
+            context.arguments(slot.consumers),
+            context.results(slot.consumer_results),
+        )
 
     def _collective(
         self, name: str, position: int, instruction: Instruction, kind: str
     ) -> Collective:
-        graph, context = self._graphs[name], self._contexts[name]
+        graph = self._graphs[name]
         shapes, slots = _result_slots(graph, position, instruction, kind)
         parts = tuple(
-            Part(
-                shape,
-                context.arguments(slot.back),
-                context.results(slot.forward),
-                context.arguments(slot.producers),
-                context.arguments(slot.consumers),
-                context.results(slot.consumer_results),
-            )
-            for shape, slot in zip(shapes, (graph.slots[k] for k in slots), strict=True)
+            self._part(name, shape, slot)
+            for shape, slot in zip(shapes, slots, strict=True)
         )
         groups = _groups(instruction, kind, self.num_devices)
         runs = self._runs[name]

@@ -20,6 +20,7 @@ reaches. `_hlo_flow` joins the graphs into the entry's arguments and results.
 
 import dataclasses
 import functools
+import re
 from collections.abc import Iterable, Sequence
 
 from ._hlo_text import (
@@ -63,7 +64,8 @@ _FLOWS: dict[str, tuple[int, ...] | None] = dict.fromkeys(_ELEMENTWISE)
 _FLOWS.update(
     dict.fromkeys(
         "bitcast copy reshape reverse slice transpose dynamic-slice pad "
-        "dynamic-reshape set-dimension-size add-dependency copy-start".split(),
+        "dynamic-reshape set-dimension-size add-dependency copy-start "
+        "slice-start".split(),
         (0,),
     )
 )
@@ -86,9 +88,10 @@ _PASS = {"opt-barrier", "domain"}
 _PICKING = {"get-tuple-element", "tuple", "broadcast"} | _PASS
 # The ops of asynchronous pairs, and collectives' other than `KINDS`: their
 # result is all their operands' data.
-_ASYNC = set(STARTS) | DONES | {"copy-done", "async-start"}
+_ASYNC = set(STARTS) | DONES | {"copy-done", "slice-done", "async-start"}
 # Ops that mix elements, and the operands whose data they mix (`None`: all; an
 # int n: the first n, or half of them for negative n).
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _MIXING: dict[str, int | None] = {
     "dot": None,
     "convolution": None,
@@ -96,6 +99,63 @@ _MIXING: dict[str, int | None] = {
     "reduce-window": -2,
     "gather": 1,
 }
+
+
+# Custom-calls whose result is their operands' data: those that end TPU's async
+# collective fusions (the collective's operand and result, and state), and
+# TPU's concatenation of slices by bitcast.
+_FLOWING_CALLS = {"AsyncCollectiveStart", "AsyncCollectiveDone", "ConcatBitcast"}
+
+
+def _target(instruction: Instruction) -> str:
+    if instruction.opcode != "custom-call":
+        return ""
+    found = _TARGET.search(instruction.rest)
+    return "" if found is None else found[1]
+
+
+def _pieces(start: Instruction) -> tuple[int, int] | None:
+    """For an async start `(operands, results, context...)`: the number of
+    slots of its operands' echo and of its results; `None` for a start whose
+    result is its results only (all-reduce)."""
+    shape = start.shape
+    if start.opcode == "all-reduce-start" or not isinstance(shape, list):
+        return None
+    if len(shape) < 2:
+        return None
+    return len(flatten_shape(shape[0])), len(flatten_shape(shape[1]))
+
+
+def _paired_inputs(
+    computation: Computation, instruction: Instruction, slots: list[list[int]]
+) -> list[list[int]] | None:
+    """`_inputs` of an async start or done that keeps each array of a combined
+    collective apart: result `k` derives from operand `k` (and a done's result
+    `k` from its start's result `k`); `None` where the counts do not match."""
+    n = len(instruction.slots)
+    if instruction.opcode in STARTS:
+        flat = [slot for operand in slots for slot in operand]
+        pieces = _pieces(instruction)
+        if pieces is None:
+            return [[slot] for slot in flat] if len(flat) == n else None
+        echo, results = pieces
+        if echo != len(flat) or results != len(flat):
+            return None
+        rest = n - echo - results
+        return [[slot] for slot in flat] * 2 + [[] for _ in range(rest)]
+    if len(slots) != 1:
+        return None
+    position = computation.index.get(instruction.operands[0])
+    if position is None:
+        return None
+    start = computation.instructions[position]
+    if start.opcode not in STARTS:
+        return None
+    pieces = _pieces(start)
+    offset, count = (0, len(slots[0])) if pieces is None else pieces
+    if count != n:
+        return None
+    return [[slot] for slot in slots[0][offset : offset + count]]
 
 
 def _mixed(opcode: str, count: int) -> range:
@@ -222,10 +282,12 @@ def _forward(wires: list[_Wires], param_slot: dict[int, int]) -> list[Slot]:
         else:
             back = _union(slots[s].back for s in wire.inputs)
             strict_back = _union(slots[s].strict_back for s in wire.strict_inputs)
-        producers = _union(
-            [_union(slots[s].strict_back for s in wire.near_in)]
-            + [slots[s].producers for s in wire.inputs]
-        )
+        # A mixing op none of whose operands is an argument's data moved (a
+        # reduce of a dot's partial results) stands for its producer's.
+        near = _union(slots[s].strict_back for s in wire.near_in)
+        if not near and wire.near_in:
+            near = _union(slots[s].producers for s in wire.near_in)
+        producers = _union([near] + [slots[s].producers for s in wire.inputs])
         slots.append(Slot(back, strict_back, producers))
     return slots
 
@@ -351,7 +413,18 @@ class Graphs:
             and len(slots) == n
         ):
             return [operand for operand in slots]
-        if opcode in KINDS or opcode in _ASYNC:
+        if opcode.startswith("ragged-all-to-all") and opcode in KINDS | STARTS:
+            # The data sent and the buffer it lands in; not the offsets.
+            return _each(n, [slot for operand in slots[:2] for slot in operand])
+        if opcode in STARTS or opcode in DONES:
+            paired = _paired_inputs(computation, instruction, slots)
+            if paired is not None:
+                return paired
+        if (
+            opcode in KINDS
+            or opcode in _ASYNC
+            or _target(instruction) in _FLOWING_CALLS
+        ):
             return _each(n, [slot for operand in slots for slot in operand])
         return [[] for _ in range(n)]
 

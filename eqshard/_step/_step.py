@@ -50,6 +50,7 @@ from .._typing import typecheck, warn
 from ._hlo_flow import Program
 from ._hlo_text import text_error
 from ._step_args import Arguments, arguments, CALLER, placed_as_asked
+from ._step_records import OutOfMemory
 from ._step_report import StepReport
 from ._step_rows import (
     collective_row,
@@ -310,7 +311,17 @@ def _compile(
     """The traced step compiled (XLA's log captured if asked), its text read."""
     log = captured_stderr() if capture else contextlib.nullcontext(Captured())
     with log as captured:
-        compiled = traced.traced.lower().compile(compiler_options=compiler_options)
+        try:
+            compiled = traced.traced.lower().compile(compiler_options=compiler_options)
+        except jax.errors.JaxRuntimeError as error:
+            if not str(error).startswith("RESOURCE_EXHAUSTED"):
+                raise
+            raise OutOfMemory(
+                f"eqshard.{CALLER}: the compiler refused the step, which does not "
+                f"fit one device: {str(error).splitlines()[0]} Lay out more of it "
+                "over the mesh (FSDP), rematerialise, or take a smaller batch; "
+                "eqshard.search_layout tries layouts."
+            ) from None
     in_shardings = list(compiled.input_shardings[0])
     out_shardings = list(compiled.output_shardings)
     mesh = mesh_of(in_shardings + out_shardings)

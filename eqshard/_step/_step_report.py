@@ -10,231 +10,29 @@ memory.
 """
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
-from .._report import format_bytes, parse_bytes, plain, Report, text_table
+from .._report import format_bytes, plain, Report, text_table
+from .._tree import grouped_paths
 from ._step_json import FORMAT, read_report
+from ._step_records import (
+    CollectivePart,
+    CollectiveRow,
+    COMMUNICATION,
+    MovedInput,
+    StepChange,
+    StepDiff,
+    StepLeaf,
+    StepMemory,
+    StepWarning,
+    UNATTRIBUTED,
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepLeaf:
-    """An argument or output array of the step, as the program lays it out."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    spec: str  # the program's sharding of it
-    bytes_per_device: int
-    donated: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectivePart:
-    """One array a collective moves (a combined collective moves several), and
-    the leaves it belongs to: `via` is `""` when the data flows from or to them
-    unchanged, `"producer"` when they feed the dot (or reduce, convolution,
-    gather) whose partial results it combines, `"consumer"` when they feed the
-    dot that consumes what it gathers (or its result reaches them), and
-    `"neighbours"` either way for an all-to-all or permute."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    paths: tuple[str, ...]
-    via: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveRow:
-    """One collective instruction of the compiled program (an async start/done
-    pair once).
-
-    `bytes` is the size of its result on one device per run, as the program
-    states it; `count` its runs per step (a loop's trip count multiplies; in a
-    branch of a conditional, `conditional` is set and `count` is at most);
-    `link_bytes` estimates what each device sends per run with ring algorithms
-    over groups of `n` devices: all-gather and all-to-all `bytes * (n-1)/n`,
-    reduce-scatter `bytes * (n-1)`, all-reduce `2 * bytes * (n-1)/n`,
-    collective-permute `bytes`.
-    """
-
-    name: str
-    kind: str
-    parts: tuple[CollectivePart, ...]
-    count: int
-    axes: tuple[str, ...]
-    group_size: int
-    op_name: str
-    source: str
-    conditional: bool = False
-    unknown_trip_count: bool = False
-
-    @property
-    def shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
-        """The result's shape; the shapes of its arrays for a combined one."""
-        if len(self.parts) == 1:
-            return self.parts[0].shape
-        return tuple(part.shape for part in self.parts)
-
-    @property
-    def dtype(self) -> str:
-        return ",".join(dict.fromkeys(part.dtype for part in self.parts))
-
-    @property
-    def bytes(self) -> int:
-        return sum(part.bytes for part in self.parts)
-
-    @property
-    def total_bytes(self) -> int:
-        """`bytes * count`: per device per step."""
-        return self.bytes * self.count
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p for part in self.parts for p in part.paths))
-
-    @property
-    def link_bytes(self) -> int:
-        n = self.group_size
-        factor = {
-            "all-reduce": 2 * (n - 1) / n,
-            "reduce-scatter": float(n - 1),
-            "collective-permute": 1.0,
-        }.get(self.kind, (n - 1) / n)
-        return round(self.bytes * factor)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMemory:
-    """Per-device bytes of the compiled program, from XLA's memory analysis.
-
-    `peak_bytes` is what the program holds at its peak on its backend
-    (`platform`): on TPU and GPU, XLA's own `xla_peak_bytes`, which follows
-    the schedule (TPU often reports `temp_bytes` as 0 while its peak is real);
-    on CPU, whose `xla_peak_bytes` leaves temporaries out,
-    `argument + output + temp - alias`. The `host_*` figures are the bytes in
-    host memory (XLA's `host_*_size_in_bytes`; 0 where the backend reports
-    none). `device_memory` is the memory of one device of a target mesh
-    ([`eqshard.create_mesh`][]'s `target=`), the default budget of `fits` and
-    `headroom`; `None` otherwise.
-    """
-
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    xla_peak_bytes: int
-    host_argument_bytes: int = 0
-    host_output_bytes: int = 0
-    host_temp_bytes: int = 0
-    platform: str = "cpu"
-    device_memory: int | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        if self.platform in ("tpu", "gpu") and self.xla_peak_bytes > 0:
-            return self.xla_peak_bytes
-        return (
-            self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
-        )
-
-    def headroom(self, device_memory: int | str | None = None) -> int:
-        """`device_memory - peak_bytes` (negative when it does not fit);
-        `device_memory` in bytes or as a string such as `"16GiB"`, by default
-        the target's (`self.device_memory`)."""
-        return self._budget("headroom", device_memory) - self.peak_bytes
-
-    def fits(self, device_memory: int | str | None = None) -> bool:
-        """Whether `peak_bytes` fits in `device_memory` (by default the
-        target's, `self.device_memory`)."""
-        return self._budget("fits", device_memory) >= self.peak_bytes
-
-    def _budget(self, method: str, device_memory: int | str | None) -> int:
-        caller = f"StepMemory.{method}"
-        if device_memory is not None:
-            return parse_bytes(device_memory, caller=caller)
-        if self.device_memory is None:
-            raise ValueError(
-                f"eqshard.{caller}: device_memory is None and the report knows no "
-                "device memory (it does only for a target mesh, made by "
-                "eqshard.create_mesh(..., target=...)). Pass device_memory, e.g. "
-                f"report.memory.{method}('16GiB')."
-            )
-        return self.device_memory
-
-
-@dataclasses.dataclass(frozen=True)
-class MovedInput:
-    """An argument that JAX moves onto the devices at every call."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    have: str  # where it is
-    want: str  # the program's sharding of it
-
-
-@dataclasses.dataclass(frozen=True)
-class StepWarning:
-    """A warning XLA logged while compiling the step, with the leaves of the
-    instructions it names, where it names one."""
-
-    message: str
-    paths: tuple[str, ...]
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StepChange:
-    """One difference between two step reports: a leaf's layout (`what` is
-    `"spec"`, `"shape"`, `"dtype"`, `"added"` or `"removed"`), its communication
-    per step (`what` is a collective kind), or a memory figure (`path` is
-    `"memory"`)."""
-
-    path: str
-    what: str
-    before: str | int | None
-    after: str | int | None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepDiff:
-    """What changed between two [`eqshard.StepReport`][]s, by path and kind, as
-    [`StepReport.diff`][eqshard.StepReport.diff] finds it; empty (falsy) when
-    nothing did. `str(diff)` is one line per change."""
-
-    changes: tuple[StepChange, ...]
-
-    def __bool__(self) -> bool:
-        return bool(self.changes)
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The leaves whose layout or communication changed."""
-        return tuple(sorted({c.path for c in self.changes} - {"memory", UNATTRIBUTED}))
-
-    def __str__(self) -> str:
-        if not self.changes:
-            return "no changes"
-        lines = []
-        for c in self.changes:
-            before, after = (_show(v, c.what) for v in (c.before, c.after))
-            lines.append(f"{c.path}: {c.what} {before} -> {after}")
-        return "\n".join(lines)
-
-
-UNATTRIBUTED = "(activation)"
-
-
-def _show(value: str | int | None, what: str) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int) and what not in ("shape",):
-        return format_bytes(value)
-    return str(value)
+_TOP = 20  # collectives (and moved inputs) that `str(report)` lists
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -252,15 +50,15 @@ class StepReport(Report):
     - `function`: the step's name.
     - `mesh`: the mesh's `(axis, size)` pairs (empty for a single device).
     - `arguments`, `outputs`: one
-      [`StepLeaf`][eqshard._step._step_report.StepLeaf] per array, with the sharding
+      [`StepLeaf`][eqshard._step._step_records.StepLeaf] per array, with the sharding
       the program uses (`out/...` for outputs).
-    - `memory`: a [`StepMemory`][eqshard._step._step_report.StepMemory]: per-device
+    - `memory`: a [`StepMemory`][eqshard._step._step_records.StepMemory]: per-device
       bytes and `fits()`.
-    - `collectives`: one [`CollectiveRow`][eqshard._step._step_report.CollectiveRow]
+    - `collectives`: one [`CollectiveRow`][eqshard._step._step_records.CollectiveRow]
       per collective instruction, in program order.
-    - `moved`: the [`MovedInput`][eqshard._step._step_report.MovedInput]s JAX moves
+    - `moved`: the [`MovedInput`][eqshard._step._step_records.MovedInput]s JAX moves
       at every call.
-    - `warnings`: XLA's [`StepWarning`][eqshard._step._step_report.StepWarning]s of
+    - `warnings`: XLA's [`StepWarning`][eqshard._step._step_records.StepWarning]s of
       this compile.
     - `versions`: `(package, version)` of JAX, jaxlib and the target's compiler
       (`libtpu`, `jax-cuda12-plugin`) the step was compiled with.
@@ -307,6 +105,18 @@ class StepReport(Report):
         """`total_bytes` per set of mesh axes communicated over (`"tp"`,
         `"dp+tp"`), largest first: a collective over two axes counts once."""
         return self._totals(lambda row: "+".join(row.axes))
+
+    @property
+    def exposed_bytes(self) -> int:
+        """The bytes of `total_bytes` that the schedule does not overlap with
+        computation (rows whose `overlapped` is False)."""
+        return sum(r.total_bytes for r in self.collectives if r.overlapped is False)
+
+    @property
+    def unknown_overlap_bytes(self) -> int:
+        """The bytes of `total_bytes` whose overlap the program's text does not
+        tell (rows whose `overlapped` is None)."""
+        return sum(r.total_bytes for r in self.collectives if r.overlapped is None)
 
     @property
     def attributed_bytes(self) -> int:
@@ -373,6 +183,10 @@ class StepReport(Report):
             x, y = sums[0].get((path, kind), 0), sums[1].get((path, kind), 0)
             if x != y:
                 changes.append(StepChange(path, kind, x, y))
+        for field in ("total_bytes", "exposed_bytes", "unknown_overlap_bytes"):
+            x, y = getattr(self, field), getattr(other, field)
+            if x != y:
+                changes.append(StepChange(COMMUNICATION, field, x, y))
         for field in (
             "argument_bytes",
             "output_bytes",
@@ -396,7 +210,9 @@ class StepReport(Report):
     def to_json(self) -> str:
         """The report as JSON: sorted keys, no timings, timestamps or addresses,
         so the same step gives the same bytes (a layout lockfile); sources are
-        relative to the working directory of the analysis when under it."""
+        relative to the working directory of the analysis when under it, and to
+        their `site-packages` in an installed package
+        (`equinox/nn/_linear.py:97`)."""
         return super().to_json()
 
     @classmethod
@@ -436,6 +252,12 @@ class StepReport(Report):
             f"{format_bytes(self.total_bytes)} per device per step; "
             f"{self.attributed_share:.1%} of the bytes belong to a leaf",
         ]
+        if self.exposed_bytes != self.total_bytes:
+            lines.append(
+                f"overlap with computation: {format_bytes(self.exposed_bytes)} "
+                f"exposed, {format_bytes(self.unknown_overlap_bytes)} not known, "
+                "the rest overlapped"
+            )
         if self.collectives:
             axes = ", ".join(
                 f"{k or 'none'} {format_bytes(v)}"
@@ -444,18 +266,42 @@ class StepReport(Report):
             lines.append(f"by mesh axes: {axes}")
         return "\n".join(lines)
 
-    def _rows(self) -> list[tuple[str, ...]]:
+    @staticmethod
+    def _leaves_text(paths: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> str:
+        """A collective's leaves, an optimizer state's with their parameter's
+        (`out/0/w (+ mu, nu)`, `shapes` by path), the first three groups and
+        how many more."""
+        groups = grouped_paths(paths, [shapes.get(p) for p in paths])
+        text = ", ".join(group.name(paths) for group in groups[:3])
+        if len(groups) > 3:
+            text += f" (+{len(groups) - 3} more)"
+        return text
+
+    def _largest(
+        self, top: int | None
+    ) -> tuple[list[CollectiveRow], list[CollectiveRow]]:
+        """The collectives largest first (bytes per step; program order among
+        equals): the first `top` (all for `None`), and the rest."""
+        if top is not None and top < 0:
+            raise ValueError(
+                f"eqshard.StepReport.table: `top` must be 0 or more (or None for "
+                f"every row); got {top}."
+            )
+        rows = sorted(self.collectives, key=lambda row: -row.total_bytes)
+        cut = len(rows) if top is None else top
+        return rows[:cut], rows[cut:]
+
+    def _rows(self, collectives: Sequence[CollectiveRow]) -> list[tuple[str, ...]]:
         rows = []
-        for row in self.collectives:
+        shapes = {leaf.path: leaf.shape for leaf in self.arguments + self.outputs}
+        for row in collectives:
             shape = " + ".join(str(p.shape) for p in row.parts[:3])
             if len(row.parts) > 3:
                 shape += f" + {len(row.parts) - 3} more"
             count = (
                 f"{row.count}{'?' if row.conditional or row.unknown_trip_count else ''}"
             )
-            paths = ", ".join(row.paths[:3]) + (
-                f" (+{len(row.paths) - 3})" if len(row.paths) > 3 else ""
-            )
+            paths = self._leaves_text(row.paths, shapes)
             via = {p.via for p in row.parts if p.paths} - {""}
             if via:
                 paths += f" [{'/'.join(sorted(via))}]"
@@ -472,17 +318,40 @@ class StepReport(Report):
             )
         return rows
 
-    def table(self) -> str:
-        """The summary, one line per collective, the inputs moved at every call,
-        and XLA's warnings."""
+    @staticmethod
+    def _rest(rest: Sequence[CollectiveRow]) -> str:
+        """The line for the collectives a table leaves out."""
+        total = format_bytes(sum(row.total_bytes for row in rest))
+        many = "collective" if len(rest) == 1 else "collectives"
+        return (
+            f"... and {len(rest)} more {many}, {total} per device per step "
+            "(table(top=None) lists every one)"
+        )
+
+    def table(self, *, top: int | None = _TOP) -> str:
+        """The summary, one line per collective (the `top` largest by bytes per
+        step first, then how many more and their bytes; `top=None` for all), the
+        inputs moved at every call, and XLA's warnings. `str(report)` is
+        `report.table()`. An optimizer state's leaves are listed with their
+        parameter's: `out/0/blocks/0/up/weight (+ mu, nu)`."""
         lines = [self.summary()]
-        rows = self._rows()
-        if rows:
+        shown, rest = self._largest(top)
+        if shown:
             lines.append("")
-            lines += text_table(_COLUMNS, rows)
+            lines += text_table(_COLUMNS, self._rows(shown))
+        if rest:
+            lines.append(self._rest(rest))
         if self.moved:
             lines.append("inputs moved at every call:")
-            lines += [f"  {m.path}: {m.have} -> {m.want}" for m in self.moved]
+            moved, paths = self.moved, [m.path for m in self.moved]
+            groups = grouped_paths(paths, [(m.shape, m.have, m.want) for m in moved])
+            cut = len(groups) if top is None else top
+            for group in groups[:cut]:
+                m = moved[group.leader]
+                lines.append(f"  {group.name(paths)}: {m.have} -> {m.want}")
+            if len(groups) > cut:
+                rest = sum(len(group.members()) for group in groups[cut:])
+                lines.append(f"  ... and {rest} more")
         if self.warnings:
             lines.append("XLA warnings while compiling:")
             for w in self.warnings:
@@ -507,14 +376,17 @@ class StepReport(Report):
         from rich.text import Text
 
         out: list[Any] = [Text(self.summary())]
-        if self.collectives:
-            table = Table(title="collectives per step")
+        shown, rest = self._largest(_TOP)
+        if shown:
+            table = Table(title="collectives per step, largest first")
             for header in _COLUMNS:
                 table.add_column(header, overflow="fold")
-            for row, cells in zip(self.collectives, self._rows(), strict=True):
+            for row, cells in zip(shown, self._rows(shown), strict=True):
                 style = None if any(p.paths for p in row.parts) else "dim"
                 table.add_row(*cells, style=style)
             out.append(table)
+        if rest:
+            out.append(Text(self._rest(rest)))
         if self.moved:
             moved = Table(title="inputs moved at every call")
             for header in ("path", "has", "program wants"):

@@ -12,6 +12,8 @@ on XLA:CPU, which reports no host memory, the bytes of the leaves in host memory
 
 import dataclasses
 import os
+import site
+import sysconfig
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +23,10 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from .._internals.xla import logged_warnings
 from .._mesh._targets import device_memory
 from .._spectree._memory import is_host_memory
+from .._typing import warn
 from ._hlo_flow import Collective, Part, Program
 from ._step_args import Leaf, spec_text
-from ._step_report import (
+from ._step_records import (
     CollectivePart,
     CollectiveRow,
     MovedInput,
@@ -126,6 +129,19 @@ def collective_row(
     outputs: Sequence[str],
     mesh: Mesh | None,
 ) -> CollectiveRow:
+    """The row of one collective; a kernel's row warns that what it
+    communicates is not counted."""
+    if collective.kind == "kernel":
+        where = (
+            f" (at {relative_source(collective.source)})" if collective.source else ""
+        )
+        warn(
+            f"eqshard.analyze_step: the step runs the kernel {collective.name!r}"
+            f"{where}, a Pallas/Mosaic custom-call: what it communicates is not "
+            "in the compiled program's text and is not counted. Its row in the "
+            "report has no bytes.",
+            RuntimeWarning,
+        )
     parts = tuple(
         _part(collective.kind, part, arguments, outputs) for part in collective.parts
     )
@@ -141,9 +157,10 @@ def collective_row(
         axes=_axes(collective.groups, mesh),
         group_size=group_size,
         op_name=collective.op_name,
-        source=_relative(collective.source),
+        source=relative_source(collective.source),
         conditional=collective.conditional,
         unknown_trip_count=collective.unknown_trips,
+        overlapped=collective.overlapped,
     )
 
 
@@ -191,10 +208,32 @@ def _axes(groups: Sequence[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]
     return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
 
 
-def _relative(source: str) -> str:
-    """A source file under the working directory, relative to it."""
-    cwd = os.getcwd() + os.sep
-    return source[len(cwd) :] if source.startswith(cwd) else source
+def _installed() -> list[str]:
+    """The directories packages are installed in (site-packages and the
+    standard library), longest first: a file under one is named from it."""
+    paths = {os.path.join(p, "") for p in site.getsitepackages()}
+    paths |= {os.path.join(site.getusersitepackages(), "")}
+    for name in ("purelib", "platlib", "stdlib", "platstdlib"):
+        paths.add(os.path.join(sysconfig.get_paths()[name], ""))
+    return sorted(paths, key=len, reverse=True)
+
+
+def relative_source(source: str) -> str:
+    """A source file as the user's project names it: under the working directory,
+    relative to it; in an installed package, from the package
+    (`equinox/nn/_linear.py:97`: under any `site-packages` or `dist-packages`
+    directory, or the standard library); anything else as it is."""
+    cwd = os.path.join(os.getcwd(), "")
+    if source.startswith(cwd):
+        return source[len(cwd) :]
+    for marker in ("site-packages", "dist-packages"):
+        found = source.rfind(os.sep + marker + os.sep)
+        if found >= 0:
+            return source[found + len(marker) + 2 :]
+    for directory in _installed():
+        if source.startswith(directory):
+            return source[len(directory) :]
+    return source
 
 
 def step_warnings(
@@ -214,6 +253,6 @@ def step_warnings(
                     paths.update(dict.fromkeys(outputs[i] for i in sorted(results)))
         source = ""
         if logged.stack_frame is not None:
-            source = _relative(program.module.sources.get(logged.stack_frame, ""))
+            source = relative_source(program.module.sources.get(logged.stack_frame, ""))
         found.append(StepWarning(logged.message, tuple(paths), source))
     return tuple(found)

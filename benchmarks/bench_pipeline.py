@@ -1,0 +1,163 @@
+"""What pipelining costs, read from compiled programs: per-device peak memory and
+collective bytes of PP x DP x TP layouts of the GPT-style blocks against FSDP x
+TP, on 8 CPU devices.
+
+The model is `models.py`'s `Block` (pre-norm attention and MLP `eqx.nn.Linear`s)
+stacked `--layers` times with `eqx.filter_vmap`; the step is the gradient of a
+loss of the blocks' output with respect to them (forward and backward, no
+optimizer), for abstract arguments (`eqshard.abstract`: nothing is allocated),
+compiled by `eqshard.analyze_step`. Layouts, each with the matrices split over
+'fsdp' and 'tp' as `models.RULES` splits them:
+
+1. `fsdp4 x tp2`: the blocks run by `jax.lax.scan`, no pipeline;
+2. `pp2 x fsdp2 x tp2`, GPipe, `--microbatches` microbatches, the stack laid out
+   `eqshard.stacked(spec, stages="pp")`;
+3. the same mesh, circular with 2 repeats, the stack in `eqshard.stage_view`'s
+   view, `P(None, "pp")`;
+4. `pp4 x tp2`, GPipe.
+
+For each: the compiled peak bytes per device (`report.memory.peak_bytes`), the
+collective bytes per device per step in all and over 'pp', the stage-to-stage
+permutes' runs per step, and the bubble computed from them, `(S-1)/runs` (the
+forward loop runs `R·M + S - 1` steps), beside the formula. CPU compiles: no
+wall-time claims.
+
+    python benchmarks/bench_pipeline.py                       # 8 layers, width 256
+    python benchmarks/bench_pipeline.py --layers 16 --dim 512 --microbatches 8
+"""
+
+import argparse
+
+import jax
+
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import equinox as eqx
+import jax.numpy as jnp
+from _timing import add_json_option, as_table, write_json
+from jax.sharding import AxisType, PartitionSpec as P
+from models import Block
+
+import eqshard
+
+
+# One layer's specs (`models.RULES` for a block), written to their full rank.
+LAYER_RULES = [
+    ("attn/(q|k|v)/weight", P("tp", "fsdp")),
+    ("attn/(q|k|v)/bias", P("tp")),
+    ("attn/o/weight", P("fsdp", "tp")),
+    ("mlp/up/weight", P("tp", "fsdp")),
+    ("mlp/up/bias", P("tp")),
+    ("mlp/down/weight", P("fsdp", "tp")),
+    (".*", P(None)),
+]
+
+
+def rules(stages: str | None, names: tuple[str, ...]) -> list[tuple[str, object]]:
+    """The layer rules for a mesh of axes `names` (those it lacks left out)."""
+    only = lambda spec: P(*(a if a in names else None for a in spec))  # noqa: E731
+    return [(p, eqshard.stacked(only(s), stages=stages)) for p, s in LAYER_RULES]
+
+
+def layer(block, h):
+    return jax.vmap(block)(h)
+
+
+def measure(args, name, sizes, names, schedule, repeats):
+    """The report of the gradient step on this layout, and its row."""
+    mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
+    keys = jax.random.split(jax.random.key(0), args.layers)
+    stack = eqx.filter_eval_shape(
+        eqx.filter_vmap(lambda k: Block(args.dim, args.dim // 64, key=k)), keys
+    )
+    pipelined = "pp" in names
+    staged = schedule == "circular"
+    if staged:
+        stack = eqshard.stage_view(stack, stages=mesh.shape["pp"], repeats=repeats)
+    data = tuple(a for a in ("fsdp",) if a in names) or None
+    x = jax.ShapeDtypeStruct((args.batch, args.seq, args.dim), jnp.float32)
+    stack = eqshard.abstract(stack, rules("pp" if pipelined else None, names), mesh)
+    x = eqshard.abstract(x, P(data), mesh)
+    is_struct = lambda a: isinstance(a, jax.ShapeDtypeStruct)  # noqa: E731
+    static = eqx.filter(stack, is_struct, inverse=True)
+
+    def forward(dyn, x):
+        blocks = eqx.combine(dyn, static)
+        if not pipelined:
+            step = lambda h, d: (layer(eqx.combine(d, static), h), None)  # noqa: E731
+            return jax.lax.scan(step, x, dyn)[0]
+        return eqshard.pipeline(
+            layer, blocks, x, microbatches=args.microbatches, schedule=schedule,
+            repeats=repeats, staged=staged,
+        )  # fmt: skip
+
+    @jax.jit
+    def grad_step(dyn, x):
+        return jax.grad(lambda d: jnp.mean(forward(d, x) ** 2))(dyn)
+
+    with jax.set_mesh(mesh):
+        report = eqshard.analyze_step(
+            grad_step, eqx.filter(stack, is_struct), x, capture_warnings=False
+        )
+    over_pp = sum(c.total_bytes for c in report.collectives if "pp" in c.axes)
+    permutes = [
+        c.count
+        for c in report.collectives
+        if c.kind == "collective-permute" and c.axes == ("pp",)
+    ]
+    stages = mesh.shape.get("pp", 1)
+    runs = max(permutes, default=0)
+    bubble = f"{(stages - 1) / runs:.3f}" if runs else "-"
+    formula = (
+        f"{(stages - 1) / (repeats * args.microbatches + stages - 1):.3f}"
+        if pipelined
+        else "-"
+    )
+    return [
+        name,
+        f"{report.memory.peak_bytes / 2**20:.2f}",
+        f"{report.total_bytes / 2**20:.2f}",
+        f"{over_pp / 2**20:.3f}",
+        runs or "-",
+        bubble,
+        formula,
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+    add_json_option(parser)
+    args = parser.parse_args()
+    layouts = [
+        ("fsdp4 x tp2 (scan)", (4, 2), ("fsdp", "tp"), "gpipe", 1),
+        ("pp2 x fsdp2 x tp2, GPipe", (2, 2, 2), ("pp", "fsdp", "tp"), "gpipe", 1),
+        ("pp2 x fsdp2 x tp2, circular R=2", (2, 2, 2), ("pp", "fsdp", "tp"),
+         "circular", 2),
+        ("pp4 x tp2, GPipe", (4, 2), ("pp", "tp"), "gpipe", 1),
+    ]  # fmt: skip
+    rows = [measure(args, *layout) for layout in layouts]
+    columns = [
+        "layout", "peak MiB/device", "collective MiB/device/step", "over pp MiB",
+        "permute runs", "bubble (report)", "bubble (formula)",
+    ]  # fmt: skip
+    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(7)]
+    for row in [columns, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    title = (
+        f"gradient step of {args.layers} GPT-style blocks (width {args.dim}, "
+        f"seq {args.seq}, batch {args.batch}, {args.microbatches} microbatches), "
+        "compiled for 8 CPU devices"
+    )
+    write_json(
+        __file__, {"layouts": as_table(columns, rows, title=title)}, path=args.json
+    )
+
+
+if __name__ == "__main__":
+    main()
