@@ -42,7 +42,7 @@ import eqshard
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BIG = ScanConfig(vocab=32768, dim=8192, hidden=22016, layers=80, batch=64, seq=2048)
+BIG = ScanConfig(vocab=32768, dim=8192, hidden=22016, layers=80, batch=64, seq=512)
 TARGETS = {"v5p-1024": "fsdp:64,tp:8", "h100:8x8": "fsdp:8,tp:8"}
 
 
