@@ -126,9 +126,9 @@ class StepMemory:
     `argument + output + temp - alias`. The `host_*` figures are the bytes in
     host memory (XLA's `host_*_size_in_bytes`; on CPU, whose XLA reports
     none, the arguments and outputs in host memory counted by their memory
-    kinds, which a note in the report's `warnings` says). `device_memory` is the memory of one device of a target mesh
-    ([`eqshard.create_mesh`][]'s `target=`), the default budget of `fits` and
-    `headroom`; `None` otherwise.
+    kinds, which a note in the report's `warnings` says). `device_memory` is
+    the memory of one device of a target mesh ([`eqshard.create_mesh`][]'s
+    `target=`), the default budget of `fits` and `headroom`; `None` otherwise.
     """
 
     argument_bytes: int
