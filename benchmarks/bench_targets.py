@@ -42,7 +42,7 @@ import eqshard
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BIG = ScanConfig(vocab=32768, dim=8192, hidden=22016, layers=80, batch=64, seq=2048)
+BIG = ScanConfig(vocab=32768, dim=8192, hidden=22016, layers=80, batch=64, seq=512)
 TARGETS = {"v5p-1024": "fsdp:64,tp:8", "h100:8x8": "fsdp:8,tp:8"}
 
 
@@ -64,9 +64,9 @@ def analysis_rows(runs: int) -> list:
                 "eqshard": lambda: eqshard.analyze_step(
                     jax.jit(scan_step, donate_argnums=0), params, tokens
                 ),
-                "compile": lambda: jax.jit(scan_step, donate_argnums=0)
-                .lower(params, tokens)
-                .compile(),
+                "compile": lambda: (
+                    jax.jit(scan_step, donate_argnums=0).lower(params, tokens).compile()
+                ),
             },
             runs,
         )
@@ -153,8 +153,10 @@ def main() -> int:
         ("case", "min", "median", "target"),
         [
             ("search_layout, 6 candidates, 8 H100s (s)", f"{seconds:.1f}", "-", "60"),
-            *[(n, f"{lo * 1e3:.0f} ms", f"{md * 1e3:.0f} ms", "-")
-              for n, lo, md in imports],  # fmt: skip
+            *[
+                (n, f"{lo * 1e3:.0f} ms", f"{md * 1e3:.0f} ms", "-")
+                for n, lo, md in imports
+            ],  # fmt: skip
             ("import with / without (medians)", "-", f"{ratio:.2f}", "1.10"),
         ],
     )

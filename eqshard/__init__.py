@@ -73,6 +73,7 @@ from ._spectree._logical_convert import (
     logical_to_mesh_axes as logical_to_mesh_axes,
     logical_to_mesh_specs as logical_to_mesh_specs,
 )
+from ._spectree._memory import Host as Host, host as host
 from ._spectree._rules import match_partition_rules as match_partition_rules
 from ._spectree._rules_report import (
     explain_partition_rules as explain_partition_rules,
@@ -109,7 +110,7 @@ __version__ = _version("eqshard")
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
 # `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `LayoutSearch`,
-# `LayoutCandidate`, `AutoFSDP`, `Stacked`, `HostKey`) are importable from here
+# `LayoutCandidate`, `AutoFSDP`, `Stacked`, `Host`, `HostKey`) are importable from here
 # too, and documented with their functions.
 __all__ = [
     # Meshes.
@@ -131,6 +132,7 @@ __all__ = [
     "explain_partition_rules",
     "auto_fsdp",
     "stacked",
+    "host",
     # Logical axis names.
     "AxisNames",
     "logical_axis_rules",

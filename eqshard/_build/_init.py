@@ -438,7 +438,8 @@ def init_sharded(
       inputs of the compiled program; everything else is a constant of it.
     - `specs`: where the arrays go: a spec tree for the model or a prefix of
       it, partition rules, or a function of the abstract model returning a spec
-      tree (see [the spec-tree family](specs.md)). An array whose spec is `None`
+      tree (see [the spec-tree family](specs.md)); [`eqshard.host`][] specs
+      are built straight into host memory. An array whose spec is `None`
       is replicated on the mesh (one program puts all its outputs on the same
       devices).
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by

@@ -472,7 +472,8 @@ def restore(
       [`eqshard.match_partition_rules`][] matches them: an optimizer state built
       with the model follows it), or a function of the abstract tree (see
       [the spec-tree family](specs.md)). Specs written for another mesh are
-      adapted to `mesh`, see `on_invalid`. `None` (the default, also at a leaf)
+      adapted to `mesh`, see `on_invalid`; [`eqshard.host`][] specs are
+      restored into host memory. `None` (the default, also at a leaf)
       keeps `like`'s own shardings: those of its `jax.Array`s, or of its structs
       made by [`eqshard.abstract`][].
     - `mesh`: the mesh for `PartitionSpec`s (a concrete one: arrays are read

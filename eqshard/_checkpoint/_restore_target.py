@@ -12,6 +12,7 @@ from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh
 from .._spectree._derive import restricted
+from .._spectree._memory import Host, memory_of
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs
 from .._tree import is_array
@@ -58,7 +59,8 @@ def restore_target(
     `specs` (a spec tree, rules, or a function of the abstract tree) gives for
     it, adapted to `mesh` as [`eqshard.restrict_specs`][] adapts specs, the
     changes reported as `on_invalid` says. Only what the mesh decides is
-    adapted: a `NamedSharding` says where it goes itself, and a spec longer than
+    adapted (a layout in host memory stays there): a `NamedSharding` says where
+    it goes itself, and a spec longer than
     its array's rank, or with `P.UNCONSTRAINED`, is left for the caller to
     refuse, as `shard` does."""
     if _callable_leaf(like) and _binds_without_arguments(like):
@@ -71,12 +73,15 @@ def restore_target(
         return like, specs
     pairs = leaf_specs(specs, like, caller=caller)
     treedef = jtu.tree_structure(like)
+    layouts = [
+        memory_of(spec)[0] if isinstance(spec, Host) else spec for _, spec in pairs
+    ]
     kept = [
         not isinstance(spec, PartitionSpec)
         or not is_array(leaf)
         or len(spec) > len(leaf.shape)
         or PartitionSpec.UNCONSTRAINED in tuple(spec)
-        for (_, spec), leaf in zip(pairs, jtu.tree_leaves(like), strict=True)
+        for spec, leaf in zip(layouts, jtu.tree_leaves(like), strict=True)
     ]
     adapted = restricted(
         jtu.tree_unflatten(

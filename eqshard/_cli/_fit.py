@@ -16,6 +16,7 @@ and `UsageError`, the command's one-line errors.
 
 import argparse
 import dataclasses
+import functools as ft
 import hashlib
 import importlib
 import importlib.util
@@ -43,6 +44,7 @@ from .._readers._plan_pipeline import pipeline_from_text
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
 from .._spectree._auto import auto_fsdp
+from .._spectree._memory import follower_rules_text, Host, map_layout, offloads
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
@@ -226,17 +228,16 @@ def fsdp_rules(
     """`rules` with FSDP over `axes` added to each spec, and a last rule that
     shards whatever they leave out."""
     for regex, value in rules:
-        if not isinstance(value, PartitionSpec):
+        layout = value.spec if isinstance(value, Host) else value
+        if not isinstance(layout, PartitionSpec) and value != Host(None):
             raise ValueError(
                 f"--fit adds FSDP to each rule's spec, but the rule {regex!r} has "
                 f"{value!r}; write that rule's spec for the whole array (as "
                 "P(None, 'tp', None)), or leave --fit out"
             )
-    out: list[tuple[Any, Any]] = [
-        (regex, auto_fsdp(axes, base=spec, min_size=min_size, mesh=mesh))
-        for regex, spec in rules
-    ]
-    out.append((".*", auto_fsdp(axes, min_size=min_size, mesh=mesh)))
+    fsdp = ft.partial(auto_fsdp, axes, min_size=min_size, mesh=mesh)
+    out = [(regex, map_layout(spec, lambda s: fsdp(base=s))) for regex, spec in rules]
+    out.append((".*", fsdp()))
     return out
 
 
@@ -257,8 +258,9 @@ def propose_rules(
         )
     tried = []
     for min_size in THRESHOLDS:
-        specs = match_partition_rules(fsdp_rules(rules, mesh, axes, min_size), shapes)
-        tried.append((specs, plan(specs), min_size))
+        fitted = fsdp_rules(rules, mesh, axes, min_size)
+        specs = match_partition_rules(fitted, shapes)
+        tried.append((specs, plan(fitted if offloads(rules) else specs), min_size))
         if tried[-1][1].fits:
             break
     return tried[-1]
@@ -345,17 +347,13 @@ def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
 
 def _note_dead_rules(rules: list[tuple[str, Any]], tree: PyTree) -> None:
     dead = eqshard.explain_partition_rules(rules, tree).dead_rules
+    dead = [i for i in dead if not isinstance(rules[i][1], Host)]  # state's rules
     if dead:
         listed = ", ".join(f"{i} {rules[i][0]!r}" for i in dead)
         print(
             f"note: {len(dead)} of the {len(rules)} rules matched no array (a typo, "
             f"or shadowed by an earlier rule): {listed}"
         )
-
-
-# ---------------------------------------------------------------------------------
-# Training-memory plans (--size, --model, --plan-only) and --fit.
-# ---------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------
@@ -551,7 +549,7 @@ def training_memory(
     plan_for = _plan_for(shapes, mesh, options)
     print()
     if not options.fit:
-        plan, seconds = timed(lambda: plan_for(specs))
+        plan, seconds = timed(lambda: plan_for(rules if offloads(rules) else specs))
         timer("training plan", seconds, what)
         _print_plan(plan)
         return 0 if plan.fits else 1
@@ -569,7 +567,7 @@ def training_memory(
         f"from {origin}, plus FSDP over {axes} for arrays of at least "
         f"{min_size:,} elements (eqshard.auto_fsdp).",
     ]
-    text = rules_text(shapes, specs, header=header)
+    text = rules_text(shapes, specs, header=header) + follower_rules_text(rules)
     if plan.fits:
         print("rules that fit (a --rules file):")
     else:

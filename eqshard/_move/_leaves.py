@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import concrete_mesh
+from .._spectree._memory import Host
 from .._spectree._specs import (
     abstract_mesh_error,
     check_leaves,
@@ -132,7 +133,7 @@ def leaves_of(
     pairs = [(root + p, s) for p, s in leaf_specs(specs, tree, caller=caller)]
     _check_movable(caller, pairs, values)
     if any(
-        isinstance(spec, PartitionSpec) and is_array(value)
+        isinstance(spec, PartitionSpec | Host) and is_array(value)
         for (_, spec), value in zip(pairs, values, strict=True)
     ):
         mesh = concrete_mesh(mesh, caller=caller)
@@ -149,7 +150,7 @@ def leaves_of(
         sharding = None
         if isinstance(spec, NamedSharding) and is_array(value):
             sharding = spec  # its memory kind included
-        elif isinstance(spec, PartitionSpec) and is_array(value):
+        elif isinstance(spec, PartitionSpec | Host) and is_array(value):
             sharding = made.get(id(spec))
             if sharding is None:
                 # `mesh` is the concrete mesh found above; the spec is checked.

@@ -47,6 +47,7 @@ from jaxtyping import PyTree
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
+from .._spectree._memory import Host
 from .._spectree._spec_args import resolve_like, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,
@@ -277,6 +278,7 @@ def shard(
       `tree` has arrays) or a prefix of one (one spec for a whole subtree; `None`
       leaves that subtree where it is), partition rules, or a function of the
       abstract tree returning a spec tree (see [the spec-tree family](specs.md)).
+      [`eqshard.host`][]`(spec)` places in host memory (`"pinned_host"`).
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
     - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
@@ -425,8 +427,9 @@ def named_shardings(
 ) -> PyTree:
     """Turns a spec tree into a tree of `NamedSharding`s on `mesh`.
 
-    `NamedSharding`s and `None`s are kept as they are. The result can be passed to
-    `jax.jit`'s `in_shardings`/`out_shardings` or to `jax.device_put`.
+    `NamedSharding`s and `None`s are kept as they are; [`eqshard.host`][] specs
+    give `NamedSharding`s with `memory_kind="pinned_host"`. The result can be
+    passed to `jax.jit`'s `in_shardings`/`out_shardings` or to `jax.device_put`.
 
     **Arguments:**
 
@@ -469,7 +472,7 @@ def named_shardings(
     out = []
     problems = []
     for path, spec in path_specs:
-        if isinstance(spec, PartitionSpec):
+        if isinstance(spec, PartitionSpec | Host):
             mesh = concrete_mesh(mesh, caller=caller)
             try:
                 spec = named_sharding(spec, mesh, caller=caller, path=path)

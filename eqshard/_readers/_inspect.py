@@ -287,8 +287,9 @@ class ShardingRow:
       from the array itself, with `specs=None`); its `spec` is then `None`, and its
       bytes count on that device only.
     - `memory_kind`: the memory the array is placed in when its sharding names one
-      (e.g. `"pinned_host"` for host offload, `"device"`); `None` for a
-      `PartitionSpec`, which places it in the device's default memory. Its bytes
+      (e.g. `"pinned_host"` for host offload, as [`eqshard.host`][] asks,
+      `"device"`); `None` for a `PartitionSpec`, which places it in the
+      device's default memory. Its bytes
       count in `bytes_per_device` whatever the memory kind.
     """
 

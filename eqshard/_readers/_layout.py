@@ -23,6 +23,7 @@ from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import Report
+from .._spectree._memory import Host, memory_of
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import check_spec, entry_axes, leaf_specs
 from .._tree import DELETED, grouped_paths, is_array, is_deleted, path_str
@@ -254,7 +255,8 @@ def check_layout(
     for a concrete mesh, the same devices in the same order) whose spec places it
     as its spec does (`P('dp', None)` and `P('dp')` are the same placement), in the
     memory kind asked for: a `PartitionSpec` asks for the device's default memory,
-    a `NamedSharding` for its own `memory_kind` (e.g. `"pinned_host"`). An array on
+    a `NamedSharding` for its own `memory_kind` (e.g. `"pinned_host"`), and
+    [`eqshard.host`][]`(spec)` for host memory. An array on
     a single device does not match even a replicated spec: JAX calls it fully
     replicated, but it is not on the mesh (a classic slip: an optimizer state made
     by `eqx.filter_jit(optimizer.init)` outside any mesh). NumPy arrays match
@@ -335,7 +337,7 @@ def check_layout(
         if isinstance(leaf, Tracer) and typed is None:
             continue  # inside `jit` on Auto axes: no layout to read
         checked += 1
-        if isinstance(spec, PartitionSpec):
+        if isinstance(spec, PartitionSpec | Host):
             if found is None:
                 raise ValueError(
                     f"eqshard.{caller}: `specs` has {spec} at '{path_str(path)}', a "
@@ -343,7 +345,8 @@ def check_layout(
                     "places the array. Pass `mesh=...`, call it under "
                     "`with jax.set_mesh(mesh):`, or give `NamedSharding`s."
                 )
-            asked, on, kind = spec, found, None
+            asked, kind = memory_of(spec)
+            on = found
         else:
             asked, on, kind = spec.spec, spec.mesh, spec.memory_kind
         shape = tuple(int(n) for n in leaf.shape)
@@ -355,7 +358,9 @@ def check_layout(
             )
         else:
             expected = (
-                spec if isinstance(spec, NamedSharding) else NamedSharding(on, asked)
+                spec
+                if isinstance(spec, NamedSharding)
+                else NamedSharding(on, asked, memory_kind=kind)
             )
             problem = _mismatch(leaf, expected, typed)
         if problem is not None:

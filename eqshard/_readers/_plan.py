@@ -17,38 +17,37 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
 from .._caches import register
 from .._mesh._current import mesh_repr
 from .._report import format_bytes, parse_bytes, Report
-from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._select import split_state
-from .._spectree._spec_args import resolve_specs
+from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import (
-    broadcast_prefix,
     grouped_paths,
     is_array,
-    path_str,
     PathGroup,
     placed_dtype,
 )
 from .._typing import (
     check_choice,
-    KeyPath,
     ON_INVALID,
     OnInvalid,
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
 from ._plan_pipeline import pipeline_buffers, PipelineBuffers
+from ._plan_state import (
+    check_optimizer,
+    given_state_pairs,
+    host_bytes,
+    optimizer_state,
+    trained_mask,
+)
 from ._strategy import analyze_pairs
-
-
-def _is_trainable(leaf: Any) -> bool:
-    return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
 def _placed(dtype: Any) -> Any:
@@ -91,75 +90,6 @@ def _abstracter() -> Callable[[Any, Any], Any]:
     return abstract
 
 
-def _is_filter_leaf(x: Any) -> bool:
-    return isinstance(x, bool) or (
-        callable(x) and jtu.treedef_is_leaf(jtu.tree_structure(x))
-    )
-
-
-def _trained(trainable: Any, params: PyTree, caller: str) -> list[bool]:
-    """For each leaf of `params`, whether it is trained: a floating-point array
-    that the filter `trainable` (as `eqx.partition`'s `filter_spec`) selects."""
-    if trainable is True:
-        return [_is_trainable(leaf) for leaf in jtu.tree_leaves(params)]
-    pairs = broadcast_prefix(
-        trainable, params, is_leaf=_is_filter_leaf, name="trainable", caller=caller
-    )
-    out = []
-    for (path, chosen), leaf in zip(pairs, jtu.tree_leaves(params), strict=True):
-        if not _is_filter_leaf(chosen):
-            raise TypeError(
-                f"eqshard.{caller}: `trainable` has {chosen!r} at '{path_str(path)}'; "
-                "its leaves must be bools or callables of a leaf returning a bool, "
-                "as `eqx.partition`'s `filter_spec`."
-            )
-        if callable(chosen):
-            chosen = chosen(leaf)
-            if not isinstance(chosen, bool | np.bool_):
-                raise TypeError(
-                    f"eqshard.{caller}: `trainable` returned {chosen!r} for the "
-                    f"leaf at '{path_str(path)}'; a filter returns a bool."
-                )
-        out.append(bool(chosen) and _is_trainable(leaf))
-    return out
-
-
-def _check_optimizer(optimizer: Any, caller: str) -> None:
-    if optimizer is None or callable(getattr(optimizer, "init", None)):
-        return
-    hint = (
-        " It is callable: call it to make the transformation, e.g. "
-        "`optax.adamw(1e-3)`, not `optax.adamw`."
-        if callable(optimizer)
-        else ""
-    )
-    raise TypeError(
-        f"eqshard.{caller}: `optimizer` must have an `.init(params)` method, such "
-        f"as an optax `GradientTransformation`; got {optimizer!r}.{hint} Pass "
-        "`optimizer=None` to plan without optimizer state."
-    )
-
-
-def state_pairs(
-    path_leaves: Sequence[tuple[KeyPath, Any]],
-    param_pairs: dict[KeyPath, tuple[tuple[int, ...], Any]],
-) -> list[tuple[KeyPath, Any]]:
-    """A spec for each leaf of an optimizer state (its `(path, leaf)` pairs),
-    following the parameter it belongs to as [`eqshard.derive_specs`][] does; any
-    other leaf (step counts) is replicated on the parameters' mesh."""
-    default: Any = PartitionSpec()
-    for _, spec in param_pairs.values():
-        if spec is not None:
-            default = replicated_like(spec)
-            break
-    out = []
-    for path, leaf in path_leaves:
-        shape = tuple(getattr(leaf, "shape", ()))
-        found, spec = follow_spec(path, shape, param_pairs)
-        out.append((path, spec if found else default))
-    return out
-
-
 # ---------------------------------------------------------------------------------
 # The plan.
 # ---------------------------------------------------------------------------------
@@ -198,12 +128,20 @@ class TrainingPlan(Report):
     - `mesh`: the mesh planned for.
     - `params`, `grads`, `opt_state`: a [`eqshard.ShardingReport`][] for each part
       (`grads` and `opt_state` are `None` when not planned).
-    - `bytes_per_device`: the bytes of all parts on each device, in
-      `mesh.devices.flat` order (mesh coordinate order for an `AbstractMesh`).
+    - `bytes_per_device`: the bytes of all parts in each device's own memory,
+      in `mesh.devices.flat` order (mesh coordinate order for an
+      `AbstractMesh`): the arrays kept there, and the device copy of the
+      offloaded ones that the update holds (`copy_bytes_per_device`).
     - `device_memory`: the per-device budget in bytes, or `None`.
     - `pipeline`: what a pipeline schedule keeps on each device
       (`PipelineBuffers`: `kept`, `buffers`, `total`, `steps`, `bubble`), or
       `None`.
+    - `host_bytes_per_device`: the bytes of the arrays kept in host memory
+      between steps ([`eqshard.host`][]), per device (each device's shards, in
+      the host memory attached to it); zeros when nothing is offloaded.
+    - `copy_bytes_per_device`: of `bytes_per_device`, the device copy of the
+      offloaded arrays that the update needs (`offload_copy` of
+      [`eqshard.plan_training`][]).
     """
 
     mesh: Mesh | AbstractMesh
@@ -213,6 +151,8 @@ class TrainingPlan(Report):
     bytes_per_device: tuple[int, ...]
     device_memory: int | None
     pipeline: PipelineBuffers | None = None
+    host_bytes_per_device: tuple[int, ...] = ()
+    copy_bytes_per_device: tuple[int, ...] = ()
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -321,6 +261,13 @@ class TrainingPlan(Report):
             else:
                 line += f"   of {budget}: DOES NOT FIT, {format_bytes(-headroom)} over"
         lines.append(line)
+        if any(self.host_bytes_per_device):
+            host = format_bytes(self.host_bytes_per_device[fullest])
+            copy = format_bytes(self.copy_bytes_per_device[fullest])
+            lines.append(
+                f"  {'in host memory':<16} {host:>10}   (offloaded between steps; "
+                f"the total counts the update's device copy, {copy})"
+            )
         lines.append(
             "  (activations, temporaries and the compiled program come on top)"
         )
@@ -388,6 +335,7 @@ class TrainingPlan(Report):
             "parts": [name for name, _ in self.parts],
             "max_bytes_per_device": self.max_bytes_per_device,
             "device_memory": self.device_memory,
+            "max_host_bytes_per_device": max(self.host_bytes_per_device, default=0),
             "fits": self.fits,
             "problems": len(self.problems),
             "mesh": dict(self.mesh.shape),
@@ -438,21 +386,6 @@ def _total(
 
 
 @typecheck
-def _optimizer_state(
-    optimizer: Any, params: PyTree, abstract: list[Any], trained: list[bool]
-) -> list[tuple[KeyPath, Any]]:
-    """`optimizer.init`'s state of the trained parameters, abstract, by path."""
-    trained_params = jtu.tree_unflatten(
-        jtu.tree_structure(params),
-        [
-            leaf if train else None
-            for leaf, train in zip(abstract, trained, strict=True)
-        ],
-    )
-    state = jax.eval_shape(optimizer.init, trained_params)
-    return [(tuple(path), leaf) for path, leaf in jtu.tree_flatten_with_path(state)[0]]
-
-
 def plan_training(
     tree: PyTree,
     /,
@@ -469,6 +402,7 @@ def plan_training(
     device_memory: int | str | None = None,
     on_invalid: OnInvalid = "ignore",
     pipeline: Mapping[str, Any] | None = None,
+    offload_copy: float = 1.0,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -543,6 +477,17 @@ def plan_training(
       its buffers of the microbatches' inputs and outputs, `2·M` of them
       (`plan.pipeline`); the parameters and optimizer state are per stage as
       their specs say (`eqshard.stacked(spec, stages="pp")`).
+    - `offload_copy`: the fraction of the arrays kept in host memory
+      ([`eqshard.host`][]) that the step holds on the device at once: its
+      update needs a device copy of what it updates, so `1.0` (the default)
+      counts all of it. The compiled step's figures
+      ([`eqshard.analyze_step`][]) say what XLA made of it.
+
+    Arrays kept in host memory between steps count apart, in
+    `plan.host_bytes_per_device`; with partition rules as `specs`, the rules
+    are matched against the parameters and the optimizer state built together,
+    as [`eqshard.init_sharded`][] matches them, so a host rule such as
+    `("(mu|nu)/", eqshard.host())` offloads the moments in the plan too.
 
     **Returns:**
 
@@ -578,22 +523,24 @@ def plan_training(
     """
     caller = "plan_training"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
-    _check_optimizer(optimizer, caller)
+    check_optimizer(optimizer, caller)
     params, given_state = split_state(tree, params, optimizer, caller=caller)
     budget = None if device_memory is None else parse_bytes(device_memory)
+    rules = specs if is_partition_rules(specs) else None
     specs = resolve_specs(specs, params, caller=caller, mesh=mesh)
     if specs is None:
         pairs = own_shardings(params, caller)
     else:
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
-    trained = _trained(trainable, params, caller)
+    trained = trained_mask(trainable, params, caller)
     _abstract = _abstracter()
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
     )
     mesh = param_report.mesh
+    parts: list[tuple[list[Any], Any]] = [(abstract, pairs)]
     grad_report = None
     if gradients and grad_dtype is None and trained == list(map(is_array, abstract)):
         # Every array is trained: its gradient is the parameter's report again.
@@ -606,26 +553,24 @@ def plan_training(
             for leaf, train in zip(abstract, trained, strict=True)
         ]
         grad_report = analyze_pairs(grads, pairs, mesh, caller=caller)
-    state = given_state
-    if state is None and optimizer is not None:
-        state = _optimizer_state(optimizer, params, abstract, trained)
     state_report = None
-    if state is not None:
-        if state_dtype is not None:
-            state = [(path, _abstract(x, state_dtype)) for path, x in state]
-        by_path = {
-            tuple(path): (tuple(leaf.shape), spec)
-            for (path, spec), leaf, train in zip(pairs, abstract, trained, strict=True)
-            if train
-        }
-        state_report = analyze_pairs(
-            [leaf for _, leaf in state],
-            state_pairs(state, by_path),
-            mesh,
-            caller=caller,
-        )
+    if given_state is not None or optimizer is not None:
+        facts = (jtu.tree_structure(params), abstract, trained, pairs)
+        if given_state is not None:
+            state_leaves, state_specs = given_state_pairs(
+                given_state, facts, _abstract, state_dtype
+            )
+        else:
+            state_leaves, state_specs = optimizer_state(
+                optimizer, facts, rules, _abstract, state_dtype, mesh
+            )
+        state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
+        parts.append((state_leaves, state_specs))
     buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
     total = _total(param_report, (grad_report, state_report), buffers)
+    host = host_bytes(parts, mesh, caller)
+    copy = np.round(host * float(offload_copy)).astype(np.int64)
+    total = tuple((np.asarray(total, dtype=np.int64) + copy - host).tolist())
     return TrainingPlan(
         mesh=mesh,
         params=param_report,
@@ -634,4 +579,6 @@ def plan_training(
         bytes_per_device=total,
         device_memory=budget,
         pipeline=buffers,
+        host_bytes_per_device=tuple(host.tolist()),
+        copy_bytes_per_device=tuple(copy.tolist()),
     )

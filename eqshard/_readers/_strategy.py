@@ -17,6 +17,7 @@ from jaxtyping import PyTree
 
 from .._deprecated import renamed_literals
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
+from .._spectree._memory import Host, HOST_MEMORY
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
     check_leaf,
@@ -229,7 +230,13 @@ def _add(tally: _Tally, path: KeyPath, spec: Any, leaf: Any) -> None:
             )
         )
         return
-    memory_kind = spec.memory_kind if isinstance(spec, NamedSharding) else None
+    memory_kind = (
+        spec.memory_kind
+        if isinstance(spec, NamedSharding)
+        else HOST_MEMORY
+        if isinstance(spec, Host)
+        else None
+    )
     found, problem = _placement(tally, path, spec, leaf, shape)
     if problem is not None:
         tally.problems.append(problem)

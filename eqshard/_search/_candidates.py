@@ -46,6 +46,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._spectree._auto import auto_fsdp
+from .._spectree._memory import Host
 from .._spectree._rules import match_partition_rules, rule_spec
 from .._spectree._rules_report import explain_partition_rules
 from .._spectree._specs import entry_axes
@@ -464,8 +465,18 @@ def normalized(spec: PartitionSpec) -> tuple[tuple[str, ...], ...]:
 # ---------------------------------------------------------------------------------
 
 
-def spec_text(spec: PartitionSpec) -> str:
-    """`spec` in the rules-file form: `dp,tp`, `None,tp`, `dp+fsdp`, `()`."""
+def _placed(spec: PartitionSpec | Host) -> tuple[Any, ...]:
+    """`normalized`, and whether the spec is in host memory."""
+    if isinstance(spec, Host):
+        return (normalized(spec.spec), "host")
+    return (normalized(spec),)
+
+
+def spec_text(spec: PartitionSpec | Host) -> str:
+    """`spec` in the rules-file form: `dp,tp`, `None,tp`, `dp+fsdp`, `()`, and
+    `host(dp,tp)` for a layout in host memory."""
+    if isinstance(spec, Host):
+        return f"host({spec_text(spec.spec)})"
     if not len(spec):
         return "()"
     return ",".join("+".join(entry_axes(entry)) or "None" for entry in spec)
@@ -485,17 +496,17 @@ def rules_text(tree: PyTree, specs: PyTree, *, header: Sequence[str] = ()) -> st
     spec_leaves = [
         spec
         for spec in jtu.tree_leaves(
-            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            specs, is_leaf=lambda x: isinstance(x, PartitionSpec | Host)
         )
-        if isinstance(spec, PartitionSpec)
+        if isinstance(spec, PartitionSpec | Host)
     ]
-    groups: dict[str, list[tuple[str, PartitionSpec]]] = {}
+    groups: dict[str, list[tuple[str, PartitionSpec | Host]]] = {}
     for parts, rank, spec in zip(names, ranks, spec_leaves, strict=True):
         if rank:
             groups.setdefault(path_pattern(parts), []).append(("/".join(parts), spec))
     lines = [f"# {line}" for line in header]
     for pattern, members in groups.items():
-        if len({normalized(spec) for _, spec in members}) == 1:
+        if len({_placed(spec) for _, spec in members}) == 1:
             lines.append(f"{pattern}  {spec_text(members[0][1])}")
         else:
             for name, spec in members:

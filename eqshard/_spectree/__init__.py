@@ -11,8 +11,10 @@ function of the abstract tree) into one `PartitionSpec` per array leaf:
    model declares in its fields).
 2. **Rules.** Regex partition rules are matched against each leaf's path
    (`_rules.py`), their values a spec, logical names, `stacked` (`_stacked.py`:
-   a spec for one layer of stacked layers) or `auto_fsdp` (`_auto.py`: a spec
-   picked from the shape); `_rules_syntax.py` reads specs and rules written as
+   a spec for one layer of stacked layers), `auto_fsdp` (`_auto.py`: a spec
+   picked from the shape) or `host` (`_memory.py`: a layout kept in host
+   memory, which a spec tree may hold too, bound to `"pinned_host"` where it
+   meets a mesh); `_rules_syntax.py` reads specs and rules written as
    text, and `explain_partition_rules` (`_rules_report.py`) says which rule gave
    each spec.
 3. **Check.** Each spec is checked against its leaf's shape and the mesh

@@ -9,7 +9,7 @@ mesh (a checkpoint restored elsewhere, rules written for a larger mesh).
 
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TYPE_CHECKING, TypeAlias
 
 import jax
 import jax.tree_util as jtu
@@ -29,6 +29,7 @@ from .._typing import (
 )
 from ._follow import follow_spec, is_placeholder, replicated_like
 from ._logical import AxisNames
+from ._memory import Host, in_memory, memory_of
 from ._spec_args import resolve_like, resolve_specs
 from ._specs import (
     bad_spec_leaf_message,
@@ -43,6 +44,14 @@ from ._specs import (
     spec_error_message,
     SpecCheck,
 )
+
+
+# `derive_specs`' choices for `memory_kind`, checked by itself (as `_typing`'s
+# aliases of the arguments a function validates).
+if TYPE_CHECKING:
+    MemoryKind: TypeAlias = Literal["device", "pinned_host"]
+else:
+    MemoryKind = str
 
 
 def _struct(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -115,7 +124,7 @@ def abstract_tree(
         out = [_struct(x, None) if is_array(x) else x for x in leaves]
         return jtu.tree_unflatten(treedef, out)
     pairs = leaf_specs(specs, tree, caller=caller)
-    if any(isinstance(spec, PartitionSpec) for _, spec in pairs):
+    if any(isinstance(spec, PartitionSpec | Host) for _, spec in pairs):
         mesh = require_mesh(mesh, caller=caller)
     problems = check_leaves(pairs, leaves, mesh, check=check)
     if problems:
@@ -125,7 +134,7 @@ def abstract_tree(
         if not is_array(leaf):
             out.append(leaf)
             continue
-        if isinstance(spec, PartitionSpec):
+        if isinstance(spec, PartitionSpec | Host):
             # `mesh` was required above, as `specs` has a `PartitionSpec`.
             on = typing.cast(Mesh, mesh)
             spec = named_sharding(spec, on, caller=caller, path=path)
@@ -140,6 +149,7 @@ def derive_specs(
     param_specs: PyTree,
     *,
     on_invalid: OnInvalid = "raise",
+    memory_kind: MemoryKind | None = None,
 ) -> PyTree:
     """Specs for a tree that follows the parameters: an optimizer state, gradients,
     an EMA copy.
@@ -169,6 +179,10 @@ def derive_specs(
     - `on_invalid`: what to do with a leaf of 1 KiB or more that follows no
       parameter: `"raise"` (the default) raises; `"warn"` replicates it and
       warns, naming each; `"ignore"` replicates it silently.
+    - `memory_kind`: where the derived leaves live: `None` (the default) where
+      their parameters do, `"pinned_host"` in host memory (every derived spec
+      wrapped in [`eqshard.host`][]: optimizer state offloaded), `"device"` in
+      device memory.
 
     **Returns:**
 
@@ -194,6 +208,8 @@ def derive_specs(
     """
     caller = "derive_specs"
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
+    if memory_kind is not None:
+        check_choice(memory_kind, _MEMORY_KINDS, caller=caller, name="memory_kind")
     param_specs = resolve_specs(
         param_specs, params, caller=caller, argname="param_specs"
     )
@@ -237,7 +253,24 @@ def derive_specs(
                 "leaves."
             )
         warn(message + "They are replicated.")
+    if memory_kind is not None:
+        out = [_in_kind(spec, memory_kind) for spec in out]
     return jtu.tree_unflatten(treedef, out)
+
+
+_MEMORY_KINDS = ("device", "pinned_host")
+
+
+def _in_kind(spec: Any, memory_kind: str) -> Any:
+    """A derived spec moved to `memory_kind` (`"device"`: out of host memory)."""
+    layout, _ = memory_of(spec)
+    if memory_kind == "device":
+        return (
+            layout.with_memory_kind("device")
+            if isinstance(layout, NamedSharding)
+            else layout
+        )
+    return in_memory(layout, memory_kind)
 
 
 def _check_stack_axes(axes: tuple[Any, ...]) -> None:
@@ -312,6 +345,8 @@ def stack_specs(specs: PyTree, *axes: StackAxis) -> PyTree:
             )
         if isinstance(spec, PartitionSpec):
             return PartitionSpec(*front, *spec)
+        if isinstance(spec, Host):
+            return Host(stack(path, spec.spec))
         return spec
 
     return jtu.tree_map_with_path(
@@ -441,7 +476,7 @@ def restricted(
                 raise TypeError(
                     bad_spec_leaf_message(caller, path, spec, logical=False)
                 )
-            inner = spec.spec if isinstance(spec, NamedSharding) else spec
+            inner = spec.spec if isinstance(spec, NamedSharding | Host) else spec
             items.append((path, spec, (0,) * len(inner or ())))
     else:
         pairs = leaf_specs(specs, like, caller=caller)
@@ -456,7 +491,7 @@ def restricted(
         if spec is None:
             out.append(None)
             continue
-        inner = spec.spec if isinstance(spec, NamedSharding) else spec
+        inner = spec.spec if isinstance(spec, NamedSharding | Host) else spec
         renamed = _renamed(inner, rename)
         fixed, reasons = check_spec(shape, renamed, mesh_shape)
         if not reasons and not rename:
@@ -467,6 +502,8 @@ def restricted(
             )
         if isinstance(spec, NamedSharding):
             out.append(NamedSharding(mesh, fixed, memory_kind=spec.memory_kind))
+        elif isinstance(spec, Host):
+            out.append(Host(fixed))
         else:
             out.append(fixed)
     if changed and on_invalid != "ignore":

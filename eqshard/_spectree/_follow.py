@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 
 from .._tree import is_array, path_name
 from .._typing import KeyPath
+from ._memory import Host
 
 
 # A leaf smaller than this that follows no parameter (a step count, Adafactor's
@@ -28,7 +29,10 @@ _SMALL_BYTES = 1024
 
 def replicated_like(spec: Any) -> Any:
     """The replicated spec where `spec` places: `P()`, or a replicated
-    `NamedSharding` on its mesh; any other sharding (a single device) as it is."""
+    `NamedSharding` on its mesh, in its memory; any other sharding (a single
+    device) as it is."""
+    if isinstance(spec, Host):
+        return Host(replicated_like(spec.spec))
     if isinstance(spec, NamedSharding):
         return NamedSharding(spec.mesh, PartitionSpec(), memory_kind=spec.memory_kind)
     if isinstance(spec, PartitionSpec):
@@ -41,6 +45,8 @@ def without_dim(spec: Any, dim: int | None) -> Any:
     `None`)."""
     if dim is None:
         return spec
+    if isinstance(spec, Host):
+        return Host(without_dim(spec.spec, dim))
     inner = spec.spec if isinstance(spec, NamedSharding) else spec
     if not isinstance(inner, PartitionSpec):
         return spec

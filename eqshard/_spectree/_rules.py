@@ -42,6 +42,8 @@ from .._typing import (
 from ._auto import AutoFSDP
 from ._follow import followers_of_items, item_follower_spec, ItemFollower
 from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
+from ._memory import Host, in_memory
+from ._rules_messages import bad_leaves_message, bad_regex_message, show, unused_message
 from ._specs import check_spec
 from ._stacked import Stacked
 
@@ -53,7 +55,11 @@ Rules: TypeAlias = PartitionRulesArg
 # A rule's value: a `PartitionSpec`, logical `AxisNames` (resolved by the logical
 # rules in force), or a callable of the leaf's shape giving a `PartitionSpec`.
 RuleValue: TypeAlias = (
-    PartitionSpec | AxisNames | Stacked | Callable[[tuple[int, ...]], PartitionSpec]
+    PartitionSpec
+    | AxisNames
+    | Stacked
+    | Host
+    | Callable[[tuple[int, ...]], PartitionSpec]
 )
 Compiled: TypeAlias = list[tuple[re.Pattern[str], RuleValue]]
 
@@ -66,21 +72,9 @@ REASONS: dict[int, Literal["scalar", "below_min_size", "unmatched", "follows"]] 
     _UNMATCHED: "unmatched",
     _FOLLOWS: "follows",
 }
-_LIMIT = 30  # lines of leaves or rules shown in one error message
-
-
-def _show(name: str) -> str:
-    return repr(name) if name else "<root>"
 
 
 # ---------------------------------------------------------------- compiling
-
-
-def _bad_regex_message(caller: str, what: str, bad: list[tuple[int, str, str]]) -> str:
-    lines = [f"eqshard.{caller}: invalid regular expressions ({len(bad)}):"]
-    lines += [f"  {what} {i} {pattern!r}: {error}" for i, pattern, error in bad]
-    lines.append("Fix the pattern syntax (see Python's `re` module), or escape it.")
-    return "\n".join(lines)
 
 
 def compile_regexes(
@@ -100,7 +94,7 @@ def compile_regexes(
         except re.error as error:
             bad.append((i, pattern, str(error)))
     if bad:
-        raise ValueError(_bad_regex_message(caller, what, bad))
+        raise ValueError(bad_regex_message(caller, what, bad))
     return compiled
 
 
@@ -118,7 +112,7 @@ def compile_rules(rules: Rules, caller: str, source: str | None = None) -> Compi
             isinstance(rule, tuple | list)
             and len(rule) == 2
             and (
-                isinstance(rule[1], PartitionSpec | AxisNames | Stacked)
+                isinstance(rule[1], PartitionSpec | AxisNames | Stacked | Host)
                 or callable(rule[1])
             )
         ):
@@ -205,6 +199,16 @@ def rule_spec(
         return spec, f"logical {tuple(value)}"
     if isinstance(value, AutoFSDP):
         return value.choose(shape, mesh)
+    if isinstance(value, Host):  # the layout; `rules_to_specs` puts it on host
+        if value.spec is None:
+            raise ValueError(
+                f"eqshard.{caller}: rule {rule} is {value!r}, which keeps the layout "
+                f"of the parameter an array follows, but {show(name or '')} (shape "
+                f"{shape}) follows none. Give the layout: eqshard.host(P(...))."
+            )
+        return rule_spec(
+            value.spec, shape, caller=caller, name=name, rule=rule, mesh=mesh
+        )
     if isinstance(value, Stacked):
         layer, _ = rule_spec(
             value.spec, shape, caller=caller, name=name, rule=rule, mesh=mesh
@@ -214,7 +218,7 @@ def rule_spec(
     if not isinstance(spec, PartitionSpec):
         raise TypeError(
             f"eqshard.{caller}: rule {rule}'s function {value!r} returned {spec!r} "
-            f"for {_show(name or '')} (shape {shape}); it must return a "
+            f"for {show(name or '')} (shape {shape}); it must return a "
             "PartitionSpec."
         )
     return spec, f"computed by {getattr(value, '__name__', repr(value))}"
@@ -277,69 +281,6 @@ def _relax(
         return PartitionSpec()
     spec = spec.update(partitions=spec.partitions[: len(shape)])
     return spec if mesh is None else check_spec(shape, spec, dict(mesh.shape))[0]
-
-
-def _rule_lines(compiled: Compiled) -> list[str]:
-    lines = [f"  {i}: {r.pattern!r} -> {s!r}" for i, (r, s) in enumerate(compiled)]
-    if len(lines) > _LIMIT:
-        lines = lines[:_LIMIT] + [f"  ... and {len(lines) - _LIMIT} more rules"]
-    return lines or ["  (no rules)"]
-
-
-def _bad_leaves_message(
-    bad: list[tuple[str, tuple[int, ...], str, PartitionSpec]],
-    compiled: Compiled,
-    sep: str,
-    caller: str,
-    source: str | None = None,
-    *,
-    corrected: bool = False,
-) -> str:
-    """The leaves without a valid spec (name, shape, problem, the spec used
-    instead if `corrected`), and the rules tried."""
-    count = "1 array leaf has" if len(bad) == 1 else f"{len(bad)} array leaves have"
-    by = "" if source is None else f" by the partition rules {source}"
-    lines = [f"eqshard.{caller}: {count} no valid spec{by}:"]
-    for name, shape, problem, fixed in bad[:_LIMIT]:
-        using = f"; using {fixed!r}" if corrected else ""
-        lines.append(f"  {_show(name)} shape {shape}: {problem}{using}")
-    if len(bad) > _LIMIT:
-        lines.append(
-            f"  ... and {len(bad) - _LIMIT} more (eqshard.explain_partition_rules "
-            "lists every leaf)"
-        )
-    lines.append(
-        f"Rules tried, in order (the first `re.search` match on the {sep!r}-joined "
-        "path wins):"
-    )
-    lines += _rule_lines(compiled)
-    if corrected:
-        relax = 'pass `on_invalid="ignore"` to replicate, trim and correct silently'
-    elif source is None:
-        relax = (
-            'pass `on_invalid="warn"` (or `"ignore"`) to replicate unmatched '
-            "leaves and trim or correct the specs"
-        )
-    else:
-        relax = (
-            "match them first with `eqshard.match_partition_rules(rules, tree, "
-            'on_invalid="warn")`, which replicates unmatched leaves and trims the '
-            "specs"
-        )
-    lines.append(
-        "Add rules for the unmatched paths (a last rule `('.*', PartitionSpec())` "
-        "replicates the rest), make each spec at most as long as the array's rank "
-        f"(and, with `mesh`, one that applies on it), or {relax}."
-    )
-    return "\n".join(lines)
-
-
-def _unused_message(caller: str, unused: list[str]) -> str:
-    return (
-        f"eqshard.{caller}: these rules matched no array leaf: {', '.join(unused)}. "
-        "Check them for typos or for an earlier rule that shadows them "
-        "(eqshard.explain_partition_rules shows which rule decided each leaf)."
-    )
 
 
 @renamed_keywords(
@@ -486,7 +427,8 @@ def rules_to_specs(
     min_size = operator.index(min_size)
     compiled = compile_rules(rules, caller, source)
     matches = match_leaves(compiled, tree, min_size, sep, caller)
-    specs: list[PartitionSpec | None] = []
+    to_host = host_followers(compiled, matches)
+    specs: list[PartitionSpec | Host | None] = []
     bad = []
     for leaf, name, rule in zip(
         matches.leaves, matches.names, matches.rules, strict=True
@@ -508,14 +450,37 @@ def rules_to_specs(
         )
         if problem is not None:
             bad.append((name, shape, problem, spec))
-        specs.append(spec)
+        specs.append(Host(spec) if _is_host_rule(compiled, rule) else spec)
     if bad and on_invalid != "ignore":
         _check_bad_leaves(bad, compiled, sep, caller, source, on_invalid)
     for i, follow in matches.follows.items():
-        specs[i] = item_follower_spec(follow, specs)
+        spec = item_follower_spec(follow, specs)
+        specs[i] = in_memory(spec, "pinned_host") if i in to_host else spec
     if on_unused != "ignore":
         _check_unused(compiled, matches.rules, caller, on_unused)
     return jtu.tree_unflatten(matches.treedef, specs)
+
+
+def _is_host_rule(compiled: Compiled, rule: int) -> bool:
+    return rule >= 0 and isinstance(compiled[rule][1], Host)
+
+
+def host_followers(compiled: Compiled, matches: Matches) -> dict[int, int]:
+    """Arrays that follow a parameter but whose first matching rule is a host
+    rule: with a spec (`host(P(...))`) they are matched by it (`matches`
+    updated); those left (whose rule is `host()`) follow in host memory, and are
+    returned with their rule."""
+    to_host = {}
+    for i in list(matches.follows):
+        name = matches.names[i] or ""
+        rule = next((j for j, (r, _) in enumerate(compiled) if r.search(name)), -1)
+        value = compiled[rule][1] if rule >= 0 else None
+        if isinstance(value, Host) and value.spec is None:
+            to_host[i] = rule
+        elif isinstance(value, Host):
+            del matches.follows[i]
+            matches.rules[i] = rule
+    return to_host
 
 
 def _leaf_spec(
@@ -574,7 +539,7 @@ def _check_bad_leaves(
 ) -> None:
     """Raises (`on_invalid="raise"`) or warns listing the leaves without a valid
     spec."""
-    message = _bad_leaves_message(
+    message = bad_leaves_message(
         bad, compiled, sep, caller, source, corrected=on_invalid == "warn"
     )
     if on_invalid == "raise":
@@ -595,6 +560,6 @@ def _check_unused(
         if i not in used
     ]
     if unused and on_unused == "raise":
-        raise ValueError(_unused_message(caller, unused))
+        raise ValueError(unused_message(caller, unused))
     if unused:
-        warn(_unused_message(caller, unused))
+        warn(unused_message(caller, unused))

@@ -18,8 +18,10 @@ from jaxtyping import PyTree
 from .._report import plain, Report, text_table
 from .._typing import Int, typecheck
 from ._follow import item_follower_note, item_follower_spec
+from ._memory import Host, HOST_MEMORY, in_memory
 from ._rules import (
     compile_rules,
+    host_followers,
     match_leaves,
     REASONS,
     Rules,
@@ -54,7 +56,7 @@ class RulesReportRow:
     reason: Literal["matched", "scalar", "below_min_size", "unmatched", "follows"]
     rule: int | None
     pattern: str | None
-    spec: PartitionSpec | None
+    spec: PartitionSpec | Host | None
     problem: str | None
     note: str | None = None
 
@@ -108,7 +110,7 @@ class RulesReport(Report):
                 repr(pattern),
                 value_text(spec),
                 str(count),
-                "dead: matched nothing" if count == 0 else "",
+                "dead: matched nothing" if i in self.dead_rules else "",
             )
             for i, ((pattern, spec), count) in enumerate(
                 zip(self.rules, counts, strict=True)
@@ -190,6 +192,7 @@ def explain_partition_rules(
     min_size = operator.index(min_size)
     compiled = compile_rules(rules, "explain_partition_rules")
     matches = match_leaves(compiled, tree, min_size, sep, "explain_partition_rules")
+    to_host = host_followers(compiled, matches)
     found: list[Any] = [None] * len(matches.leaves)
     for i, (leaf, name, rule) in enumerate(
         zip(matches.leaves, matches.names, matches.rules, strict=True)
@@ -198,12 +201,18 @@ def explain_partition_rules(
             found[i] = strict_spec(
                 rule, tuple(leaf.shape), compiled, "explain_partition_rules", name, mesh
             )
+            if rule >= 0 and isinstance(compiled[rule][1], Host) and found[i][0]:
+                found[i] = (Host(found[i][0]), *found[i][1:])
     specs = [None if f is None else f[0] for f in found]
     for i, follow in matches.follows.items():
         specs[i] = item_follower_spec(follow, specs)
-        found[i] = (specs[i], None, item_follower_note(follow, matches.names))
+        note = item_follower_note(follow, matches.names)
+        if i in to_host:
+            specs[i] = in_memory(specs[i], HOST_MEMORY)
+            note += f", in host memory by rule {to_host[i]}"
+        found[i] = (specs[i], None, note)
     rows = []
-    used = set()
+    used = set(to_host.values())
     for leaf, name, rule, spec_problem_note in zip(
         matches.leaves, matches.names, matches.rules, found, strict=True
     ):

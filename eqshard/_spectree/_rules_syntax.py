@@ -16,6 +16,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from ._logical import AxisNames
+from ._memory import host
 from ._specs import spec_entry
 from ._stacked import stacked
 
@@ -23,7 +24,8 @@ from ._stacked import stacked
 SPEC_SYNTAX = (
     "a SPEC is dimensions separated by ',' or '.', each an axis name, None, or "
     "axis names joined by '+' (dp,tp  None.tp  dp+fsdp,None); () or P() is the "
-    "replicated spec, and P('dp', None) or P(('dp', 'fsdp'), 'tp') reads as in Python"
+    "replicated spec, and P('dp', None) or P(('dp', 'fsdp'), 'tp') reads as in Python; "
+    "host(SPEC) keeps the layout in host memory, host() what follows a parameter"
 )
 
 
@@ -105,7 +107,7 @@ def parse_rule(
 
 # The rule values written as a call on a spec, `NAME(SPEC, ...)`: the name, and
 # the public function that makes the value (its `repr` is such a call).
-VALUE_CALLS: dict[str, Callable[..., Any]] = {"stacked": stacked}
+VALUE_CALLS: dict[str, Callable[..., Any]] = {"stacked": stacked, "host": host}
 
 
 def value_text(value: Any) -> str:
@@ -123,10 +125,17 @@ def value_text(value: Any) -> str:
     return type(value).__name__ if " at 0x" in text else text
 
 
-def _spec_argument(node: ast.expr, body: str) -> PartitionSpec | AxisNames:
-    """The spec argument of a value's call: a spec in the spec syntax, or logical
-    names written `AxisNames('embed', 'mlp')`."""
+def _spec_argument(node: ast.expr, body: str) -> Any:
+    """The spec argument of a value's call: a spec in the spec syntax, logical
+    names written `AxisNames('embed', 'mlp')`, or another value's call
+    (`host(stacked(P('tp', None)))`)."""
     text = ast.get_source_segment(body, node) or ""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in VALUE_CALLS
+    ):
+        return parse_value(text)
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
@@ -157,6 +166,8 @@ def parse_value(text: str) -> Any:
     if make is None:
         raise ValueError(f"{name!r} is not a rule value: write a spec, or {spellings}")
     inner = body[called.end() : -1] if body.endswith(")") else ""
+    if make is host and body.endswith(")") and not inner.strip():
+        return host()  # host(): the layout of the parameter an array follows
     if inner.strip() and not any(c in inner for c in "=()'\""):
         args, options = [parse_spec(inner)], {}  # stacked(tp,None)
     else:

@@ -22,11 +22,13 @@ from .._mesh._current import mesh_repr
 from .._tree import broadcast_prefix, grouped_paths, is_array, path_str, paths_text
 from .._typing import KeyPath, SpecLeaf
 from ._logical import axis_names_resolver, AxisNames, normalize_rules
+from ._memory import check_host_memory, Host, HOST_MEMORY
 
 
 def is_spec_leaf(x: Any) -> bool:
-    """Leaves of a spec tree: a `PartitionSpec`, a `NamedSharding`, or `None`."""
-    return x is None or isinstance(x, PartitionSpec | NamedSharding)
+    """Leaves of a spec tree: a `PartitionSpec`, a `NamedSharding`, a layout in
+    host memory (`Host`), or `None`."""
+    return x is None or isinstance(x, PartitionSpec | NamedSharding | Host)
 
 
 def leaf_specs(
@@ -37,10 +39,11 @@ def leaf_specs(
     logical: bool = False,
     axis_rules: Any = None,
     argname: str = "specs",
-) -> list[tuple[KeyPath, SpecLeaf]]:
+) -> list[tuple[KeyPath, SpecLeaf | Host]]:
     """One `(path, spec)` pair per leaf of `tree`, broadcasting the prefix `specs`.
 
-    With `logical=True`, `AxisNames` leaves are resolved to `PartitionSpec`s by
+    With `logical=True`, `AxisNames` leaves (also in `host(...)`) are resolved to
+    `PartitionSpec`s by
     `axis_rules` (or the logical-rules context). Raises a `ValueError` naming the first
     path where `specs` is not a prefix of `tree`, or a `TypeError` naming a leaf of
     `specs` that is not a spec; both call `specs` by `argname`."""
@@ -54,6 +57,14 @@ def leaf_specs(
     for i, (path, spec) in enumerate(pairs):
         if logical and isinstance(spec, AxisNames):
             pairs[i] = (path, resolve(spec, path))
+        elif isinstance(spec, Host) and not isinstance(spec.spec, PartitionSpec):
+            if not (logical and isinstance(spec.spec, AxisNames)):
+                raise TypeError(
+                    bad_spec_leaf_message(
+                        caller, path, spec, logical=logical, argname=argname
+                    )
+                )
+            pairs[i] = (path, Host(resolve(spec.spec, path)))
         elif not is_spec_leaf(spec):
             raise TypeError(
                 bad_spec_leaf_message(
@@ -72,8 +83,15 @@ def bad_spec_leaf_message(
     names = ", `eqshard.AxisNames`" if logical else ""
     message = (
         f"eqshard.{caller}: `{argname}` has {leaf!r} at '{path_str(path)}'. Spec "
-        f"leaves must be `PartitionSpec`, `NamedSharding`{names} or `None`"
+        f"leaves must be `PartitionSpec`, `NamedSharding`{names}, "
+        "`eqshard.host(PartitionSpec)` or `None`"
     )
+    if isinstance(leaf, Host):
+        return (
+            f"{message}; in a spec tree, `eqshard.host` takes the leaf's own spec "
+            "(rules' values such as `eqshard.stacked` and `eqshard.host()` without "
+            "a spec belong in partition rules)."
+        )
     if isinstance(leaf, AxisNames):
         return (
             f"{message}; resolve logical axis names to mesh axes first, with "
@@ -105,7 +123,7 @@ def abstract_mesh_error(caller: str, paths: Sequence[KeyPath]) -> TypeError:
 
 
 def named_sharding(
-    spec: PartitionSpec,
+    spec: PartitionSpec | Host,
     mesh: Mesh | AbstractMesh,
     *,
     caller: str,
@@ -116,7 +134,21 @@ def named_sharding(
     """`NamedSharding(mesh, spec)`, after checking that `spec` names only axes of
     `mesh`, each once (JAX's own errors name no path): the one place a
     `NamedSharding` is built from a user's spec (`shard`, `named_shardings`,
-    `filter_jit`, `t5x.PartitionedFn`), on a concrete or an abstract mesh."""
+    `filter_jit`, `t5x.PartitionedFn`), on a concrete or an abstract mesh. A
+    `host(spec)` gives the memory kind `"pinned_host"`, on a concrete mesh
+    whose devices have it."""
+    memory_kind = None
+    if isinstance(spec, Host):
+        if not isinstance(spec.spec, PartitionSpec):
+            raise TypeError(
+                bad_spec_leaf_message(
+                    caller, path, spec, logical=False, argname=argname
+                )
+            )
+        if isinstance(mesh, Mesh):
+            where = f"`{argname}` at '{path_str(path)}'"
+            check_host_memory(caller, where, mesh.devices.flat)
+        spec, memory_kind = spec.spec, HOST_MEMORY
     axes = [axis for entry in spec for axis in entry_axes(entry)]
     unknown = [axis for axis in axes if axis not in mesh.shape]
     twice = sorted({axis for i, axis in enumerate(axes) if axis in axes[:i]})
@@ -138,7 +170,7 @@ def named_sharding(
             f"eqshard.{caller}: `{argname}` at '{path_str(path)}' is {spec}, which "
             f"{what}."
         )
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
 def _axes_text(axes: Iterable[str]) -> str:
@@ -291,6 +323,8 @@ def check_leaf(
     `PartitionSpec`."""
     if isinstance(spec, NamedSharding):
         spec, mesh = spec.spec, spec.mesh
+    elif isinstance(spec, Host):
+        spec = spec.spec
     # The caller passes a mesh with every `PartitionSpec`.
     mesh = typing.cast(Mesh | AbstractMesh, mesh)
     shape = tuple(int(n) for n in leaf.shape)

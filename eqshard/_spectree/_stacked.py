@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 
 from .._typing import typecheck
 from ._logical import AxisNames
+from ._memory import Host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Stacked:
 
 
 @typecheck
-def stacked(spec: Any, *, stages: str | None = None) -> Stacked:
+def stacked(spec: Any, *, stages: str | None = None) -> Stacked | Host:
     """Marks a partition rule's spec as written for one layer, for layers stacked
     on leading axes (by `eqx.filter_vmap` over a layer's constructor, for
     `jax.lax.scan`).
@@ -103,6 +104,8 @@ def stacked(spec: Any, *, stages: str | None = None) -> Stacked:
         # {"blocks": {"up": {"weight": P(None, "tp", None)}}}
         ```
     """
+    if isinstance(spec, Host) and spec.spec is not None:  # host(stacked(spec))
+        return Host(stacked(spec.spec, stages=stages))
     if not isinstance(spec, PartitionSpec | AxisNames):
         hint = (
             " For automatic FSDP of stacked layers, use "

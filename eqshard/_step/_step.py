@@ -54,6 +54,7 @@ from ._step_records import OutOfMemory
 from ._step_report import StepReport
 from ._step_rows import (
     collective_row,
+    host_memory,
     leaf_row,
     memory,
     mesh_of,
@@ -378,6 +379,12 @@ def _report(
     )
     moves = zip(call.arrays, arguments, compiled.in_shardings, strict=True)
     paths, out_paths, mesh = call.paths, traced.out_paths, compiled.mesh
+    figures, notes = host_memory(
+        memory(compiled.stats, _devices(compiled)),
+        arguments + outputs,
+        compiled.in_shardings + compiled.out_shardings,
+        len(arguments),
+    )
     return StepReport(
         function=_function_name(fn),
         mesh=tuple((str(a), int(n)) for a, n in mesh.shape.items())
@@ -385,11 +392,12 @@ def _report(
         else (),
         arguments=arguments,
         outputs=outputs,
-        memory=memory(compiled.stats, _devices(compiled)),
+        memory=figures,
         collectives=tuple(
             collective_row(c, paths, out_paths, mesh)
             for c in compiled.program.collectives()
         ),
         moved=tuple(m for args in moves if (m := moved(*args)) is not None),
-        warnings=step_warnings(compiled.log, compiled.program, paths, out_paths),
+        warnings=step_warnings(compiled.log, compiled.program, paths, out_paths)
+        + notes,
     )

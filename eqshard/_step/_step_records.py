@@ -124,10 +124,11 @@ class StepMemory:
     the schedule (TPU often reports `temp_bytes` as 0 while its peak is real);
     on CPU, whose `xla_peak_bytes` leaves temporaries out,
     `argument + output + temp - alias`. The `host_*` figures are the bytes in
-    host memory (XLA's `host_*_size_in_bytes`; 0 where the backend reports
-    none). `device_memory` is the memory of one device of a target mesh
-    ([`eqshard.create_mesh`][]'s `target=`), the default budget of `fits` and
-    `headroom`; `None` otherwise.
+    host memory (XLA's `host_*_size_in_bytes`; on CPU, whose XLA reports
+    none, the arguments and outputs in host memory counted by their memory
+    kinds, which a note in the report's `warnings` says). `device_memory` is
+    the memory of one device of a target mesh ([`eqshard.create_mesh`][]'s
+    `target=`), the default budget of `fits` and `headroom`; `None` otherwise.
     """
 
     argument_bytes: int

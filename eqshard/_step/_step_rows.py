@@ -5,9 +5,12 @@ each collective that `_hlo_flow.Program` finds a `CollectiveRow`, its arrays
 named by the leaves their data comes from or goes to (else by the arguments of
 the op producing or consuming it), its device groups mapped to mesh axes;
 arguments that JAX moves at every call a `MovedInput`; XLA's logged warnings a
-`StepWarning`, with the leaves of the instructions whose op name they quote.
+`StepWarning`, with the leaves of the instructions whose op name they quote;
+on XLA:CPU, which reports no host memory, the bytes of the leaves in host memory
+(`host_memory`), with a note saying so.
 """
 
+import dataclasses
 import os
 import site
 import sysconfig
@@ -19,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 
 from .._internals.xla import logged_warnings
 from .._mesh._targets import device_memory
+from .._spectree._memory import is_host_memory
 from .._typing import warn
 from ._hlo_flow import Collective, Part, Program
 from ._step_args import Leaf, spec_text
@@ -85,6 +89,38 @@ def memory(stats: Any, devices: Sequence[Any]) -> StepMemory:
         platform="gpu" if platform == "cuda" else platform,
         device_memory=device_memory(devices),
     )
+
+
+def host_memory(
+    figures: StepMemory,
+    rows: Sequence[StepLeaf],
+    shardings: Sequence[Any],
+    n_arguments: int,
+) -> tuple[StepMemory, tuple[StepWarning, ...]]:
+    """`figures` with the host argument and output bytes computed from the
+    memory kinds of the program's shardings (`rows` and `shardings`: the
+    arguments, then the outputs), where the backend reports none (XLA:CPU,
+    which counts them in `argument_bytes` and `output_bytes`), and a note that
+    says so; as they are otherwise."""
+    host = [is_host_memory(s) for s in shardings]
+    reported = figures.host_argument_bytes or figures.host_output_bytes
+    if figures.platform != "cpu" or reported or not any(host):
+        return figures, ()
+    held = [row for row, h in zip(rows, host, strict=True) if h]
+    argument = sum(r.bytes_per_device for r in held[: sum(host[:n_arguments])])
+    output = sum(r.bytes_per_device for r in held[sum(host[:n_arguments]) :])
+    note = StepWarning(
+        "eqshard: XLA:CPU reports no host memory; host_argument_bytes "
+        f"({argument:,}) and host_output_bytes ({output:,}) are the per-device "
+        "bytes of the arguments and outputs in host memory, by their memory kinds "
+        "(XLA:CPU counts them in argument_bytes and output_bytes too)",
+        tuple(r.path for r in held),
+        "",
+    )
+    figures = dataclasses.replace(
+        figures, host_argument_bytes=argument, host_output_bytes=output
+    )
+    return figures, (note,)
 
 
 def collective_row(

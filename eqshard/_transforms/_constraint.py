@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_keywords
 from .._mesh._current import find_mesh, mesh_repr
 from .._spectree._logical import normalize_rules
+from .._spectree._memory import refuse_host
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
     check_leaf,
@@ -281,13 +282,9 @@ def with_sharding_constraint(
     problems: list[ShardingProblem] = []
     deleted: list[KeyPath] = []
     batches = {AxisType.Auto: _Batch(), AxisType.Explicit: _Batch()}
-    for i, ((path, spec), leaf) in enumerate(
-        zip(
-            leaf_specs(specs, tree, caller=caller, logical=True, axis_rules=table),
-            leaves,
-            strict=True,
-        )
-    ):
+    pairs = leaf_specs(specs, tree, caller=caller, logical=True, axis_rules=table)
+    refuse_host(caller, pairs, "specs", "a constraint says how a value is laid out")
+    for i, ((path, spec), leaf) in enumerate(zip(pairs, leaves, strict=True)):
         if spec is None or not is_array(leaf):
             continue
         if mesh is None and not isinstance(spec, NamedSharding):

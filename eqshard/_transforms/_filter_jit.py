@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
+from .._spectree._memory import Host
 from .._spectree._spec_args import is_partition_rules, resolve_specs
 from .._spectree._specs import (
     bad_spec_leaf_message,
@@ -134,7 +135,7 @@ class _Specs:
             raise TypeError(
                 bad_spec_leaf_message(_CALLER, path, spec, logical=False, argname=name)
             )
-        if not isinstance(spec, PartitionSpec):
+        if not isinstance(spec, PartitionSpec | Host):
             return spec
         if mesh is None:
             raise ValueError(
@@ -272,9 +273,12 @@ def filter_jit(
       all of them. An entry is a spec tree for the argument or a prefix of it
       (`PartitionSpec`, `NamedSharding` and `None` leaves), partition rules
       matched against it, or a callable of the abstract argument giving its spec
-      tree. `None` (at an argument, or for all, the default) takes an argument as
-      it is placed: a placed array keeps its `NamedSharding`, host data and
-      uncommitted arrays go where the program puts them.
+      tree. Leaves in host memory ([`eqshard.host`][]) are moved to the device
+      for the computation (and, in `out_specs`, back to host memory) inside the
+      compiled program, so the function computes on device arrays. `None` (at an
+      argument, or for all, the default) takes an argument as it is placed: a
+      placed array keeps its `NamedSharding`, host data and uncommitted arrays go
+      where the program puts them.
     - `out_specs`: the same for the output (rules and callables then cost one
       more trace of `fn`, for the output's shapes), where an integer `k` stands
       for the layout of argument `k`: `out_specs=(0, P())` returns the first

@@ -73,7 +73,8 @@ from ._jit_keys import (
     typed,
     unwrap,
 )
-from ._jit_stages import avals, Compiled, Hooks, Lowered
+from ._jit_stages import avals, Compiled, Hooks, Lowered, named
+from ._offload import to_device_memory, to_host_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +97,6 @@ class Resolver(Protocol):
     reads: KeyReads
 
     def __call__(self, args: tuple[Any, ...]) -> Shardings: ...
-
-
-def _named(f: Callable[..., Any], fn: Callable[..., Any], name: str) -> Any:
-    """Gives the function `f` the name of `fn`, so that what `jax.jit` compiles
-    from it is named after `fn` (in HLO dumps and profiles)."""
-    f.__name__ = name
-    f.__qualname__ = getattr(fn, "__qualname__", name)
-    return f
 
 
 def _split_output(
@@ -232,7 +225,7 @@ class JitFunction:
 
     def _make_direct(self) -> Any:
         return jax.jit(
-            _named(lambda *args: self._trace_direct(*args), self._fn, self.__name__),
+            named(lambda *args: self._trace_direct(*args), self._fn, self.__name__),
             in_shardings=self.in_shardings,
             out_shardings=(self.out_shardings, None),
             static_argnums=self._static,
@@ -266,7 +259,8 @@ class JitFunction:
                 )
                 with jax.sharding.use_abstract_mesh(abstract):
                     out = self._call_fn(args)
-        return _split_output(out, out_shardings, self._caller)
+        dynamic, statics = _split_output(out, out_shardings, self._caller)
+        return to_host_memory(dynamic, out_shardings), statics
 
     def _call_fn(self, args: tuple[Any, ...]) -> Any:
         if self._rules is None:
@@ -330,6 +324,7 @@ class JitFunction:
                 for i, x in zip(layout.kept_index, kept, strict=True):
                     leaves[i] = x
                 check_shapes(layout.paths, leaves, shardings, self._in)
+                leaves = to_device_memory(leaves, shardings)
                 args = list(layout.treedef.unflatten(leaves))
                 for position, value in zip(static_positions, static_args, strict=True):
                     args.insert(position, value)
@@ -339,7 +334,7 @@ class JitFunction:
                 raise
 
         return jax.jit(
-            _named(call, self._fn, self.__name__),
+            named(call, self._fn, self.__name__),
             in_shardings=(
                 tuple(shardings[i] for i in layout.donated_index),
                 tuple(shardings[i] for i in layout.kept_index),

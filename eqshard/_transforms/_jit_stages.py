@@ -133,3 +133,11 @@ class Compiled:
 
     def __repr__(self) -> str:
         return f"Compiled({self._owner.name})"
+
+
+def named(f: Callable[..., Any], fn: Callable[..., Any], name: str) -> Any:
+    """Gives the function `f` the name of `fn`, so that what `jax.jit` compiles
+    from it is named after `fn` (in HLO dumps and profiles)."""
+    f.__name__ = name
+    f.__qualname__ = getattr(fn, "__qualname__", name)
+    return f

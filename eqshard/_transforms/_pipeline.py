@@ -361,7 +361,7 @@ def _staged_run(
 def _typed_spec(x: Any) -> PartitionSpec:
     try:
         return jax.typeof(x).sharding.spec
-    except Exception:  # no sharding in its type (NumPy)
+    except TypeError:  # not a JAX type
         return PartitionSpec()
 
 

@@ -21,6 +21,7 @@ from .._spectree._logical import (
     AxisNames,
     LogicalRules,
 )
+from .._spectree._memory import refuse_host
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
     check_leaves,
@@ -264,7 +265,7 @@ def _logical_pairs(
             ]
             if found:
                 raise _no_rules_error(argname, found)
-    return leaf_specs(
+    pairs = leaf_specs(
         resolved,
         tree,
         caller=CALLER,
@@ -272,6 +273,8 @@ def _logical_pairs(
         axis_rules=rules,
         argname=argname,
     )
+    refuse_host(CALLER, pairs, argname, "shard_map's specs say how values are split")
+    return pairs
 
 
 def leaf_paths(tree: Any) -> list[KeyPath]:
