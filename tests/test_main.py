@@ -191,7 +191,7 @@ def test_rules_file(tmp_path):
 
 def test_rules_file_arrow_between_regex_and_spec():
     # Parsed in this process: no need for a subprocess to read a text format.
-    from eqshard._cli._fit import UsageError
+    from eqshard._cli._load import UsageError
     from eqshard._cli._main import parse_rules
 
     text = "attn/(q|k)/weight -> tp,fsdp\nmlp/up/bias->  tp\n.*  ()\n"

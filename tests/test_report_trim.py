@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._cli._fit import fsdp_rules, UsageError
+from eqshard._cli._fit import fsdp_rules
+from eqshard._cli._load import UsageError
 from eqshard._cli._main import parse_rules
 from eqshard._spectree._rules_syntax import parse_value, value_text
 from eqshard._step._step_records import (

@@ -478,7 +478,7 @@ def test_one_spec_syntax(text, expected):
     ],
 )
 def test_one_spec_syntax_refused(text, match):
-    from eqshard._cli._fit import UsageError
+    from eqshard._cli._load import UsageError
     from eqshard._cli._main import parse_rules
 
     pattern = f"x->{text}"
@@ -491,7 +491,7 @@ def test_one_spec_syntax_refused(text, match):
 
 
 def test_rules_file_spaced_spec_needs_an_arrow():
-    from eqshard._cli._fit import UsageError
+    from eqshard._cli._load import UsageError
     from eqshard._cli._main import parse_rules
 
     with pytest.raises(UsageError, match="r, line 1: a spec without '->'"):
@@ -743,7 +743,8 @@ def test_stacked_rule_values_read_the_spec_from_the_end():
 
 def test_cli_hints_a_last_rule_only_when_no_rule_matches():
     # The command decides by the error's type, never by its text.
-    from eqshard._cli._fit import _match, UsageError
+    from eqshard._cli._fit import _match
+    from eqshard._cli._load import UsageError
 
     tree = {"a": np.zeros((3,)), "b": np.zeros((4,))}
     with pytest.raises(UsageError, match="a last rule"):

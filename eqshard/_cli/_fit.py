@@ -10,23 +10,17 @@ until the plan fits, and `rules_text` writes the specs it chose as a rules file
 
 The plans the command prints live here too: `show_plan` (the table of where each
 array goes, and the checks that every spec can apply), `training_memory` (the
-per-device plan of parameters, gradients and optimizer state, or `--fit`'s rules),
-and `UsageError`, the command's one-line errors.
+per-device plan of parameters, gradients and optimizer state, or `--fit`'s rules).
+The user's code is loaded by `_load.py`.
 """
 
 import argparse
 import dataclasses
 import functools as ft
-import hashlib
-import importlib
-import importlib.util
 import os
 import pathlib
-import re
 import sys
-import sysconfig
 import tempfile
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +42,7 @@ from .._spectree._memory import follower_rules_text, Host, map_layout, offloads
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
+from ._load import import_target, UsageError, user_code_error
 
 
 PROG = "python -m eqshard"
@@ -55,125 +50,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor", "none")
 # The size thresholds `propose_rules` tries, largest first: arrays below it stay
 # replicated, which costs memory but no communication.
 THRESHOLDS = (2**20, 2**14, 0)
-
-
-# The command's exit codes (its --help and docs/how-to/command-line.md list them).
-EXIT_OK = 0
-EXIT_DOES_NOT_FIT = 1  # also when the reader of the output goes away
-EXIT_USAGE = 2
-EXIT_USER_CODE = 3
-
-
-class UsageError(Exception):
-    """A bad option: reported as one line on stderr, with exit code 2."""
-
-
-class UserCodeError(Exception):
-    """The user's model or step raised: reported with the summary of its
-    traceback, with exit code 3 (1 would read as "does not fit")."""
-
-
-# Where the frames of a traceback that are not the user's come from.
-_LIBRARY_DIRS = tuple(
-    str(pathlib.Path(p).resolve())
-    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]}
-) + (str(pathlib.Path(__file__).resolve().parent.parent),)
-_FRAMES = 6  # the user's frames a summary shows, the innermost
-
-
-def user_code_error(what: str, error: BaseException) -> UserCodeError:
-    """The one message for an exception of the user's code: `what` raised it, its
-    type and message, and the innermost frames of the user's files."""
-    frames = traceback.extract_tb(error.__traceback__)
-    mine = [
-        f for f in frames if not str(pathlib.Path(f.filename)).startswith(_LIBRARY_DIRS)
-    ]
-    shown = (mine or list(frames))[-_FRAMES:]
-    message = " ".join(str(error).split())[:400]
-    lines = [f"{what} raised {type(error).__name__}: {message}"]
-    for frame in shown:
-        where = os.path.relpath(frame.filename) if frame.filename else "?"
-        where = frame.filename if where.startswith("..") else where
-        lines.append(f"  {where}:{frame.lineno} in {frame.name}: {frame.line}")
-    lines.append(
-        "This is an error of your code, not of the plan: fix it and run the "
-        f"command again (exit code {EXIT_USER_CODE})."
-    )
-    return UserCodeError("\n".join(lines))
-
-
-def _module_name(path: pathlib.Path) -> str:
-    """A module name of the user's file's own: never a standard or installed
-    module's (`sub/typing.py` is not `typing`), the same for the same file (so
-    `--model m.py:model --step m.py:step` load it once)."""
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    stem = re.sub(r"\W", "_", path.stem)
-    return f"_eqshard_user_{stem}_{digest}"
-
-
-def _import(module: str, option: str) -> Any:
-    if module.endswith(".py") or "/" in module:
-        path = pathlib.Path(module).resolve()
-        if not path.is_file():
-            raise ValueError(f"{option}: no file {module!r}")
-        name = _module_name(path)
-        loaded = sys.modules.get(name)
-        if loaded is not None:
-            return loaded  # `--model m.py:model --step m.py:step`: one module
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"{option}: cannot import the file {module!r}")
-        loaded = importlib.util.module_from_spec(spec)
-        sys.modules[name] = loaded  # for its dataclasses, pickling, ...
-        try:
-            spec.loader.exec_module(loaded)
-        except Exception as error:  # the user's code
-            del sys.modules[name]
-            raise user_code_error(f"{option}: importing {module!r}", error) from None
-        return loaded
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # as `python -m` does: modules of the current directory
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name is not None and module.startswith(error.name):
-            raise ValueError(
-                f"{option}: cannot import {module!r} ({error}); run from the "
-                "directory that holds it, set PYTHONPATH, or give a file path "
-                "(model.py:fn)"
-            ) from None
-        raise user_code_error(f"{option}: importing {module!r}", error) from None
-    except Exception as error:  # the user's module raised while imported
-        raise user_code_error(f"{option}: importing {module!r}", error) from None
-
-
-_EXAMPLES = {
-    "--model": "mymodels:llama_7b or models.py:llama_7b (a function of no "
-    "arguments returning the model)",
-    "--step": "mymodels:train_step or models.py:train_step (the training step "
-    "as you call it: a function or an eqshard.filter_jit object)",
-    "--args": "mymodels:step_args or models.py:step_args (a function of no "
-    "arguments returning the step's arguments, as a tuple)",
-}
-
-
-def import_target(text: str, option: str) -> Callable[..., Any]:
-    """The callable `MODULE:CALLABLE` (or `path/to/file.py:CALLABLE`) names, for
-    `option` (`--model` or `--step`)."""
-    module, sep, name = text.rpartition(":")
-    if not sep or not module or not name:
-        raise ValueError(
-            f"{option} {text!r}: write MODULE:CALLABLE, e.g. {_EXAMPLES[option]}"
-        )
-    fn = _import(module, option)
-    for attribute in name.split("."):
-        try:
-            fn = getattr(fn, attribute)
-        except AttributeError:
-            raise ValueError(f"{option} {text!r}: {module!r} has no {name!r}") from None
-    if not callable(fn):
-        raise ValueError(f"{option} {text!r}: {name!r} is not callable")
-    return fn
 
 
 def load_model(text: str) -> PyTree:

@@ -44,9 +44,6 @@ from ._demo import (
     Transformer,
 )
 from ._fit import (
-    EXIT_DOES_NOT_FIT,
-    EXIT_USAGE,
-    EXIT_USER_CODE,
     OPTIMIZERS,
     PlanOptions,
     PROG,
@@ -55,6 +52,11 @@ from ._fit import (
     show_model,
     show_plan,
     training_memory,
+)
+from ._load import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_USAGE,
+    EXIT_USER_CODE,
     UsageError,
     UserCodeError,
 )

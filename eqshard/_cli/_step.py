@@ -36,11 +36,13 @@ from .._typing import KeyPath
 from ._demo import timed
 from ._fit import (
     data_axes,
-    import_target,
     PlanOptions,
     PROG,
     save_rules,
     Setup,
+)
+from ._load import (
+    import_target,
     UsageError,
     user_code_error,
 )
