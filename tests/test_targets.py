@@ -259,6 +259,8 @@ def test_two_processes_compile_for_tpus_at_once():
 
 # The command.
 
+_STEP_FILE = os.path.join(os.path.dirname(__file__), "target_step.py")
+
 
 def _command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -278,6 +280,13 @@ def test_command_plans_for_a_pod_it_does_not_have():
         "for --target v5p-1024: 512 TPU v5 (compile-only), mesh {'fsdp': 64, 'tp': 8}"
     )
     assert "the bar's end is the budget 95.0 GiB" in result.stdout
+    step = _command(
+        "--target", "v5e-8", "--mesh", "dp:2,tp:4", "--step",
+        f"{_STEP_FILE}:train_step", "--args", f"{_STEP_FILE}:example_args",
+    )  # fmt: skip
+    assert step.returncode == 0, step.stderr[-2000:]
+    assert "XLA's peak_memory_in_bytes on tpu" in step.stdout
+    assert "device memory 16.0 GiB: fits" in step.stdout
     refused = _command("--target", "h100", "--size", "1B", "--devices", "4")
     assert refused.returncode == 2
     assert "--target h100 brings its own: leave --devices out" in refused.stderr
@@ -310,13 +319,14 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
         return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
 
     search = eqshard.search_layout(
-        step, shapes, x, mesh=mesh, device_memory="1GiB",
+        step, shapes, x, mesh=mesh,  # device_memory: the target's
         candidates={"tp": [("w1", P(None, "tp")), ("w2", P("tp", None))],
                     "fsdp": [("w1", P("dp", None)), ("w2", P(None, "dp"))],
                     "replicated": [(".*", P())]},
         builtin=False, progress=False,
     )  # fmt: skip
     assert len(search.candidates) == 3
+    assert search.device_memory == int(84942979072 * 0.75)
     exposed = []
     for candidate in search.candidates:  # ranked by what the schedule exposes
         assert candidate.report.memory.platform == "gpu" and candidate.fits

@@ -38,6 +38,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import require_mesh
+from .._mesh._targets import device_memory as target_memory
 from .._readers._plan import parse_bytes
 from .._report import format_bytes
 from .._spectree._rules import match_partition_rules
@@ -463,7 +464,8 @@ def search_layout(
       index, or a function of the argument tuple returning a subtree of it.
     - `mesh`: a concrete mesh; defaults to the one set by `jax.set_mesh`.
     - `device_memory`: the budget per device: bytes (an int, or a float such as
-      `16e9`, rounded to whole bytes), or a string such as `"16GiB"`.
+      `16e9`, rounded to whole bytes), or a string such as `"16GiB"`; by
+      default, on a target mesh, the memory of one of its devices.
     - `candidates`: your rule lists, as a list or a dict from names to lists;
       ranked with the built-in ones, and kept where a built-in one gives the
       same layout. A name is one layout's: yours and a built-in strategy's
@@ -517,9 +519,12 @@ def search_layout(
         raise _abstract_mesh_error(found)
     mesh = found
     if device_memory is None:
+        device_memory = target_memory(list(mesh.devices.flat))
+    if device_memory is None:
         raise search_error(
             "give `device_memory`, the budget per device (bytes, or a string "
-            'such as "16GiB").'
+            'such as "16GiB"); only a target mesh (create_mesh(..., target=...)) '
+            "knows its own."
         )
     budget = _memory(device_memory)
     weights = _bandwidth(bandwidth, mesh)
