@@ -250,7 +250,7 @@ def _mixed():
     ],
 )
 def test_a_dict_with_keys_of_several_types_is_named(mesh, name, call):
-    argument = "params" if name == "plan_training" else "tree"
+    argument = "tree"  # every one of them names its argument so
     with pytest.raises(
         ValueError,
         match=rf"^eqshard.{name}: the dict at 'model/layers' in `{argument}` has "

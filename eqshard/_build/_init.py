@@ -479,6 +479,7 @@ def init_sharded(
         fn, args, kwargs, specs=specs, mesh=mesh
     )
     for leaf in jtu.tree_leaves(shapes):
-        require_runnable("init_sharded", leaf.sharding.mesh)
-        break
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            require_runnable("init_sharded", leaf.sharding.mesh)
+            break
     return assemble(run(*host_private(inputs)))

@@ -151,6 +151,17 @@ def check_optimizer(optimizer: Any, caller: str) -> None:
     )
 
 
+def _trained_by_path(
+    leaves: list[Any], trained: list[bool], pairs: list[tuple[KeyPath, Any]]
+) -> dict[tuple[Any, ...], tuple[tuple[int, ...], Any]]:
+    """The trained parameters' `(shape, spec)` by path, for their followers."""
+    return {
+        tuple(path): (tuple(leaf.shape), spec)
+        for (path, spec), leaf, t in zip(pairs, leaves, trained, strict=True)
+        if t
+    }
+
+
 def given_state_pairs(
     state: list[tuple[KeyPath, Any]],
     params: tuple[Any, list[Any], list[bool], list[tuple[KeyPath, Any]]],
@@ -163,11 +174,7 @@ def given_state_pairs(
     _, leaves, trained, pairs = params
     if state_dtype is not None:
         state = [(path, abstract(x, state_dtype)) for path, x in state]
-    by_path = {
-        tuple(path): (tuple(leaf.shape), spec)
-        for (path, spec), leaf, t in zip(pairs, leaves, trained, strict=True)
-        if t
-    }
+    by_path = _trained_by_path(leaves, trained, pairs)
     return [leaf for _, leaf in state], state_pairs(state, by_path)
 
 
@@ -192,11 +199,7 @@ def optimizer_state(
     state = jtu.tree_flatten_with_path(state_tree)[0]
     if state_dtype is not None:
         state = [(path, abstract(x, state_dtype)) for path, x in state]
-    by_path = {
-        tuple(path): (tuple(leaf.shape), spec)
-        for (path, spec), leaf, t in zip(pairs, leaves, trained, strict=True)
-        if t
-    }
+    by_path = _trained_by_path(leaves, trained, pairs)
     specs = state_pairs(state, by_path)
     if rules is not None:
         specs = ruled_state_pairs(

@@ -185,6 +185,19 @@ def _number(value: Any) -> bool:
     )
 
 
+def _budget(device_memory: Any, mesh: Mesh) -> int:
+    """The budget per device in bytes: `device_memory`, else a target mesh's."""
+    if device_memory is None:
+        device_memory = target_memory(list(mesh.devices.flat))
+    if device_memory is None:
+        raise search_error(
+            "give `device_memory`, the budget per device (bytes, or a string "
+            'such as "16GiB"); only a target mesh (create_mesh(..., target=...)) '
+            "knows its own."
+        )
+    return _memory(device_memory)
+
+
 def _memory(device_memory: Any) -> int:
     """`device_memory` in bytes: an int, a float (rounded to whole bytes), or a
     string such as `"16GiB"`."""
@@ -518,15 +531,7 @@ def search_layout(
     if not isinstance(found, Mesh):
         raise _abstract_mesh_error(found)
     mesh = found
-    if device_memory is None:
-        device_memory = target_memory(list(mesh.devices.flat))
-    if device_memory is None:
-        raise search_error(
-            "give `device_memory`, the budget per device (bytes, or a string "
-            'such as "16GiB"); only a target mesh (create_mesh(..., target=...)) '
-            "knows its own."
-        )
-    budget = _memory(device_memory)
+    budget = _budget(device_memory, mesh)
     weights = _bandwidth(bandwidth, mesh)
     selection = select(args, params, caller=CALLER)
     check_parameters(selection, caller=CALLER)
