@@ -64,7 +64,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx
 import jax.numpy as jnp
 import optax
-from _timing import add_json_option, as_table, once, write_json
+from _timing import add_json_option, as_table, once, RESULTS, write_json
 from jax.sharding import AxisType, PartitionSpec as P
 from models import Block, MLP
 
@@ -380,8 +380,9 @@ def main() -> int:
     print(f"searches over 60 s: {target_slow or 'none'}")
     print()
     target_table = as_table(TARGET_COLUMNS, target_rows)
-    if args.target_only:
-        write_json(__file__, {"targets": target_table}, path=args.json)
+    if args.target_only:  # a file of their own, beside the full run's
+        path = args.json or RESULTS / "bench_search_targets.json"
+        write_json(__file__, {"targets": target_table}, path=path)
         return 0 if not target_slow else 1
     meshes = [
         jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2),
