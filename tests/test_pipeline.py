@@ -161,12 +161,14 @@ def test_pipeline_equals_scan(case):
         stack = eqx.filter_vmap(MLP)(keys)
         args = (jnp.linspace(0.5, 1.5, batch)[:, None], jnp.full((D,), 0.01))
         arg_specs = (P(data), P())
+        batched = (True, False)
         layer = mlp_layer
     else:
         stack = eqx.filter_vmap(Attention)(keys)
         lengths = jnp.array([4, 3, 2, 4, 1, 4, 3, 2] * 2)
         args = (jnp.arange(T)[None, :] < lengths[:, None],)
         arg_specs = (P(data),)
+        batched = True
         layer = attention_layer
     key = jax.random.key(3) if keyed else None
     output = "last" if dtype == jnp.bfloat16 and block == "mlp" else "all"
@@ -174,7 +176,7 @@ def test_pipeline_equals_scan(case):
     def piped(stack, x, *args):
         y = eqshard.pipeline(
             layer, stack, x, *args, microbatches=m, schedule=schedule,
-            repeats=repeats, key=key, output=output,
+            repeats=repeats, key=key, output=output, batched_args=batched,
         )  # fmt: skip
         return y[-1] if output == "last" else y
 
@@ -282,7 +284,7 @@ def test_pipeline_trains_like_scan(tmp_path):
     def piped(stack, x):
         return eqshard.pipeline(
             mlp_layer, stack, x, scale, bias, microbatches=4, schedule="circular",
-            repeats=2,
+            repeats=2, batched_args=(True, False),
         )  # fmt: skip
 
     def run(step, stack, x, target):
@@ -422,6 +424,7 @@ def test_analyze_step_shows_the_pipeline():
                 y = eqshard.pipeline(
                     mlp_layer, stack, x, scale, bias, microbatches=4,
                     schedule="circular", repeats=2, staged=True,
+                    batched_args=(True, False),
                 )  # fmt: skip
                 return jnp.mean(y**2)
 
@@ -500,3 +503,208 @@ def test_command_plans_a_pipeline():
         "circular over 'pp': 17 steps, bubble 5.9%; stage inputs kept 4.2 KiB, "
         "buffers 4.0 KiB)" in result.stdout
     )
+
+
+@pytest.mark.slow
+def test_pipeline_splits_only_what_is_declared():
+    """Regression (42.4): a whole table whose leading size happens to be the
+    batch's is passed whole when `batched_args` says so, and the result is the
+    scan's; undeclared, it is an error naming the argument, never a guess."""
+    import eqshard
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    stack = {"w": jax.random.normal(jax.random.key(0), (4, D, D)) / 3}
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    table = jax.random.normal(jax.random.key(2), (16, D))  # not per row
+    scale = jnp.linspace(0.5, 1.5, 16)[:, None]  # per row
+
+    def layer(block, h, table, scale):
+        return jnp.tanh(h @ block["w"]) * scale + table.mean(0)
+
+    want = jax.lax.scan(lambda h, d: (layer(d, h, table, scale), None), x, stack)[0]
+    with jax.set_mesh(mesh):
+        got = jax.jit(
+            lambda s, x, t, c: eqshard.pipeline(
+                layer, s, x, t, c, microbatches=4, batched_args=(False, True)
+            )
+        )(eqshard.shard(stack, P("pp"), mesh), x, table, scale)
+    close(got, want, jnp.float32)
+
+    def shape(*args, **kw):
+        return jax.eval_shape(
+            lambda: eqshard.pipeline(
+                layer, stack, x, *args, microbatches=4, mesh=mesh, **kw
+            )
+        )
+
+    with pytest.raises(ValueError, match=r"at args\[0\] has shape \(16, 8\).*bat"):
+        shape(table, scale)
+    with pytest.raises(ValueError, match=r"args\[1\] .*declared batched but"):
+        shape(scale, jnp.zeros((1, 1)), batched_args=True)
+    with pytest.raises(ValueError, match="does not match the 2 arguments"):
+        shape(table, scale, batched_args=(False, True, True))
+
+
+def test_pipeline_counts_and_choices():
+    """Regression (42.8, 42.14): NumPy integers and whole floats are counts;
+    other values, an unknown schedule and '1f1b' are eqshard's one-line errors."""
+    import eqshard
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    stack = {"w": jnp.zeros((8, D, D))}
+    x = jnp.zeros((16, D))
+
+    def shape(**kw):
+        kw = {"microbatches": 4, "mesh": mesh, **kw}
+        return jax.eval_shape(lambda: eqshard.pipeline(linear_layer, stack, x, **kw))
+
+    want = jax.ShapeDtypeStruct((16, D), jnp.float32)
+    assert shape(microbatches=np.int64(4)) == want
+    assert shape(microbatches=4.0, schedule="circular", repeats=np.int32(2)) == want
+    for bad, match in [
+        ({"microbatches": 4.5}, "`microbatches` is 4.5 .*not a whole number"),
+        ({"microbatches": "4"}, "`microbatches` is '4' \\(str\\)"),
+        ({"microbatches": 0}, "microbatches=0; give at least 1"),
+        ({"schedule": "1f1b"}, "'1f1b' is not offered: .*loss inside"),
+        ({"schedule": "zigzag"}, "`schedule` is 'zigzag'; use 'gpipe' or 'circ"),
+        ({"output": "first"}, "`output` is 'first'"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match) as info:
+            shape(**bad)
+        assert "\n" not in str(info.value)
+
+
+def test_plan_refuses_what_pipeline_refuses(capsys):
+    """Regression (42.7): `plan_training(pipeline=)` refuses the counts
+    `pipeline` refuses, and the command exits 2 for them."""
+    import eqshard
+    from eqshard._cli._main import main
+
+    mesh = jax.sharding.AbstractMesh((4, 2), ("pp", "dp"))
+    params = {"w": jax.ShapeDtypeStruct((8, D, D), jnp.float32)}
+    rules = [(".*", eqshard.stacked(P(None, None), stages="pp"))]
+    base = {"activation": jax.ShapeDtypeStruct((4, 64), jnp.float32)}
+    for bad, match in [
+        ({"microbatches": 0}, "microbatches=0; give at least 1"),
+        ({"microbatches": -8}, "microbatches=-8; give at least 1"),
+        ({"microbatches": 8, "repeats": 0, "schedule": "circular"}, "repeats=0"),
+        ({"microbatches": 6, "schedule": "circular", "repeats": 2},
+         "multiple of the 4 stages, got 6"),
+        ({"microbatches": 2.5}, "not a whole number"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            eqshard.plan_training(params, rules, mesh, pipeline={**base, **bad})
+    plan = eqshard.plan_training(
+        params, rules, mesh, pipeline={**base, "microbatches": np.int64(8)}
+    )
+    assert plan.pipeline is not None and plan.pipeline.microbatches == 8
+    for text in ("microbatches=0", "microbatches=-4", "microbatches=6,schedule="
+                 "circular,repeats=2"):  # fmt: skip
+        code = main(["--model", "examples/llama.py:tiny", "--mesh", "pp:4,dp:2",
+                     "--pipeline", f"{text},activation=4x64"])  # fmt: skip
+        assert code == 2, (text, capsys.readouterr())
+
+
+def moe_layer(block, h, *, key=None):
+    """`mlp_layer` with a router's load-balancing-style statistics as aux: a
+    scalar (nonlinear in the microbatch's rows) and a per-expert vector."""
+    probs = jax.nn.softmax(h @ block.w1[:, :4])
+    load = probs.mean(0)
+    aux = {"balance": 4 * jnp.sum(load**2), "load": load}
+    return mlp_layer(block, h, 1.0, 0.0), aux
+
+
+def aux_reference(layer, stack, x, microbatches):
+    """Per microbatch `x[m::M]`, a scan over the layers summing the aux; the aux
+    averaged over the microbatches (the issue's definition), in raw JAX."""
+    ys, auxes = [], []
+    for m in range(microbatches):
+
+        def one(carry, d):
+            h, total = carry
+            h, aux = layer(d, h)
+            return (h, jax.tree.map(jnp.add, total, aux)), None
+
+        zero = {"balance": jnp.zeros(()), "load": jnp.zeros(4)}
+        (y, aux), _ = jax.lax.scan(one, (x[m::microbatches], zero), stack)
+        ys.append(y)
+        auxes.append(aux)
+    y = jnp.stack(ys, 1).reshape(x.shape)  # row i*M + m is microbatch m's row i
+    return y, jax.tree.map(lambda *a: sum(a) / microbatches, *auxes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sizes,names,schedule,repeats",
+    [
+        ((4, 2), ("pp", "dp"), "circular", 2),
+        ((2, 2, 2), ("pp", "dp", "tp"), "gpipe", 1),
+    ],
+)
+def test_pipeline_aux_equals_scan(sizes, names, schedule, repeats):
+    """`has_aux=True`: the output, the aux (summed over layers, averaged over
+    microbatches) and the gradients of a loss using both equal the scan's."""
+    import eqshard
+
+    mesh = mesh_of(sizes, names)
+    stack = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 8))
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+    m = 4
+
+    def loss(fn):
+        def value(stack, x):
+            y, aux = fn(stack, x)
+            return (y * cot).sum() + aux["balance"] + aux["load"] @ jnp.arange(4.0)
+
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))
+
+    def piped(stack, x):
+        return eqshard.pipeline(
+            moe_layer, stack, x, microbatches=m, schedule=schedule,
+            repeats=repeats, has_aux=True,
+        )  # fmt: skip
+
+    want_y, want_aux = jax.jit(aux_reference, static_argnums=(0, 3))(
+        moe_layer, stack, x, m
+    )
+    want = loss(lambda s, x: aux_reference(moe_layer, s, x, m))(stack, x)
+    with jax.set_mesh(mesh):
+        placed = eqshard.shard(stack, block_specs("mlp", names), mesh)
+        xp = eqshard.shard(x, P("dp"), mesh)
+        got_y, got_aux = jax.jit(piped)(placed, xp)
+        got = loss(piped)(placed, xp)
+    close((got_y, got_aux), (want_y, want_aux), jnp.float32)
+    close(got, want, jnp.float32)
+
+
+def test_pipeline_aux_bad_input():
+    """A layer that returns one array with has_aux=True, or aux that is not
+    floating-point arrays: eqshard's error, naming the aux's path."""
+    import eqshard
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    stack = {"w": jnp.zeros((8, D, D))}
+    x = jnp.zeros((16, D))
+
+    def shape(layer):
+        return jax.eval_shape(
+            lambda: eqshard.pipeline(
+                layer, stack, x, microbatches=4, mesh=mesh, has_aux=True
+            )
+        )
+
+    with pytest.raises(ValueError, match=r"returned float32\[4, 8\] with has_aux"):
+        shape(linear_layer)
+    with pytest.raises(ValueError, match=r"aux at 'count' is int32\[\]"):
+        shape(lambda b, h: (h @ b["w"], {"count": jnp.sum(h > 0)}))
+    with pytest.raises(ValueError, match="aux at 'n' is 1.0, not a floating"):
+        shape(lambda b, h: (h @ b["w"], {"n": 1.0}))
+    with pytest.raises(ValueError, match=r"needs has_aux=True"):
+        jax.eval_shape(
+            lambda: eqshard.pipeline(
+                lambda b, h: (h, h.sum()), stack, x, microbatches=4, mesh=mesh
+            )
+        )
+    got = shape(lambda b, h: (h @ b["w"], {"s": jnp.mean(h)}))
+    assert got[1] == {"s": jax.ShapeDtypeStruct((), jnp.float32)}

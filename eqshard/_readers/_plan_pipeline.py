@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import mesh_repr
 from .._report import format_bytes
+from .._transforms._pipeline_checks import count, schedule_counts, SCHEDULES
 
 
 _KEYS = ("microbatches", "activation", "axis", "schedule", "repeats", "activation_spec")
@@ -108,18 +109,19 @@ def pipeline_buffers(
         )
     axis = pipeline.get("axis", "pp")
     schedule = pipeline.get("schedule", "gpipe")
-    repeats = int(pipeline.get("repeats", 1))
-    m = int(pipeline["microbatches"])
+    repeats = count(pipeline.get("repeats", 1), "repeats", _pipeline_error)
+    m = count(pipeline["microbatches"], "microbatches", _pipeline_error)
     if axis not in mesh.axis_names:
         raise _pipeline_error(
             f"names the stage axis {axis!r}, not in mesh {mesh_repr(mesh)}",
             "give `axis` one of its axes.",
         )
-    if schedule not in ("gpipe", "circular") or (schedule == "gpipe" and repeats != 1):
+    if schedule not in SCHEDULES:
         raise _pipeline_error(
-            f"has schedule={schedule!r} with repeats={repeats}",
-            "use 'gpipe' (repeats 1) or 'circular'.",
+            f"has schedule={schedule!r}", "use 'gpipe' (repeats 1) or 'circular'."
         )
+    stages = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
+    schedule_counts(schedule, repeats, m, stages, _pipeline_error)
     activation = pipeline["activation"]
     if not hasattr(activation, "shape") or not hasattr(activation, "dtype"):
         raise _pipeline_error(
@@ -127,8 +129,11 @@ def pipeline_buffers(
             "give one microbatch's activation as a jax.ShapeDtypeStruct.",
         )
     spec = pipeline.get("activation_spec", PartitionSpec())
-    stages = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
     shape = tuple(int(n) for n in activation.shape)
+    if any(n < 0 for n in shape):
+        raise _pipeline_error(
+            f"has an activation of shape {shape}", "give sizes of at least 0."
+        )
     a = _per_device(shape, spec, mesh) * np.dtype(activation.dtype).itemsize
     steps = repeats * m + stages - 1
     return PipelineBuffers(
