@@ -14,7 +14,12 @@ compiled by `eqshard.analyze_step`. Layouts, each with the matrices split over
    `eqshard.stacked(spec, stages="pp")`;
 3. the same mesh, circular with 2 repeats, the stack in `eqshard.stage_view`'s
    view, `P(None, "pp")`;
-4. `pp4 x tp2`, GPipe.
+4. `pp4 x tp2`, GPipe;
+5. and 6. a mixture-of-experts stack (`Experts`: top-1 routing over 4 experts,
+   computed densely) whose loss adds its load-balancing aux
+   (`pipeline(..., has_aux=True)`: summed over the layers, averaged over the
+   microbatches), unpipelined (`fsdp4 x tp2`, the scan run per microbatch so
+   the aux is the same) and pipelined (`pp2 x fsdp2 x tp2`, circular).
 
 For each: the compiled peak bytes per device (`report.memory.peak_bytes`), the
 collective bytes per device per step in all and over 'pp', the stage-to-stage
@@ -54,47 +59,111 @@ LAYER_RULES = [
 ]
 
 
-def rules(stages: str | None, names: tuple[str, ...]) -> list[tuple[str, object]]:
+def rules(
+    stages: str | None, names: tuple[str, ...], moe: bool = False
+) -> list[tuple[str, object]]:
     """The layer rules for a mesh of axes `names` (those it lacks left out)."""
     only = lambda spec: P(*(a if a in names else None for a in spec))  # noqa: E731
-    return [(p, eqshard.stacked(only(s), stages=stages)) for p, s in LAYER_RULES]
+    table = MOE_RULES if moe else LAYER_RULES
+    return [(p, eqshard.stacked(only(s), stages=stages)) for p, s in table]
+
+
+def scan_aux(fn, dyn, static, x):
+    """`jax.lax.scan` over the layers, their aux's "balance" summed."""
+
+    def step(carry, d):
+        h, aux = fn(eqx.combine(d, static), carry[0])
+        return (h, carry[1] + aux["balance"]), None
+
+    return jax.lax.scan(step, (x, jnp.zeros(())), dyn)[0]
 
 
 def layer(block, h):
     return jax.vmap(block)(h)
 
 
-def measure(args, name, sizes, names, schedule, repeats):
+class Experts(eqx.Module):
+    """A mixture-of-experts MLP (top-1 routing over `E` experts, computed
+    densely, Switch-style), its load-balancing loss the layer's aux."""
+
+    router: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+    def __init__(self, dim: int, experts: int, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.router = jax.random.normal(k1, (dim, experts)) / dim**0.5
+        self.up = jax.random.normal(k2, (experts, dim, 2 * dim)) / dim**0.5
+        self.down = jax.random.normal(k3, (experts, 2 * dim, dim)) / dim**0.5
+
+
+def moe_layer(block, h):
+    """`(h, {"balance": ...})` for `h` (batch, seq, dim)."""
+    experts = block.router.shape[1]
+    probs = jax.nn.softmax(h @ block.router)
+    choice = jax.nn.one_hot(jnp.argmax(probs, -1), experts)
+    hidden = jnp.tanh(jnp.einsum("bsd,edf->ebsf", h, block.up))
+    out = jnp.einsum("ebsf,efd->bsd", hidden * jnp.moveaxis(choice * probs, -1, 0)[
+        ..., None], block.down)  # fmt: skip
+    balance = experts * jnp.sum(choice.mean((0, 1)) * probs.mean((0, 1)))
+    return h + out, {"balance": balance}
+
+
+MOE_RULES = [
+    ("router", P(None, None)),
+    ("up", P(None, "fsdp", "tp")),
+    ("down", P(None, "tp", "fsdp")),
+]
+
+
+def measure(args, name, sizes, names, schedule, repeats, moe=False):
     """The report of the gradient step on this layout, and its row."""
     mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
     keys = jax.random.split(jax.random.key(0), args.layers)
-    stack = eqx.filter_eval_shape(
-        eqx.filter_vmap(lambda k: Block(args.dim, args.dim // 64, key=k)), keys
+    make = (
+        (lambda k: Experts(args.dim, 4, k))
+        if moe
+        else (lambda k: Block(args.dim, args.dim // 64, key=k))
     )
+    stack = eqx.filter_eval_shape(eqx.filter_vmap(make), keys)
     pipelined = "pp" in names
     staged = schedule == "circular"
     if staged:
         stack = eqshard.stage_view(stack, stages=mesh.shape["pp"], repeats=repeats)
     data = tuple(a for a in ("fsdp",) if a in names) or None
     x = jax.ShapeDtypeStruct((args.batch, args.seq, args.dim), jnp.float32)
-    stack = eqshard.abstract(stack, rules("pp" if pipelined else None, names), mesh)
+    stack = eqshard.abstract(
+        stack, rules("pp" if pipelined else None, names, moe), mesh
+    )
     x = eqshard.abstract(x, P(data), mesh)
     is_struct = lambda a: isinstance(a, jax.ShapeDtypeStruct)  # noqa: E731
     static = eqx.filter(stack, is_struct, inverse=True)
 
+    m = args.microbatches
+
     def forward(dyn, x):
+        """The blocks' output and their aux (0 for the GPT-style blocks)."""
         blocks = eqx.combine(dyn, static)
-        if not pipelined:
+        if not pipelined and not moe:
             step = lambda h, d: (layer(eqx.combine(d, static), h), None)  # noqa: E731
-            return jax.lax.scan(step, x, dyn)[0]
-        return eqshard.pipeline(
-            layer, blocks, x, microbatches=args.microbatches, schedule=schedule,
-            repeats=repeats, staged=staged,
+            return jax.lax.scan(step, x, dyn)[0], 0.0
+        if not pipelined:  # the scan per microbatch: the pipeline's aux
+            parts = [scan_aux(moe_layer, dyn, static, x[i::m]) for i in range(m)]
+            y = jnp.stack([p[0] for p in parts], 1).reshape(x.shape)
+            return y, sum(p[1] for p in parts) / m
+        out = eqshard.pipeline(
+            moe_layer if moe else layer, blocks, x, microbatches=m,
+            schedule=schedule, repeats=repeats, staged=staged, has_aux=moe,
         )  # fmt: skip
+        return (out[0], out[1]["balance"]) if moe else (out, 0.0)
 
     @jax.jit
     def grad_step(dyn, x):
-        return jax.grad(lambda d: jnp.mean(forward(d, x) ** 2))(dyn)
+        def loss(d):
+            y, balance = forward(d, x)
+            return jnp.mean(y**2) + 0.01 * balance
+
+        return jax.grad(loss)(dyn)
 
     with jax.set_mesh(mesh):
         report = eqshard.analyze_step(
@@ -140,6 +209,9 @@ def main() -> None:
         ("pp2 x fsdp2 x tp2, circular R=2", (2, 2, 2), ("pp", "fsdp", "tp"),
          "circular", 2),
         ("pp4 x tp2, GPipe", (4, 2), ("pp", "tp"), "gpipe", 1),
+        ("MoE+aux fsdp4 x tp2 (scan)", (4, 2), ("fsdp", "tp"), "gpipe", 1, True),
+        ("MoE+aux pp2 x fsdp2 x tp2, circular R=2", (2, 2, 2), ("pp", "fsdp", "tp"),
+         "circular", 2, True),
     ]  # fmt: skip
     rows = [measure(args, *layout) for layout in layouts]
     columns = [

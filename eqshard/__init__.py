@@ -92,6 +92,10 @@ from ._transforms._explicit import auto_axes as auto_axes
 from ._transforms._filter_jit import filter_jit as filter_jit
 from ._transforms._pipeline import pipeline as pipeline
 from ._transforms._shard_map import filter_shard_map as filter_shard_map
+from ._transforms._stack_layers import (
+    stack_layers as stack_layers,
+    unstack_layers as unstack_layers,
+)
 from ._transforms._stage_view import (
     stage_view as stage_view,
     unstage_view as unstage_view,
@@ -161,6 +165,8 @@ __all__ = [
     "pipeline",
     "stage_view",
     "unstage_view",
+    "stack_layers",
+    "unstack_layers",
     # Checkpoints.
     "save",
     "restore",

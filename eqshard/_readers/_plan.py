@@ -473,9 +473,11 @@ def plan_training(
       jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
       over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
       "repeats": 1}`. The plan adds on every device the stage inputs the loop
-      keeps for the backward pass, `(R·M + S - 1)` microbatch activations, and
-      its buffers of the microbatches' inputs and outputs, `2·M` of them
-      (`plan.pipeline`); the parameters and optimizer state are per stage as
+      keeps for the backward pass, `(R·M + S - 1)` microbatch activations,
+      its buffers of the microbatches' inputs and outputs, `2·M` of them, and
+      what the backward loop holds in flight, `R·M + 1` (`plan.pipeline`:
+      within 10 % of the compiled step's temporaries where activations
+      dominate); the parameters and optimizer state are per stage as
       their specs say (`eqshard.stacked(spec, stages="pp")`).
     - `offload_copy`: the fraction of the arrays kept in host memory
       ([`eqshard.host`][]) that the step holds on the device at once: its

@@ -11,5 +11,8 @@ any pytree, its specs resolved and checked before tracing (`_shard_map_specs.py`
 its program kept in a `Programs` cache (`_programs.py`). Inside a function,
 `with_sharding_constraint` (`_constraint.py`) constrains without moving data, and
 `auto_axes` (`_explicit.py`) runs a function with Explicit mesh axes made Auto,
-turning JAX's errors there into eqshard's.
+turning JAX's errors there into eqshard's. `pipeline` (`_pipeline.py`, its checks
+in `_pipeline_checks.py`) runs stacked layers as stages over one mesh axis, the
+circular schedule's view of the stack from `_stage_view.py`, a list of layers
+stacked by `_stack_layers.py`.
 """

@@ -10,7 +10,7 @@ How a call goes:
    naming the leaf and the fix.
 2. **Lay out** (`_split`). The stack is reshaped to the view `(R, S, K, ...)`
    (`stage_view`, K = L/(R·S)), stage axis over `axis`; `x` and the arrays of
-   `args` whose leading axis is the batch to `(M, B/M, ...)`, microbatch `i`
+   `args` that `batched_args` marks to `(M, B/M, ...)`, microbatch `i`
    being the rows `i::M` (strided, so a batch laid out over a data axis keeps
    each microbatch spread over it and nothing moves).
 3. **Run** (`_loop`), inside `jax.shard_map` manual over `axis` only, so the
@@ -20,7 +20,8 @@ How a call goes:
    reads the microbatch, or for a later repeat what stage S-1 sent round the
    ring, kept until needed), and the last stage keeps the last chunk's outputs.
    Each step's chunk is `jax.checkpoint`-ed: the backward pass keeps each step's
-   stage input and recomputes the rest.
+   stage input and recomputes the rest. With `has_aux`, each stage sums its
+   valid steps' aux; the sums are added over `axis` and divided by M.
 4. **Return.** By default the last stage's outputs are summed over `axis` (an
    all-reduce of the whole result) so every stage holds them; `output="last"`
    returns each stage's buffer instead, stacked `(S, B, ...)` over `axis`, of
@@ -30,183 +31,46 @@ How a call goes:
 
 import functools as ft
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, TYPE_CHECKING
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from .._mesh._current import mesh_repr, require_mesh
-from .._tree import path_str, paths_text
-from .._typing import KeyPath, typecheck, warn
+from .._mesh._current import require_mesh
+from .._typing import typecheck
 from ._explicit import auto_axes
-from ._shard_map_specs import array_layout
+from ._pipeline_checks import (
+    aux_error,
+    batched_leaves,
+    check_counts,
+    check_layout,
+    check_mesh,
+    choice,
+    count,
+    input_error,
+    layer_output_error,
+    layers_of,
+    OUTPUTS,
+    Plan,
+    schedule_counts,
+    SCHEDULES,
+)
 from ._stage_view import stage_view
 
 
-_CALLER = "pipeline"
-
-
-# One builder per kind of message.
-
-
-def _input_error(what: str, fix: str) -> ValueError:
-    return ValueError(f"eqshard.{_CALLER}: {what}; {fix}")
-
-
-def _leaf_error(path: KeyPath, what: str, fix: str) -> ValueError:
-    where = path_str(path) or "(root)"
-    return _input_error(f"the leaf at '{where}' {what}", fix)
-
-
-def _layer_output_error(h: Any, out: Any) -> ValueError:
-    got = (
-        f"{out.dtype}{list(out.shape)}"
-        if eqx.is_array(out)
-        else f"a {type(out).__name__}"
-    )
-    return _input_error(
-        f"`layer` returned {got} for an input {h.dtype}{list(h.shape)} (one "
-        "microbatch)",
-        "a pipelined layer must return an array of its input's shape and dtype "
-        "(cast its result, e.g. `.astype(h.dtype)`, or keep what changes shape "
-        "outside the pipeline).",
-    )
-
-
-class _Plan(NamedTuple):
-    """The counts of a pipeline, fixed before tracing."""
-
-    axis: str
-    stages: int  # S
-    repeats: int  # R
-    microbatches: int  # M
-    chunk: int  # K = L / (R·S) layers per chunk
-    output: str
-
-
-def _layers(dyn: Any, staged: bool, plan_counts: tuple[int, int]) -> int:
-    """L, the stack's number of layers: every array leaf's leading axis (or, for
-    a stack in the circular view, its leading `(R, S, K)`)."""
-    stages, repeats = plan_counts
-    found: tuple[KeyPath, tuple[int, ...]] | None = None
-    for path, leaf in jtu.tree_leaves_with_path(dyn):
-        shape = tuple(leaf.shape)
-        lead = shape[:3] if staged else shape[:1]
-        if len(lead) < (3 if staged else 1):
-            raise _leaf_error(
-                path,
-                f"has shape {shape}, with no leading layer "
-                f"{'axes (R, S, K)' if staged else 'axis'}",
-                "every array leaf of `stack` needs one (build the stack with "
-                "`eqx.filter_vmap` over the layer's constructor).",
-            )
-        if found is not None and lead != found[1]:
-            raise _leaf_error(
-                path,
-                f"has {'leading axes' if staged else 'layer axis'} {lead}, but "
-                f"the one at '{path_str(found[0])}' has {found[1]}",
-                "every array leaf of `stack` must share the layer axis.",
-            )
-        found = found or (path, lead)
-        if staged and lead[:2] != (repeats, stages):
-            raise _leaf_error(
-                path,
-                f"has shape {shape}, not the view (repeats, stages, K, ...) = "
-                f"({repeats}, {stages}, K, ...) that `staged=True` says",
-                f"pass `eqshard.stage_view(stack, stages={stages}, "
-                f"repeats={repeats})`, or the natural stack with `staged=False`.",
-            )
-    if found is None:
-        raise _input_error(
-            "`stack` holds no arrays", "give the stacked layers' parameters."
-        )
-    lead = found[1]
-    return lead[0] * lead[1] * lead[2] if staged else lead[0]
-
-
-def _check_mesh(on: Mesh | AbstractMesh, axis: str) -> int:
-    """S, the size of `axis`, after checking it can be the stage axis."""
-    if axis not in on.axis_names:
-        raise _input_error(
-            f"the stage axis {axis!r} is not in mesh {mesh_repr(on)}",
-            "name one of its axes with `axis=`, or build the mesh with a stage "
-            f"axis, e.g. eqshard.create_mesh(..., ('{axis}', ...)).",
-        )
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and axis in context.manual_axes:
-        raise _input_error(
-            f"the stage axis {axis!r} is already manual here (inside a "
-            "`shard_map` over it)",
-            "call `pipeline` outside that map, or map over the other axes only "
-            "(`axis_names=`).",
-        )
-    return dict(zip(on.axis_names, on.axis_sizes, strict=True))[axis]
-
-
-def _check_counts(
-    layers: int, batch: int, stages: int, repeats: int, microbatches: int, gpipe: bool
-) -> None:
-    if layers % (stages * repeats):
-        raise _input_error(
-            f"the stack has {layers} layers, not a multiple of stages·repeats = "
-            f"{stages}·{repeats}",
-            "give a number of layers divisible by that, or change `repeats` or "
-            "the size of the stage axis.",
-        )
-    if microbatches < 1 or batch % microbatches:
-        raise _input_error(
-            f"the batch (leading axis of `x`) is {batch}, not divisible by "
-            f"microbatches={microbatches}",
-            "choose `microbatches` dividing the batch.",
-        )
-    if not gpipe and microbatches % stages:
-        raise _input_error(
-            f"the circular schedule needs microbatches a multiple of the "
-            f"{stages} stages, got {microbatches}",
-            f"use microbatches={stages * max(1, microbatches // stages)} or "
-            "another multiple.",
-        )
-    if gpipe and microbatches < stages:
-        warn(
-            f"eqshard.{_CALLER}: microbatches={microbatches} is fewer than the "
-            f"{stages} stages, so the pipeline is mostly bubble (a fraction "
-            f"{(stages - 1) / (microbatches + stages - 1):.2f} of its steps); use "
-            f"microbatches >= {stages}."
-        )
-
-
-def _check_layout(dyn: Any, plan: _Plan, staged: bool) -> None:
-    """Warns, naming the leaves, when the stack's known layout (a placed array's,
-    or its type on Explicit axes) is not the stages' own, so each call moves it."""
-    dim = 1 if staged else 0
-    fits = staged or plan.repeats == 1
-    moved = []
-    for path, leaf in jtu.tree_leaves_with_path(dyn):
-        layout = array_layout(leaf)
-        if isinstance(layout, str):  # no layout known: nothing to say
-            continue
-        spec = (*layout[0], *(None,) * (jnp.ndim(leaf) - len(layout[0])))
-        if not fits or spec[dim] != plan.axis:
-            moved.append(path)
-    if moved:
-        at = "P(None, axis)" if staged else "P(axis)"
-        how = (
-            f"lay the stack out with the layer axis over {plan.axis!r}, "
-            f"{at} (`eqshard.stacked(spec, stages={plan.axis!r})`)"
-            if fits
-            else f"pass `eqshard.stage_view(stack, stages={plan.stages}, "
-            f"repeats={plan.repeats})` with `staged=True`, laid out P(None, "
-            f"{plan.axis!r}) (`eqshard.stacked(spec, stages={plan.axis!r})`)"
-        )
-        warn(
-            f"eqshard.{_CALLER}: the stack's arrays at {paths_text(moved)} are "
-            "not laid out as the stages hold them, so each call moves them "
-            f"between devices first; {how}."
-        )
+# Options `pipeline` validates itself, with eqshard's one-line errors: type
+# checkers see the precise types, the runtime check admits any value.
+if TYPE_CHECKING:
+    Count = int | np.integer
+    Schedule = Literal["gpipe", "circular"]
+    Output = Literal["all", "last"]
+else:
+    Count = Schedule = Output = Any
 
 
 def _split(a: Any, m: int) -> Any:
@@ -240,17 +104,41 @@ def _wide(a: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(a)
 
 
+def _layer_call(
+    layer: Callable[..., Any], static: Any, has_aux: bool
+) -> Callable[..., Any]:
+    """`layer` on one microbatch, its result checked: `(h, aux)` always."""
+
+    def call(d: Any, h: Any, args: tuple[Any, ...], extra: dict[str, Any]) -> Any:
+        out = layer(eqx.combine(d, static), h, *args, **extra)
+        aux: Any = ()
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise layer_output_error(h, out, True)
+            out, aux = out
+            for path, leaf in jtu.tree_leaves_with_path(aux):
+                if not eqx.is_inexact_array(leaf):
+                    raise aux_error(path, leaf)
+        if not eqx.is_array(out) or (out.shape, out.dtype) != (h.shape, h.dtype):
+            raise layer_output_error(h, out, False)
+        return out, aux
+
+    return call
+
+
 def _chunk(
     layer: Callable[..., Any],
     static: Any,
-    plan: _Plan,
+    plan: Plan,
     args: tuple[Any, tuple[bool, ...], Any],
 ) -> Callable[..., Any]:
     """One stage's chunk of K layers on one microbatch, rematerialised in the
-    backward pass (its inputs are all that step keeps). It takes the stage's
-    whole parameters and argument buffers with the indices, so that what the
-    backward pass keeps per step is the activation, not a slice of them."""
+    backward pass (its inputs are all that step keeps): `(h, aux summed over the
+    K layers)`. It takes the stage's whole parameters and argument buffers with
+    the indices, so that what the backward pass keeps per step is the
+    activation, not a slice of them."""
     arg_def, batched, arg_static = args
+    call = _layer_call(layer, static, plan.has_aux)
 
     def run(params: Any, key: Any, bufs: Any, h: Any, r: Any, s: Any, m: Any) -> Any:
         chunk = jtu.tree_map(lambda a: _index(a, r), params)
@@ -258,22 +146,28 @@ def _chunk(
         args_m = eqx.combine(jtu.tree_unflatten(arg_def, leaves), arg_static)
         first = (r * plan.stages + s) * plan.chunk
 
-        def one(h: Any, xs: Any) -> tuple[Any, None]:
-            d, k = xs
+        def apply(d: Any, h: Any, k: Any) -> Any:
             extra = {}
             if key is not None:
                 extra["key"] = jax.random.fold_in(jax.random.fold_in(key, first + k), m)
-            out = layer(eqx.combine(d, static), h, *args_m, **extra)
-            if not eqx.is_array(out) or (out.shape, out.dtype) != (h.shape, h.dtype):
-                raise _layer_output_error(h, out)
-            return out, None
+            return call(d, h, args_m, extra)
 
-        return jax.lax.scan(one, h, (chunk, jnp.arange(plan.chunk)))[0]
+        def one(carry: Any, xs: Any) -> tuple[Any, None]:
+            (h, total), (d, k) = carry, xs
+            h, aux = apply(d, h, k)
+            return (h, jtu.tree_map(jnp.add, total, aux)), None
+
+        # The first layer outside the scan: its aux starts the sum.
+        carry = apply(jtu.tree_map(lambda a: a[0], chunk), h, 0)
+        if plan.chunk == 1:
+            return carry
+        rest = jtu.tree_map(lambda a: a[1:], chunk)
+        return jax.lax.scan(one, carry, (rest, jnp.arange(1, plan.chunk)))[0]
 
     return jax.checkpoint(run)
 
 
-def _loop(run: Callable[..., Any], plan: _Plan) -> Callable[..., Any]:
+def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
     """The body of the map: the schedule's steps on one stage."""
     stages, repeats, m_count, axis = (
         plan.stages,
@@ -294,7 +188,7 @@ def _loop(run: Callable[..., Any], plan: _Plan) -> Callable[..., Any]:
         first = vary(jnp.zeros_like(xs[0]))
 
         def step(carry: Any, t: Any) -> tuple[Any, None]:
-            recv, inbox, out = carry
+            recv, inbox, out, total = carry
             if repeats > 1:  # what stage S-1 finished at step t - 1, round the ring
                 done = t - stages
                 ok = (s == 0) & (done >= 0) & (done < items)
@@ -302,20 +196,27 @@ def _loop(run: Callable[..., Any], plan: _Plan) -> Callable[..., Any]:
             j = t - s
             jc = jnp.clip(j, 0, items - 1)
             r, m = jc // m_count, jc % m_count
-            h = run(
+            h, aux = run(
                 params, key, bufs, jnp.where(s == 0, _index(inbox, m), recv), r, s, m
             )
-            last = (j >= 0) & (j < items) & (s == stages - 1) & (r == repeats - 1)
+            valid = (j >= 0) & (j < items)
+            total = jtu.tree_map(
+                lambda t, a: t + jnp.where(valid, a, 0).astype(t.dtype), total, aux
+            )
+            last = valid & (s == stages - 1) & (r == repeats - 1)
             out = _put(out, m, h, last)
-            return (jax.lax.ppermute(h, axis, perm), inbox, out), None
+            return (jax.lax.ppermute(h, axis, perm), inbox, out, total), None
 
-        init = (first, vary(xs), vary(jnp.zeros_like(xs)))
+        shapes = jax.eval_shape(lambda: run(params, key, bufs, first, 0, s, 0)[1])
+        zero = jtu.tree_map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), shapes)
+        init = (first, vary(xs), vary(jnp.zeros_like(xs)), zero)
         steps = jnp.arange(items + stages - 1)
-        out = jax.lax.scan(step, init, steps)[0][2]
-        if plan.output == "last":
-            return out[None]
+        _, _, out, total = jax.lax.scan(step, init, steps)[0]
         psum = ft.partial(jax.lax.psum, axis_name=axis)
-        return _wide(jnp.where(s == stages - 1, out, 0), psum)
+        aux = jtu.tree_map(lambda a: _wide(a, psum) / m_count, total)
+        if plan.output == "last":
+            return out[None], aux
+        return _wide(jnp.where(s == stages - 1, out, 0), psum), aux
 
     return body
 
@@ -323,7 +224,7 @@ def _loop(run: Callable[..., Any], plan: _Plan) -> Callable[..., Any]:
 def _staged_run(
     layer: Callable[..., Any],
     static: Any,
-    plan: _Plan,
+    plan: Plan,
     args: tuple[Any, tuple[bool, ...], Any],
     mesh: Mesh | AbstractMesh | None,
     staged: bool,
@@ -347,13 +248,15 @@ def _staged_run(
                 PartitionSpec(),
                 PartitionSpec(),
             ),
-            out_specs=PartitionSpec(plan.axis if plan.output == "last" else None),
+            out_specs=(
+                PartitionSpec(plan.axis if plan.output == "last" else None),
+                PartitionSpec(),
+            ),
             axis_names=frozenset({plan.axis}),
         )
-        out = mapped(view, key, _split(x, plan.microbatches), bufs)
-        if plan.output == "last":
-            return jax.vmap(_join)(out)
-        return _join(out)
+        out, aux = mapped(view, key, _split(x, plan.microbatches), bufs)
+        out = jax.vmap(_join)(out) if plan.output == "last" else _join(out)
+        return (out, aux) if plan.has_aux else out
 
     return go
 
@@ -371,12 +274,14 @@ def pipeline(
     stack: PyTree,
     x: Any,
     *args: Any,
-    microbatches: int,
+    microbatches: Count,
+    batched_args: Any = None,
+    has_aux: bool = False,
     axis: str = "pp",
-    schedule: Literal["gpipe", "circular"] = "gpipe",
-    repeats: int = 1,
+    schedule: Schedule = "gpipe",
+    repeats: Count = 1,
     key: Any = None,
-    output: Literal["all", "last"] = "all",
+    output: Output = "all",
     staged: bool = False,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Any:
@@ -406,15 +311,24 @@ def pipeline(
     **Arguments:**
 
     - `layer`: `layer(block, h, *args_mb) -> h`, one layer; given `key`, it is
-      called with `key=` too. It must return an array of `h`'s shape and dtype.
+      called with `key=` too. It must return an array of `h`'s shape and dtype
+      (with `has_aux=True`, a pair `(h, aux)`).
     - `stack`: the layers stacked on a leading axis (an Equinox module built with
       `eqx.filter_vmap`, or any pytree whose array leaves share that axis);
       non-array leaves reach `layer` unchanged.
     - `x`: the activations, batch first.
-    - `*args`: more arguments for `layer`. Arrays whose leading axis has the
-      batch's size (padding masks, positions) are split into microbatches with
-      `x`; the rest are passed whole.
+    - `*args`: more arguments for `layer`, passed whole unless `batched_args`
+      marks them.
     - `microbatches`: M, dividing the batch (a multiple of S for `"circular"`).
+    - `batched_args`: which `args` are per row, split into microbatches with `x`
+      (padding masks, positions): one bool per argument (`(True, False)`), a
+      prefix tree of bools over them, or one bool for all. An array whose
+      leading axis has the batch's size must be declared either way.
+    - `has_aux`: `layer` returns `(h, aux)`, `aux` a pytree of floating-point
+      arrays, and `pipeline` returns `(y, aux)`: `aux`'s leaves summed over the
+      layers and averaged over the microbatches (what a load-balancing loss
+      needs; for per-layer values, give each layer its index as data, e.g. a
+      leaf `jnp.arange(L)` in the stack, and return `one_hot(index, L) * v`).
     - `axis`: the stage axis of the mesh.
     - `schedule`: `"gpipe"` or `"circular"` (interleaved).
     - `repeats`: R, the chunks per stage of the circular schedule (1 for GPipe).
@@ -431,15 +345,19 @@ def pipeline(
     **Returns:**
 
     What the scan over the layers returns for `x`, with `x`'s shape and layout
-    (for `output="last"`, stacked `(S, ...)` as said).
+    (for `output="last"`, stacked `(S, ...)` as said); with `has_aux`, the pair
+    `(y, aux)`.
 
     **Raises:**
 
     `ValueError`, naming the leaf, the sizes and the fix, if the stack's leaves
     disagree on the layer axis or L is not a multiple of S·R, if the batch is not
     divisible by M, if the circular M is not a multiple of S, if `axis` is not in
-    the mesh or already manual, or if `layer` returns another shape or dtype; a
-    warning if GPipe has fewer microbatches than stages.
+    the mesh or already manual, if `layer` returns another shape or dtype (or
+    aux that is not floating-point arrays), if an argument with the batch's
+    leading size is not in `batched_args`, or if a count or option is not one
+    (`schedule="1f1b"` is not offered: it needs the loss inside the schedule);
+    a warning if GPipe has fewer microbatches than stages.
 
     !!! Example
 
@@ -456,32 +374,38 @@ def pipeline(
             )
         ```
     """
-    on = require_mesh(mesh, caller=_CALLER)
-    stages = _check_mesh(on, axis)
-    if schedule == "gpipe" and repeats != 1:
-        raise _input_error(
-            f"schedule='gpipe' with repeats={repeats}",
-            "use schedule='circular' for more than one chunk per stage.",
-        )
-    if repeats < 1:
-        raise _input_error(f"repeats={repeats}", "give at least 1.")
+    microbatches, repeats = (
+        count(microbatches, "microbatches"),
+        count(repeats, "repeats"),
+    )
+    choice(schedule, SCHEDULES, "schedule")
+    choice(output, OUTPUTS, "output")
+    on = require_mesh(mesh, caller="pipeline")
+    stages = check_mesh(on, axis)
+    schedule_counts(schedule, repeats, microbatches, stages, input_error)
     dyn, static = eqx.partition(stack, eqx.is_array)
-    layers = _layers(dyn, staged, (stages, repeats))
+    layers = layers_of(dyn, staged, (stages, repeats))
     if not eqx.is_array(x) or not jnp.ndim(x):
-        raise _input_error(
+        raise input_error(
             f"`x` is {type(x).__name__} {getattr(x, 'shape', '')}, not an array "
             "with a leading batch axis",
             "pass the activations, batch first.",
         )
     batch = x.shape[0]
-    _check_counts(layers, batch, stages, repeats, microbatches, schedule == "gpipe")
-    plan = _Plan(
-        axis, stages, repeats, microbatches, layers // (stages * repeats), output
+    check_counts(layers, batch, stages, repeats, microbatches, schedule == "gpipe")
+    plan = Plan(
+        axis,
+        stages,
+        repeats,
+        microbatches,
+        layers // (stages * repeats),
+        output,
+        has_aux,
     )
-    _check_layout(dyn, plan, staged)
+    check_layout(dyn, plan, staged)
+    batched = tuple(batched_leaves(args, batched_args, batch))
     arg_arrays, arg_static = eqx.partition(args, eqx.is_array)
     arrays, arrays_def = jtu.tree_flatten(arg_arrays)
-    batched = tuple(bool(jnp.ndim(a)) and a.shape[0] == batch for a in arrays)
     base = on.abstract_mesh if isinstance(on, Mesh) else on
     explicit = any(t == AxisType.Explicit for t in base.axis_types)
     go = _staged_run(
@@ -496,4 +420,6 @@ def pipeline(
         return go(dyn, key, x, arrays)
     spec = _typed_spec(x)
     out_spec = PartitionSpec(axis, *spec) if output == "last" else spec
+    if has_aux:
+        out_spec = (out_spec, PartitionSpec())
     return auto_axes(go, out_sharding=out_spec, mesh=on)(dyn, key, x, arrays)
