@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from models import CASES, OPTIMIZER
 
 import eqshard
+from eqshard._spectree._select import select
 
 
 # Rules that read no name (the models' names change with the third-party models
@@ -278,3 +279,39 @@ def test_analyze_step_reads_a_step_made_without_a_mesh(mesh):
     assert rows["state/0/weight"].donated and not rows["batch"].donated
     outputs = {row.path: row for row in report.outputs}
     assert outputs["out/0/0/weight"].spec == "P(None, 'tp')"
+
+
+def test_the_selector_index_may_be_a_numpy_or_jax_integer(mesh):
+    # An index read from a config or a shape: a NumPy or JAX integer.
+    batch, (model, opt_state) = _tiny(mesh)
+
+    def step(model, opt_state, batch):
+        (model, opt_state), loss = _step(batch, (model, opt_state))
+        return model, opt_state, loss
+
+    result = eqshard.search_layout(
+        step,
+        model,
+        opt_state,
+        batch,
+        params=np.int64(0),
+        mesh=mesh,
+        device_memory="1GiB",
+        candidates={"split": [("weight", P(None, "tp"))]},
+        builtin=False,
+        progress=False,
+    )
+    rows = {row.path: row for row in result.candidates[0].report.arguments}
+    assert rows["model/weight"].spec == rows["opt_state/0/mu/weight"].spec
+    assert rows["model/weight"].spec == "P(None, 'tp')"
+    args = (batch, (model, opt_state))
+    for index in (np.int32(1), jnp.int32(1), np.array(1)):
+        assert select(args, index, caller="test").tree is args[1]
+    state = (model, opt_state)
+    rules = [("weight", P(None, "tp"))]
+    plans = [
+        eqshard.plan_training(state, rules, mesh, params=i) for i in (np.int64(0), 0)
+    ]
+    assert plans[0].bytes_per_device == plans[1].bytes_per_device
+    with pytest.raises(TypeError, match="`params` is True; give the index"):
+        select(args, True, caller="search_layout")
