@@ -184,19 +184,37 @@ def test_selector_errors(mesh):
         eqshard.search_layout(_step, *args, params=lambda a: a[1][0], mesh=mesh)
 
 
-def test_a_step_that_does_not_return_the_state_is_refused(mesh):
+def test_a_step_that_returns_no_state_is_searched(mesh):
+    # An evaluation or serving step (`loss = step(batch, state)`) compiles as
+    # it is, its inputs laid out by each candidate: its figure is the step's.
     def evaluate(batch, state):
         return _step(batch, state)[1]
 
-    with pytest.raises(ValueError, match=r"returns none of.*'state'"):
-        eqshard.search_layout(
-            evaluate,
-            *_tiny(mesh),
-            params=lambda args: args[1][0],
-            mesh=mesh,
-            device_memory="1GiB",
-            progress=False,
+    batch, state = _tiny(mesh)
+    rules = [("weight", P(None, "tp")), (".*", P())]
+    result = eqshard.search_layout(
+        evaluate,
+        batch,
+        state,
+        params=lambda args: args[1][0],
+        mesh=mesh,
+        device_memory="1GiB",
+        candidates={"split": rules, "whole": [(".*", P())]},
+        builtin=False,
+        progress=False,
+    )
+    assert result.best is not None and len(result.candidates) == 2
+    split = next(c for c in result.candidates if c.name == "split")
+    with jax.set_mesh(mesh):
+        real = eqshard.analyze_step(
+            evaluate, batch, eqshard.abstract(state, rules, mesh)
         )
+    assert split.report.memory == real.memory
+    assert _collectives(split.report) == _collectives(real)
+    rows = {row.path: row for row in split.report.arguments}
+    assert rows["state/0/weight"].spec == rows["state/1/0/mu/weight"].spec
+    assert rows["state/0/weight"].spec == "P(None, 'tp')"
+    assert not any(row.donated for row in split.report.arguments)
 
 
 def test_plan_training_takes_the_whole_state():
