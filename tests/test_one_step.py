@@ -333,3 +333,59 @@ def test_the_selector_index_may_be_a_numpy_or_jax_integer(mesh):
     assert plans[0].bytes_per_device == plans[1].bytes_per_device
     with pytest.raises(TypeError, match="`params` is True; give the index"):
         select(args, True, caller="search_layout")
+
+
+class _Mlp(eqx.Module):
+    up: jax.Array
+    down: jax.Array
+
+    def __call__(self, x):
+        return x + jax.nn.relu(x @ self.up) @ self.down
+
+
+class _Blocks(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.slow
+def test_the_rules_found_drop_into_the_step_searched(mesh):
+    # The built-in layouts' rules name the parameters' paths; the step's
+    # `in_specs` lay out its state `(model, opt_state)` with them: each layout
+    # is the search's, optimizer state included, with the search's peak.
+    model = eqx.filter_eval_shape(
+        lambda: _Blocks([_Mlp(jnp.zeros((16, 64)), jnp.zeros((64, 16)))] * 2)
+    )
+    state = (model, jax.eval_shape(OPTIMIZER.init, model))
+    batch = eqshard.abstract(jax.ShapeDtypeStruct((8, 16), np.float32), P("dp"), mesh)
+    result = eqshard.search_layout(
+        _step,
+        batch,
+        state,
+        params=lambda args: args[1][0],
+        mesh=mesh,
+        device_memory="1GiB",
+        max_candidates=4,  # replicated, two FSDPs (rules `.*`), tensor parallel
+        progress=False,
+    )
+    (candidate,) = [c for c in result.candidates if c.name == "tp(tp)"]
+    assert any(pattern.startswith("(^|/)blocks/") for pattern, _ in candidate.rules)
+    step = eqshard.filter_jit(
+        _step,
+        in_specs=(P("dp"), candidate.rules),
+        out_specs=(1, P()),
+        donate="all-except-first",
+    )
+    with jax.set_mesh(mesh):
+        real = eqshard.analyze_step(
+            step, batch, eqshard.abstract(state, candidate.rules, mesh)
+        )
+    searched = {row.path: row.spec for row in candidate.report.arguments}
+    assert {row.path: row.spec for row in real.arguments} == searched
+    for path in ("state/0/blocks/1/down", "state/1/0/mu/blocks/1/down"):
+        assert searched[path] == "P('tp',)"
+    assert real.memory.peak_bytes == candidate.memory.peak_bytes
