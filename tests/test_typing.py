@@ -28,6 +28,11 @@ from eqshard._typing import typecheck
             "NumPy integer.",
         ),
         (
+            lambda: eqshard.search_layout(len, [1], max_candidates=4.0),  # pyright: ignore[reportArgumentType]
+            "eqshard.search_layout: `max_candidates` is 4.0 (float); expected int, "
+            "a NumPy integer or None.",
+        ),
+        (
             lambda: eqshard.filter_jit(3),  # pyright: ignore[reportArgumentType]
             "eqshard.filter_jit: `fn` is 3 (int); expected a function or None.",
         ),
