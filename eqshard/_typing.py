@@ -1,9 +1,12 @@
 """Type aliases and the one runtime type-checking decorator used by eqshard."""
 
 import collections
+import collections.abc
 import functools
 import inspect
+import re
 import sys
+import types
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -13,8 +16,10 @@ from typing import Any, Literal, TYPE_CHECKING, TypeAlias, TypeVar
 import jax.tree_util as jtu
 import numpy as np
 from beartype import beartype
+from beartype.door import is_bearable
+from beartype.roar import BeartypeException
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
-from jaxtyping import jaxtyped
+from jaxtyping import jaxtyped, TypeCheckError
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -22,14 +27,20 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def typecheck(fn: _F) -> _F:
     """The decorator of every public function: its annotations checked with
-    beartype at call time (`JAXTYPING_DISABLE=1` turns that off), and two
-    mistakes that would otherwise surface in beartype's or JAX's words, whatever
-    the function, reported as eqshard's, in the function's name: a `mesh`
-    argument that is not a mesh, and a dict whose keys JAX cannot sort (keys of
-    several types), named by its path."""
+    beartype at call time (`JAXTYPING_DISABLE=1` turns that off), an argument
+    of the wrong type reported in one line (the function, the argument, what
+    was given and what is expected) rather than as jaxtyping's dump of the
+    whole call, and two mistakes that would otherwise surface in beartype's or
+    JAX's words, whatever the function, reported as eqshard's, in the
+    function's name: a `mesh` argument that is not a mesh, and a dict whose keys
+    JAX cannot sort (keys of several types), named by its path."""
     checked = jaxtyped(typechecker=beartype)(fn)
     caller = fn.__qualname__
-    parameters = inspect.signature(fn).parameters
+    signature = inspect.signature(fn)
+    parameters = signature.parameters
+    # The end of the first line of jaxtyping's message on this function's own
+    # arguments (or on its return value, which it checks with the arguments).
+    own = f" of {fn.__module__}.{fn.__qualname__}."
     names = list(parameters)
     takes_mesh = "mesh" in parameters
     # Where `mesh` is among the positional arguments, if it can be one.
@@ -46,6 +57,11 @@ def typecheck(fn: _F) -> _F:
                 raise _mesh_type_error(caller, mesh)
         try:
             return checked(*args, **kwargs)
+        except TypeCheckError as error:
+            found = _argument_type_error(caller, own, signature, args, kwargs, error)
+            if found is None:
+                raise
+            raise found from None
         except ValueError as error:
             if _UNSORTABLE not in str(error):
                 raise
@@ -58,6 +74,109 @@ def typecheck(fn: _F) -> _F:
 
 
 _MESHES = (Mesh, AbstractMesh)
+
+
+def _argument_type_error(
+    caller: str,
+    own: str,
+    signature: inspect.Signature,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    error: TypeCheckError,
+) -> TypeError | None:
+    """jaxtyping's error on one of `caller`'s own arguments, in one line: the
+    argument, what was given and what its annotation expects (`None` for any
+    other error, such as one raised inside the function)."""
+    text = str(error)
+    if not text.split("\n", 1)[0].endswith(own):
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    named = re.search(r"typechecking parameter '(\w+)'", text)
+    if named is not None:
+        name: str | None = named.group(1)
+    else:  # jaxtyping could not tell which (beartype checks one item of a list,
+        # another each time), or blamed the return value checked with them
+        name = next(
+            (
+                n
+                for n, value in bound.items()
+                if signature.parameters[n].kind not in _VARIADIC
+                and not _fits(value, signature.parameters[n].annotation)
+            ),
+            None,
+        )
+    if name is None or name not in bound or name not in signature.parameters:
+        return None
+    value = bound[name]
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    expected = type_text(signature.parameters[name].annotation)
+    return TypeError(
+        f"eqshard.{caller}: `{name}` is {shown} ({type(value).__name__}); "
+        f"expected {expected}."
+    )
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether `value` fits `annotation`, every item of a sequence or mapping
+    checked (beartype checks one); what this cannot read, beartype judges."""
+    origin, members = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return True
+    if origin is typing.Union or isinstance(annotation, types.UnionType):
+        return any(_fits(value, m) for m in members)
+    if origin is Literal:
+        return value in members
+    if origin in (list, tuple, collections.abc.Sequence) and len(members) == 1:
+        return isinstance(value, origin) and all(_fits(x, members[0]) for x in value)
+    if origin in (dict, collections.abc.Mapping) and len(members) == 2:
+        return isinstance(value, origin) and all(
+            _fits(k, members[0]) and _fits(v, members[1]) for k, v in value.items()
+        )
+    try:
+        return bool(is_bearable(value, annotation))
+    except (BeartypeException, TypeError, ValueError):
+        return True  # an annotation beartype cannot check alone: not the culprit
+
+
+_NUMPY_NAMES = {np.integer: "a NumPy integer", np.floating: "a NumPy float"}
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def type_text(annotation: Any) -> str:
+    """An annotation as a person reads it: `int or None`, `a sequence of str`,
+    `one of 'gpipe', 'circular'`."""
+    if annotation is type(None) or annotation is None:
+        return "None"
+    origin, members = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union or isinstance(annotation, types.UnionType):
+        texts = list(dict.fromkeys(type_text(m) for m in members))
+        return (
+            ", ".join(texts[:-1]) + f" or {texts[-1]}" if len(texts) > 1 else texts[0]
+        )
+    if origin is Literal:
+        return "one of " + ", ".join(repr(m) for m in members)
+    if origin in (Sequence, list, tuple, collections.abc.Sequence) and members:
+        return f"a sequence of {type_text(members[0])}"
+    if origin in (Mapping, dict, collections.abc.Mapping) and len(members) == 2:
+        return f"a mapping from {type_text(members[0])} to {type_text(members[1])}"
+    if origin is not None:
+        annotation = origin
+    if annotation is Callable or annotation is collections.abc.Callable:
+        return "a function"
+    if isinstance(annotation, type):
+        if annotation in _NUMPY_NAMES:
+            return _NUMPY_NAMES[annotation]
+        module = annotation.__module__.split(".")[0]
+        prefix = {"numpy": "np.", "builtins": ""}.get(module, "")
+        if module == "jax":
+            prefix = "jax.sharding." if annotation in _MESHES + (AxisType,) else "jax."
+        return prefix + annotation.__qualname__
+    return str(annotation).replace("typing.", "")
 
 
 def _mesh_type_error(caller: str, mesh: Any) -> TypeError:

@@ -114,6 +114,44 @@ def test_single_head_attention_pairs_only_the_values():
     assert four == ([(["k", "q", "v"], ["o"], [])], [])
 
 
+def _rotary_interleaved(x):
+    """Rotary embeddings on `(seq, heads, head_dim)` that rotate interleaved
+    pairs: strided slices, then the halves stacked and merged back."""
+    size = x.shape[-1]
+    angles = jnp.arange(x.shape[0])[:, None, None] / 10000 ** (
+        jnp.arange(0, size, 2) / size
+    )
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.reshape(x.shape)
+
+
+def _rotary_complex(x):
+    """The same as complex numbers (Llama's reference code)."""
+    size = x.shape[-1]
+    angles = jnp.arange(x.shape[0])[:, None, None] / 10000 ** (
+        jnp.arange(0, size, 2) / size
+    )
+    turned = jax.lax.complex(x[..., ::2], x[..., 1::2]) * jnp.exp(1j * angles)
+    return jnp.stack([turned.real, turned.imag], axis=-1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rotary", [_rotary_interleaved, _rotary_complex])
+def test_rotary_embeddings_with_strided_slices_keep_q_and_k_paired(rotary):
+    # q and k go through the rotary embedding before their product: their
+    # heads stay split through the slices, the stack and the reshape.
+    def forward(p, x):
+        q, k, v = (x @ p[n] for n in "qkv")
+        q, k, v = (a.reshape(S, 4, -1) for a in (q, k, v))
+        scores = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", rotary(q), rotary(k)))
+        return jnp.einsum("hqk,khd->qhd", scores, v).reshape(S, D) @ p["o"]
+
+    params = {n: jnp.ones((D, D)) for n in "koqv"}
+    pairs = _pairs(_loss(forward), params, jnp.ones((S, D)))
+    assert pairs == ([(["k", "q", "v"], ["o"], [])], [])
+
+
 def test_an_operation_the_reader_does_not_know_ends_the_flow():
     # A sort along the split dimension: nothing is paired, nothing guessed.
     def forward(p, x):

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from models import CASES, OPTIMIZER
 
 import eqshard
+from eqshard._spectree._select import select
 
 
 # Rules that read no name (the models' names change with the third-party models
@@ -183,19 +184,37 @@ def test_selector_errors(mesh):
         eqshard.search_layout(_step, *args, params=lambda a: a[1][0], mesh=mesh)
 
 
-def test_a_step_that_does_not_return_the_state_is_refused(mesh):
+def test_a_step_that_returns_no_state_is_searched(mesh):
+    # An evaluation or serving step (`loss = step(batch, state)`) compiles as
+    # it is, its inputs laid out by each candidate: its figure is the step's.
     def evaluate(batch, state):
         return _step(batch, state)[1]
 
-    with pytest.raises(ValueError, match=r"returns none of.*'state'"):
-        eqshard.search_layout(
-            evaluate,
-            *_tiny(mesh),
-            params=lambda args: args[1][0],
-            mesh=mesh,
-            device_memory="1GiB",
-            progress=False,
+    batch, state = _tiny(mesh)
+    rules = [("weight", P(None, "tp")), (".*", P())]
+    result = eqshard.search_layout(
+        evaluate,
+        batch,
+        state,
+        params=lambda args: args[1][0],
+        mesh=mesh,
+        device_memory="1GiB",
+        candidates={"split": rules, "whole": [(".*", P())]},
+        builtin=False,
+        progress=False,
+    )
+    assert result.best is not None and len(result.candidates) == 2
+    split = next(c for c in result.candidates if c.name == "split")
+    with jax.set_mesh(mesh):
+        real = eqshard.analyze_step(
+            evaluate, batch, eqshard.abstract(state, rules, mesh)
         )
+    assert split.report.memory == real.memory
+    assert _collectives(split.report) == _collectives(real)
+    rows = {row.path: row for row in split.report.arguments}
+    assert rows["state/0/weight"].spec == rows["state/1/0/mu/weight"].spec
+    assert rows["state/0/weight"].spec == "P(None, 'tp')"
+    assert not any(row.donated for row in split.report.arguments)
 
 
 def test_plan_training_takes_the_whole_state():
@@ -278,3 +297,95 @@ def test_analyze_step_reads_a_step_made_without_a_mesh(mesh):
     assert rows["state/0/weight"].donated and not rows["batch"].donated
     outputs = {row.path: row for row in report.outputs}
     assert outputs["out/0/0/weight"].spec == "P(None, 'tp')"
+
+
+def test_the_selector_index_may_be_a_numpy_or_jax_integer(mesh):
+    # An index read from a config or a shape: a NumPy or JAX integer.
+    batch, (model, opt_state) = _tiny(mesh)
+
+    def step(model, opt_state, batch):
+        (model, opt_state), loss = _step(batch, (model, opt_state))
+        return model, opt_state, loss
+
+    result = eqshard.search_layout(
+        step,
+        model,
+        opt_state,
+        batch,
+        params=np.int64(0),
+        mesh=mesh,
+        device_memory="1GiB",
+        candidates={"split": [("weight", P(None, "tp"))]},
+        builtin=False,
+        progress=False,
+    )
+    rows = {row.path: row for row in result.candidates[0].report.arguments}
+    assert rows["model/weight"].spec == rows["opt_state/0/mu/weight"].spec
+    assert rows["model/weight"].spec == "P(None, 'tp')"
+    args = (batch, (model, opt_state))
+    for index in (np.int32(1), jnp.int32(1), np.array(1)):
+        assert select(args, index, caller="test").tree is args[1]
+    state = (model, opt_state)
+    rules = [("weight", P(None, "tp"))]
+    plans = [
+        eqshard.plan_training(state, rules, mesh, params=i) for i in (np.int64(0), 0)
+    ]
+    assert plans[0].bytes_per_device == plans[1].bytes_per_device
+    with pytest.raises(TypeError, match="`params` is True; give the index"):
+        select(args, True, caller="search_layout")
+
+
+class _Mlp(eqx.Module):
+    up: jax.Array
+    down: jax.Array
+
+    def __call__(self, x):
+        return x + jax.nn.relu(x @ self.up) @ self.down
+
+
+class _Blocks(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.slow
+def test_the_rules_found_drop_into_the_step_searched(mesh):
+    # The built-in layouts' rules name the parameters' paths; the step's
+    # `in_specs` lay out its state `(model, opt_state)` with them: each layout
+    # is the search's, optimizer state included, with the search's peak.
+    model = eqx.filter_eval_shape(
+        lambda: _Blocks([_Mlp(jnp.zeros((16, 64)), jnp.zeros((64, 16)))] * 2)
+    )
+    state = (model, jax.eval_shape(OPTIMIZER.init, model))
+    batch = eqshard.abstract(jax.ShapeDtypeStruct((8, 16), np.float32), P("dp"), mesh)
+    result = eqshard.search_layout(
+        _step,
+        batch,
+        state,
+        params=lambda args: args[1][0],
+        mesh=mesh,
+        device_memory="1GiB",
+        max_candidates=4,  # replicated, two FSDPs (rules `.*`), tensor parallel
+        progress=False,
+    )
+    (candidate,) = [c for c in result.candidates if c.name == "tp(tp)"]
+    assert any(pattern.startswith("(^|/)blocks/") for pattern, _ in candidate.rules)
+    step = eqshard.filter_jit(
+        _step,
+        in_specs=(P("dp"), candidate.rules),
+        out_specs=(1, P()),
+        donate="all-except-first",
+    )
+    with jax.set_mesh(mesh):
+        real = eqshard.analyze_step(
+            step, batch, eqshard.abstract(state, candidate.rules, mesh)
+        )
+    searched = {row.path: row.spec for row in candidate.report.arguments}
+    assert {row.path: row.spec for row in real.arguments} == searched
+    for path in ("state/0/blocks/1/down", "state/1/0/mu/blocks/1/down"):
+        assert searched[path] == "P('tp',)"
+    assert real.memory.peak_bytes == candidate.memory.peak_bytes

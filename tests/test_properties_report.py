@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import event, given, settings, strategies as st
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -213,3 +214,17 @@ def test_deep_nesting(opening, depth):
 @given(value=_VALUES)
 def test_any_json_value(value):
     _check(json.dumps(value))
+
+
+def test_integers_beyond_64_bits_are_refused():
+    # JSON's integers have no bound; a report's are XLA's 64-bit figures. One
+    # past them would read, then overflow in `summary()` (a float of 10**400).
+    document = _document()
+    document["memory"]["argument_bytes"] = 10**400
+    with pytest.raises(ValueError, match=r"at 'memory/argument_bytes': expected an "):
+        eqshard.StepReport.from_json(json.dumps(document))
+    document["memory"]["argument_bytes"] = 2**63
+    with pytest.raises(ValueError, match="an integer below 2\\*\\*63"):
+        eqshard.StepReport.from_json(json.dumps(document))
+    document["memory"]["argument_bytes"] = 2**40  # large, but a report's
+    assert "TiB" in eqshard.StepReport.from_json(json.dumps(document)).summary()

@@ -42,7 +42,7 @@ from .._spectree._memory import follower_rules_text, Host, map_layout, offloads
 from .._spectree._rules import match_partition_rules, NoRuleMatchesError
 from .._tree import is_array
 from ._demo import Config, timed, Timer
-from ._load import import_target, UsageError, user_code_error
+from ._load import import_target, UsageError, user_code_error, USER_ERRORS
 
 
 PROG = "python -m eqshard"
@@ -59,7 +59,7 @@ def load_model(text: str) -> PyTree:
     fn = import_target(text, "--model")
     try:
         shapes = eqx.filter_eval_shape(fn)  # nothing allocated
-    except Exception as error:  # the user's code
+    except USER_ERRORS as error:  # the user's code
         raise user_code_error(f"--model {text!r}: calling it", error) from None
     if not any(is_array(leaf) for leaf in jtu.tree_leaves(shapes)):
         raise ValueError(f"--model {text!r}: the model it returns has no arrays")

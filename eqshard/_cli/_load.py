@@ -2,9 +2,16 @@
 `--model`, `--step` and `--args` name (`MODULE:CALLABLE` or
 `path/to/file.py:CALLABLE`, a file under a module name of its own), and
 `user_code_error` summarises an exception of that code (its innermost frames
-in the user's files). Also the command's exit codes and its two kinds of
-error: `UsageError` (a bad option, exit 2) and `UserCodeError` (exit 3)."""
+in the user's files; `sys.exit` in that code is one too: the command's exit
+code is never the user's code's). A module written as the docs teach starts
+with `jax.config.update("jax_num_cpu_devices", 8)`: imported by the command,
+whose devices are already made (`--devices`, `--target`), that line is
+skipped with a note (`_devices_kept`). Also the command's exit codes and its
+two kinds of error: `UsageError` (a bad option, or a `--model`, `--step` or
+`--args` that names no module, file or callable: exit 2) and
+`UserCodeError` (exit 3)."""
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -14,8 +21,10 @@ import re
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 
 # The command's exit codes (its --help and docs/how-to/command-line.md list them).
@@ -34,6 +43,11 @@ class UserCodeError(Exception):
     traceback, with exit code 3 (1 would read as "does not fit")."""
 
 
+# What the user's code may raise, and the command reports as its error (exit 3):
+# `sys.exit` included, whose code would otherwise be the command's.
+USER_ERRORS = (Exception, SystemExit)
+
+
 # Where the frames of a traceback that are not the user's come from.
 _LIBRARY_DIRS = tuple(
     str(pathlib.Path(p).resolve())
@@ -47,11 +61,16 @@ def user_code_error(what: str, error: BaseException) -> UserCodeError:
     type and message, and the innermost frames of the user's files."""
     frames = traceback.extract_tb(error.__traceback__)
     mine = [
-        f for f in frames if not str(pathlib.Path(f.filename)).startswith(_LIBRARY_DIRS)
+        f
+        for f in frames
+        if not str(pathlib.Path(f.filename)).startswith(_LIBRARY_DIRS)
+        and not f.filename.startswith("<frozen ")  # the import machinery
     ]
     shown = (mine or list(frames))[-_FRAMES:]
     message = " ".join(str(error).split())[:400]
     lines = [f"{what} raised {type(error).__name__}: {message}"]
+    if isinstance(error, SystemExit):
+        lines = [f"{what} called sys.exit({error.code!r})"]
     for frame in shown:
         where = os.path.relpath(frame.filename) if frame.filename else "?"
         where = frame.filename if where.startswith("..") else where
@@ -87,15 +106,17 @@ def _import(module: str, option: str) -> Any:
         loaded = importlib.util.module_from_spec(spec)
         sys.modules[name] = loaded  # for its dataclasses, pickling, ...
         try:
-            spec.loader.exec_module(loaded)
-        except Exception as error:  # the user's code
+            with _devices_kept(option, module):
+                spec.loader.exec_module(loaded)
+        except USER_ERRORS as error:  # the user's code
             del sys.modules[name]
             raise user_code_error(f"{option}: importing {module!r}", error) from None
         return loaded
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # as `python -m` does: modules of the current directory
     try:
-        return importlib.import_module(module)
+        with _devices_kept(option, module):
+            return importlib.import_module(module)
     except ModuleNotFoundError as error:
         if error.name is not None and module.startswith(error.name):
             raise ValueError(
@@ -104,8 +125,36 @@ def _import(module: str, option: str) -> Any:
                 "(model.py:fn)"
             ) from None
         raise user_code_error(f"{option}: importing {module!r}", error) from None
-    except Exception as error:  # the user's module raised while imported
+    except USER_ERRORS as error:  # the user's module raised while imported
         raise user_code_error(f"{option}: importing {module!r}", error) from None
+
+
+@contextlib.contextmanager
+def _devices_kept(option: str, module: str) -> Iterator[None]:
+    """While the user's module is imported, `jax.config.update` of
+    `jax_num_cpu_devices` (the first line of a module written as the docs
+    teach) keeps the command's devices, made already, with a note on stderr
+    where the number differs; JAX would raise."""
+    config = jax.config
+    update = config.update
+
+    def kept(name: str, value: Any, *rest: Any, **kwargs: Any) -> None:
+        have = getattr(config, "jax_num_cpu_devices")  # (not typed by JAX)
+        if name != "jax_num_cpu_devices" or value == have:
+            update(name, value, *rest, **kwargs)
+            return
+        print(
+            f"python -m eqshard: note: {option} {module!r} sets "
+            f"jax_num_cpu_devices to {value!r}; the command keeps its own "
+            f"{have} (--devices, or --target's devices)",
+            file=sys.stderr,
+        )
+
+    config.update = kept  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        yield
+    finally:
+        del config.update  # the class's method again
 
 
 _EXAMPLES = {

@@ -105,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
             "Lines starting with # are comments. The first matching rule wins. "
             "Exit codes: 0 success (the plan fits); 1 the plan does not fit "
             "--device-memory, or nothing --fit tried does (--save-rules then "
-            "writes nothing); 2 a bad option, rules file or mesh; 3 your --model "
-            "or --step code raised (its traceback is summarised)."
+            "writes nothing); 2 a bad option, rules file or mesh, or a --model, "
+            "--step or --args naming no module, file or callable; 3 your code "
+            "raised or called sys.exit (its traceback is summarised)."
         ),
     )
     _what_options(parser)

@@ -45,6 +45,7 @@ from ._load import (
     import_target,
     UsageError,
     user_code_error,
+    USER_ERRORS,
 )
 
 
@@ -64,7 +65,7 @@ def load_args(text: str) -> tuple[Any, ...]:
         raise UsageError(str(error)) from None
     try:
         made = eqx.filter_eval_shape(fn)  # nothing allocated, whatever it makes
-    except Exception as error:  # the user's code: say where it failed
+    except USER_ERRORS as error:  # the user's code: say where it failed
         raise user_code_error(f"--args {text!r}: calling it", error) from None
     if not isinstance(made, tuple | list):
         raise UsageError(
@@ -218,7 +219,7 @@ def run_step(args: argparse.Namespace, setup: Setup, options: PlanOptions) -> in
         if is_traced(error):  # raised by the step, while traced
             raise user_code_error(f"--step {args.step}: the step", error) from None
         raise UsageError(f"--step {args.step}: {_one_line(error)}") from None
-    except Exception as error:  # the step raised while traced
+    except USER_ERRORS as error:  # the step raised while traced
         raise user_code_error(f"--step {args.step}: the step", error) from None
     what = f"{len(result.candidates)} layouts" if args.fit else "the step"
     timer("compile", seconds, f"eqshard.search_layout: {what}")

@@ -20,9 +20,10 @@ Four facts per parameter (`Use`):
   dimensions its first use contracts. A matrix's product is *tagged* on its
   output dimension (with the factors a `reshape` makes of it: heads, then
   head size; the first is the one a layout splits), and the tag follows the
-  data: elementwise operations, broadcasts, transposes, reshapes, slices and
-  concatenations, reductions and products of activations over other
-  dimensions (attention's heads are a batch dimension of both its products).
+  data: elementwise operations, broadcasts, transposes, reshapes, slices
+  (strided too: rotary embeddings' `x[..., ::2]`), concatenations and stacks,
+  reductions and products of activations over other dimensions (attention's
+  heads are a batch dimension of both its products).
 - **Whether its product stays local** (`local`): a tag *ends* where the split
   would need a collective before another matrix reads it: a reduction or a
   product over its split dimension, an elementwise operation with a value
@@ -73,9 +74,9 @@ _SAME = frozenset(
 # Elementwise operations (operands of one rank, or scalars); the sums among them.
 _ELEMENTWISE = frozenset(
     """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
-    cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
-    is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow
-    real rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh
+    complex cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+    integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter
+    not or pow real rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh
     xor""".split()
 )
 _SUMS = frozenset({"add", "add_any", "sub"})
@@ -454,6 +455,13 @@ class _Walker:
             return [flow] * len(eqn.outvars)
         if name in ("concatenate", "dynamic_update_slice"):
             return [self._combine(flows, residual=False)]
+        if name == "stack":  # operands of one shape along a new axis
+            axis = int(eqn_param(eqn, "axis"))
+            moved = [
+                None if f is None else _moved(f, lambda d: d + (d >= axis))
+                for f in flows
+            ]
+            return [self._combine(moved, residual=False)]
         if name in _REDUCTIONS and flow is not None:
             axes = {int(a) for a in eqn_param(eqn, "axes")}
             keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in axes]

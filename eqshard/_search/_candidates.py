@@ -331,9 +331,16 @@ def tp_specs(
 
 def path_pattern(parts: Sequence[str], *, whole: bool = True) -> str:
     """A regex for the path `parts` with its sequence indices generalised:
-    `^blocks/\\d+/mlp/up/weight$`; a prefix (`^blocks/`) if not `whole`."""
+    `(^|/)blocks/\\d+/mlp/up/weight$`; a prefix (`(^|/)blocks/`) if not
+    `whole`. It matches the path at the start of a path or after a `/`: the
+    parameters' own path, and theirs inside the step's state (`0/blocks/...`
+    of `(model, opt_state)`, whose optimizer state follows the model), so the
+    rules lay out the step's arguments as the search compiled them."""
     body = "/".join(r"\d+" if part.isdigit() else re.escape(part) for part in parts)
-    return "^" + body + ("$" if whole else "/")
+    return _START + body + ("$" if whole else "/")
+
+
+_START = "(^|/)"  # the start of a path, or of a part of one
 
 
 def _grouped(
@@ -362,7 +369,7 @@ def _grouped(
 
 
 def _exact(param: Param) -> str:
-    return "^" + re.escape(param.name) + "$"
+    return _START + re.escape(param.name) + "$"
 
 
 def _stacked_prefixes(params: Sequence[Param]) -> list[tuple[str, int]]:
@@ -510,5 +517,5 @@ def rules_text(tree: PyTree, specs: PyTree, *, header: Sequence[str] = ()) -> st
             lines.append(f"{pattern}  {spec_text(members[0][1])}")
         else:
             for name, spec in members:
-                lines.append(f"^{re.escape(name)}$  {spec_text(spec)}")
+                lines.append(f"{_START}{re.escape(name)}$  {spec_text(spec)}")
     return "\n".join(lines) + "\n"

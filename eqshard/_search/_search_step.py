@@ -22,9 +22,13 @@ parameters (`_search.py` makes the layouts and ranks them).
    those `fn`'s own `jit` gives them, if any. The donations are `fn`'s own
    `jit`'s; a step without them donates what it returns that way, as a
    training step does. So a layout compiles as the step with those rules
-   compiles when the user calls it. It is compiled for abstract arguments as
-   [`eqshard.analyze_step`][] compiles, with `fn`'s signature, so that the
-   report names the leaves as `analyze_step` does, but at XLA's backend
+   compiles when the user calls it. A step that returns no state (an
+   evaluation or serving forward pass, `loss = step(params, x)`) compiles so
+   too: its inputs take the layout, its outputs are laid out as its own `jit`
+   says (else as XLA chooses), and nothing is donated unless its `jit` says.
+   It is compiled for abstract arguments as [`eqshard.analyze_step`][]
+   compiles, with `fn`'s signature, so that the report names the leaves as
+   `analyze_step` does, but at XLA's backend
    optimisation level 0: the machine code is not optimised, which changes
    neither the program's text nor its memory analysis (all a report reads),
    and halves the compile.
@@ -300,26 +304,7 @@ class Step:
                 sources.append(None)
             else:
                 sources += found.positions
-        if not set(self.param_positions) & set(sources):
-            raise self._not_returned_error(args, selection)
         return sources
-
-    def _not_returned_error(
-        self, args: tuple[Any, ...], selection: Selection
-    ) -> ValueError:
-        names = _argument_names(self.fn, len(args))
-        top = selection.path[0].idx if selection.path else None
-        holding = names[top] if top is not None else "the parameters"
-        shapes = [tuple(x.shape) for x in jtu.tree_leaves(self.out)]
-        shown = ", ".join(map(str, shapes[:4])) + (", ..." if len(shapes) > 4 else "")
-        return search_error(
-            f"the step returns none of the trees that hold the parameters with "
-            f"their structure, shapes and dtypes (not '{holding}', nor the "
-            f"parameters alone): its output is {len(shapes)} array(s) of shapes "
-            f"{shown}. A training step returns its updated state, which the next "
-            "step takes in the same layout, and each layout is compiled so: "
-            "return it, e.g. `return (model, opt_state), loss`."
-        )
 
     def call(self, *arrays: Any) -> Any:
         """`fn` on the arguments with these arrays (in `order`); its output's

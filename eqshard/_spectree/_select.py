@@ -10,10 +10,12 @@ for leaf (`select`). A selected tree whose items follow one another, as
 belongs), is refused, with the selector to use (`check_parameters`).
 """
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from .._tree import is_array, path_str
@@ -81,6 +83,22 @@ def _node_path(args: tuple[Any, ...], leaves: list[int]) -> KeyPath | None:
     return tuple(common) if below == sorted(leaves) else None
 
 
+def as_index(value: Any) -> Any:
+    """`value` as a Python int when it is an integer (a Python or NumPy one, or
+    an integer 0-d array such as `jnp.int32(1)`; not a bool), else itself."""
+    if isinstance(value, bool | np.bool_):
+        return value
+    if isinstance(value, int | np.integer):
+        return int(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape == () and dtype is not None and np.issubdtype(dtype, np.integer):
+        try:
+            return operator.index(value)
+        except TypeError:  # a traced value: not an index
+            return value
+    return value
+
+
 def select(
     args: Any,
     params: Any,
@@ -94,6 +112,7 @@ def select(
     Raises `TypeError` for a selector of another type, `ValueError` for an index
     out of range or a function that selects no leaf of `args` (or raises)."""
     leaves = jtu.tree_leaves(args)
+    params = as_index(params)
     if isinstance(params, int) and not isinstance(params, bool):
         if not -len(args) <= params < len(args):
             raise _error(
@@ -198,6 +217,7 @@ def split_state(
             "state is then planned as it is, but `optimizer` is given too. Leave "
             "`optimizer` out, or pass the parameters alone without `params`.",
         )
+    params = as_index(params)
     if isinstance(params, int) and not isinstance(params, bool):
         if not isinstance(tree, tuple | list):
             raise _error(

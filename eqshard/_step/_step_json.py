@@ -3,8 +3,8 @@
 `to_json` writes `plain(report)`: each frozen dataclass an object of its
 fields, tuples as lists, plus the format's version and JAX's. `read_report`
 checks the whole document against the dataclasses' type hints before anything
-is built (every field there, of its type, integers not below their least value,
-closed vocabularies kept, nothing else), collecting every `Problem` with its
+is built (every field there, of its type, integers not below their least value
+nor above 64 bits, closed vocabularies kept, nothing else), collecting every `Problem` with its
 JSON path, and raises one `ValueError` listing the first few.
 """
 
@@ -23,6 +23,7 @@ _READABLE = (1, 2)
 MISSING: Any = object()  # a field not in the document
 UNSHOWN: Any = object()  # a problem with the text, not with a value
 _SHOWN = 5  # problems listed in one message
+_MOST = 2**63 - 1  # the largest integer a report holds (XLA's are int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,9 @@ class _Reader:
             self.problems.append(
                 Problem(path, f"an integer of at least {least}", value)
             )
+            return None
+        if hint is int and value > _MOST:  # XLA's figures are 64-bit
+            self.problems.append(Problem(path, "an integer below 2**63", value))
             return None
         return value
 
