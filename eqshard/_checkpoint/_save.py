@@ -24,8 +24,9 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory
+from ._disk import check_directory, check_staged
 from ._swap import (
+    literal_name,
     OWN_FILE,
     release_lock,
     remove,
@@ -262,14 +263,16 @@ def save(
         items = _items(named, own)
         try:  # every process writes its shards
             if items:
-                handler.save(epath.Path(new), args=ocp.args.StandardSave(items))
+                with literal_name(new, caller) as where:
+                    handler.save(epath.Path(where), args=ocp.args.StandardSave(items))
         except Exception as error:
             failure = _not_written(caller, path, error)
         fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
         try:  # all have written: process 0 completes the checkpoint, and swaps
             if primary:
                 if items:
-                    handler.finalize(epath.Path(new))
+                    with literal_name(new, caller) as where:
+                        handler.finalize(epath.Path(where))
                 with open(os.path.join(new, OWN_FILE), "w") as f:
                     json.dump(
                         {
@@ -280,6 +283,7 @@ def save(
                         },
                         f,
                     )
+                check_staged(ocp, new, sorted(named), caller)
                 swap(new, path)
         except Exception as error:
             failure = _not_written(caller, path, error)
