@@ -108,6 +108,33 @@ def test_device_memory_follows_the_preallocation_fraction(monkeypatch):
     assert report.device_memory == 42331013120 // 2
 
 
+@pytest.mark.parametrize("text", ["abc", "-0.5", "7", "0", "nan", ""])
+def test_a_preallocation_fraction_that_is_none_is_refused(monkeypatch, text):
+    from eqshard._mesh._targets import device_memory
+
+    mesh = eqshard.create_mesh((8,), ("dp",), target="a100-40g")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", text)
+    with pytest.raises(ValueError, match="above 0 and at most 1") as error:
+        device_memory(list(mesh.devices.flat))
+    assert f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r}" in str(error.value)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1")
+    assert device_memory(list(mesh.devices.flat)) == 42331013120  # the whole card
+
+
+def test_the_gpu_route_says_to_set_the_platform_before_importing_jax(monkeypatch):
+    from jax.experimental import topologies
+
+    def off(**kwargs):  # the CUDA plugin, switched off by JAX's start-up
+        raise NotImplementedError
+
+    monkeypatch.setattr(topologies, "get_topology_desc", off)
+    with pytest.raises(ValueError, match="JAX_PLATFORMS=cpu") as error:
+        eqshard.create_mesh((8,), ("dp",), target="h100")
+    said = str(error.value)
+    assert "before `import jax`" in said and "first JAX call" not in said
+    assert "os.environ['JAX_PLATFORMS'] = 'cpu'" in said
+
+
 # The report on a target: peak, budget, JSON.
 
 
