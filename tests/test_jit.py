@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from probes import Compiles
+from probes import Compiles, RUN_TIMEOUT
 
 import eqshard
 
@@ -262,7 +262,7 @@ def test_donating_a_donated_array_or_one_buffer_twice_is_refused():
         capture_output=True,
         text=True,
         cwd=root,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from probes import RUN_TIMEOUT
 
 import eqshard
 
@@ -258,8 +259,8 @@ def _python(code: str, **env: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_gpu_target_needs_jax_platforms_set_before_jax_starts():
     late, early = _python(_GPU_SCRIPT), _python(_GPU_SCRIPT, JAX_PLATFORMS="cpu")
-    late_out, _ = late.communicate(timeout=120)
-    early_out, _ = early.communicate(timeout=120)
+    late_out, _ = late.communicate(timeout=RUN_TIMEOUT)
+    early_out, _ = early.communicate(timeout=RUN_TIMEOUT)
     assert early_out.strip() == "OK 8"
     assert late_out.startswith("ERROR eqshard.create_mesh: target='h100': ")
     assert "Set JAX_PLATFORMS=cpu" in late_out
@@ -280,7 +281,7 @@ _TPU_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_two_processes_compile_for_tpus_at_once():
     runs = [_python(_TPU_SCRIPT, JAX_PLATFORMS="cpu") for _ in range(2)]
-    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    outputs = [run.communicate(timeout=RUN_TIMEOUT)[0] for run in runs]
     assert [out.strip() for out in outputs] == ["OK tpu", "OK tpu"]
 
 
@@ -294,7 +295,7 @@ def _command(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "eqshard", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
 
 
