@@ -59,31 +59,35 @@ def typed(value: Any) -> Any:
     return (type(value), value)
 
 
-def _exact(value: Any) -> Any:
-    """What `==` does not tell apart in a node's static data: the types of its
-    numbers and the bits of its floats (`None` for the rest, which `==` does)."""
-    if isinstance(value, float | complex):
-        return scalar_key(value)
-    if isinstance(value, int):
-        return type(value)
-    if isinstance(value, tuple | list):
-        return tuple(map(_exact, value))
-    return None
+_NUMBERS = (float, complex)
 
 
-def structure_key(treedef: PyTreeDef) -> tuple[Any, ...]:
+def _exact(data: Any) -> Any:
+    """What `==` does not tell apart in a node's static data: the types of what
+    it holds (`1`, `1.0` and `True` are equal), and the bits of its floats
+    (`0.0` and `-0.0` are equal, a NaN is not itself). Reads only types where it
+    can: this runs on every call."""
+    kind = type(data)
+    if kind is not tuple and kind is not list:
+        return scalar_key(data) if kind in _NUMBERS else kind
+    kinds = tuple(map(type, data))
+    if float in kinds or complex in kinds or tuple in kinds or list in kinds:
+        return tuple(map(_exact, data))
+    return kinds
+
+
+def structure_key(treedef: PyTreeDef, leaves: Sequence[Any]) -> tuple[Any, ...]:
     """What the static data of `treedef`'s nodes (an Equinox module's static
-    fields, a dict's keys) holds that comparing treedefs does not tell apart: a
-    static `1.0` after `1`, or `-0.0` after `0.0`, must compile again."""
-    found = []
-    stack = [treedef]
-    while stack:
-        node = stack.pop()
-        data = node.node_data()
-        if data is not None and data[1] is not None:
-            found.append(_exact(data[1]))
-        stack.extend(node.children())
-    return tuple(found)
+    fields, a dict's keys) holds that comparing treedefs does not tell apart
+    (see `_exact`): a static `1.0` after `1`, or `-0.0` after `0.0`, must compile
+    again. `leaves` are `treedef`'s."""
+    found: list[Any] = []
+    treedef.walk(lambda _, data: found.append(data), _nothing, leaves)
+    return tuple(map(_exact, found))
+
+
+def _nothing(leaf: Any) -> None:
+    return None
 
 
 # Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
@@ -153,7 +157,7 @@ def layout_key(
     names (for placed arrays, the common case, inline); `None` where the
     shardings are given, not resolved: then the leaf types pick the layout."""
     if reads is None:
-        return (treedef, structure_key(treedef), tuple(map(type, leaves)))
+        return (treedef, structure_key(treedef, leaves), tuple(map(type, leaves)))
     placed, statics = PLACED_TYPES, reads.statics
     others = () if statics else OTHER_TYPES  # leaves whose type is all read
     if reads.placements:
@@ -176,7 +180,7 @@ def layout_key(
         ]
     else:  # spec trees on a given mesh: the types, as without specs
         signature = list(map(type, leaves))
-    return (treedef, structure_key(treedef), mesh_key(), tuple(signature))
+    return (treedef, structure_key(treedef, leaves), mesh_key(), tuple(signature))
 
 
 class Static:
