@@ -91,7 +91,7 @@ def run_processes(
     *,
     num_processes: int = 2,
     devices_per_process: int = 4,
-    timeout: float = 60.0,
+    timeout: float = 900.0,  # as `probes.RUN_TIMEOUT`: a working launch is never cut
     args: tuple[Any, ...] = (),
     typecheck: bool = True,
     distributed: bool = True,

@@ -10,6 +10,13 @@ import jax
 import numpy as np
 
 
+# Seconds a test waits for a child process (a script, the command, a multi-process
+# launch) that works: no working run takes this long, even on a loaded machine,
+# yet a hang still ends. A shorter limit fails working code when the machine is
+# busy; `test_architecture.py` keeps the tests to this one.
+RUN_TIMEOUT = 900
+
+
 def aligned(shape, dtype):
     """A zero NumPy array whose data starts on a 64-byte boundary: a buffer that
     XLA's CPU client would otherwise use in place."""

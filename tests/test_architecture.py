@@ -517,6 +517,67 @@ def test_the_door_check_sees_a_new_reader():
     }
 
 
+# The tests' own rule: a test waits for a child process (a script, the command, a
+# launch of several processes) at least `MIN_RUN_TIMEOUT` seconds (they use
+# `probes.RUN_TIMEOUT`), so that a loaded machine never fails working code; the
+# limit is short only where the timeout itself is what a test checks.
+TESTS = Path(__file__).resolve().parent
+MIN_RUN_TIMEOUT = 600
+_WAITS = {"run", "communicate", "run_processes", "check_output", "check_call"}
+_WAITS |= {"wait", "settimeout"}
+_TIMEOUTS_UNDER_TEST = {
+    (
+        "test_multihost_harness.py",
+        "test_a_hanging_launch_times_out_with_stacks_and_leaves_no_process",
+    ),
+}
+
+
+def short_timeouts(sources: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(file, top-level function, line) of every wait for a child process whose
+    limit is a number under `MIN_RUN_TIMEOUT` (and of `run_processes`' default),
+    in `sources` (file name: source)."""
+    found = []
+    for file_name, source in sources.items():
+        tree = ast.parse(source)
+        for top in tree.body:
+            for node in ast.walk(top):
+                limits: list[ast.expr | None] = []
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                    if name in _WAITS:
+                        limits = [k.value for k in node.keywords if k.arg == "timeout"]
+                        limits += node.args[:1] if name == "settimeout" else []
+                elif isinstance(node, ast.FunctionDef) and node.name == "run_processes":
+                    names = [a.arg for a in node.args.kwonlyargs]
+                    limits = [node.args.kw_defaults[names.index("timeout")]]
+                short = [
+                    x
+                    for x in limits
+                    if isinstance(x, ast.Constant)
+                    and isinstance(x.value, int | float)
+                    and x.value < MIN_RUN_TIMEOUT
+                ]
+                name = getattr(top, "name", "<module>")
+                if short and (file_name, name) not in _TIMEOUTS_UNDER_TEST:
+                    found.append((file_name, name, getattr(node, "lineno", 0)))
+    return found
+
+
+def test_tests_wait_for_child_processes_long_enough():
+    tests = {file.name: file.read_text() for file in sorted(TESTS.glob("*.py"))}
+    assert short_timeouts(tests) == []
+    # The check sees a short limit (and the harness's default).
+    source = (
+        "def test_x():\n    subprocess.run(['x'], timeout=120)\n"
+        "def run_processes(fn, *, timeout: float = 60.0): ...\n"
+    )
+    assert short_timeouts({"probe.py": source}) == [
+        ("probe.py", "test_x", 2),
+        ("probe.py", "run_processes", 3),
+    ]
+
+
 def test_stats():
     figures = metrics()
     assert figures["modules"] == len(modules())

@@ -17,6 +17,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
+from probes import RUN_TIMEOUT
 
 import eqshard
 
@@ -329,7 +330,7 @@ def _child_save_restore(directory):
 
 def test_multiprocess_save_restore(tmp_path):
     results = run_processes(
-        _child_save_restore, args=(str(tmp_path / "c"),), timeout=120
+        _child_save_restore, args=(str(tmp_path / "c"),), timeout=RUN_TIMEOUT
     )
     w = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     h = np.arange(16 * 4).astype(ml_dtypes.bfloat16).reshape(16, 4)
@@ -813,7 +814,7 @@ def test_concurrent_writers_and_a_reader(tmp_path):
         num_processes=3,
         devices_per_process=1,
         args=(path, str(sync), 4),
-        timeout=120,
+        timeout=RUN_TIMEOUT,
         distributed=False,
     )
     saved = {v for v in writer0 + writer1 if isinstance(v, int)}

@@ -114,3 +114,59 @@ def _resolves(dotted: str) -> bool:
             return False
         owner = getattr(owner, name)
     return True
+
+
+# What a reader meets first: the README and the first pages say what to set on a
+# planning machine, and why; every page runs as written outside the tests (where
+# conftest.py has made the devices and set JAX_PLATFORMS); the new capabilities
+# are one link away.
+
+ROOT = DOCS.parent
+FIRST_PAGES = ["README.md", "docs/index.md", "docs/quickstart.md"]
+GPU_TARGET = re.compile(r"target=\"(?:h100|h200|b200|a100)", re.I)
+SETS_CPU = re.compile(r"^os\.environ\[\"JAX_PLATFORMS\"\] = \"cpu\"", re.M)
+
+
+@pytest.mark.parametrize("page", FIRST_PAGES)
+def test_first_pages_say_what_to_set_on_a_planning_machine(page):
+    text = " ".join((ROOT / page).read_text().split())
+    assert "JAX_PLATFORMS=cpu" in text and "before `import jax`" in text
+    assert "export JAX_PLATFORMS=cpu" in text  # exactly what to type
+    assert "about 25 lines" in text and "start-up errors" in text  # and why
+
+
+def test_pages_run_as_written_outside_the_tests():
+    for page in PYTHON_PAGES:
+        code = "\n".join(
+            c for lang, runs, c in _blocks(page) if lang == "python" and runs
+        )
+        if "eqshard." in code:  # it makes meshes of the 8 virtual CPU devices
+            assert SETUP.search(code), f"{page} does not ask for 8 CPU devices"
+        if GPU_TARGET.search(code):  # compiled for GPUs on a machine without one
+            first_import = code.index("import jax")
+            found = SETS_CPU.search(code)
+            assert found and found.start() < first_import, (
+                f"{page} compiles for a GPU target without setting "
+                "JAX_PLATFORMS=cpu before `import jax`"
+            )
+
+
+_CAPABILITIES = {
+    "targets": "how-to/will-it-fit.md"
+    "#for-a-pod-you-do-not-have-the-real-compilers-answer",
+    "search_layout": "how-to/find-a-layout.md",
+    "pipeline": "how-to/pipeline.md",
+    "host": "how-to/will-it-fit.md#does-not-fit-offload-the-optimizer-state",
+    "the step report": "how-to/step-report.md",
+}
+
+
+@pytest.mark.parametrize("page", FIRST_PAGES)
+def test_the_new_capabilities_are_reachable_from_the_first_pages(page):
+    text = (ROOT / page).read_text()
+    if page == "docs/quickstart.md":
+        text = text[text.index("## Next") :]
+    prefix = "docs/" if page == "README.md" else ""
+    links = set(re.findall(r"\]\(([^)\s]+)\)", text))
+    missing = [k for k, target in _CAPABILITIES.items() if prefix + target not in links]
+    assert missing == [], f"{page} does not link {missing}"

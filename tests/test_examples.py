@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from probes import RUN_TIMEOUT
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def test_example_runs(name: str, success: str) -> None:
         env=_child_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RUN_TIMEOUT,
     )
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, output

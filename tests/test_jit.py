@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from probes import Compiles
+from probes import Compiles, RUN_TIMEOUT
 
 import eqshard
 
@@ -262,7 +262,7 @@ def test_donating_a_donated_array_or_one_buffer_twice_is_refused():
         capture_output=True,
         text=True,
         cwd=root,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -311,3 +311,43 @@ def test_the_functions_own_error_is_not_replaced(mesh):
     step = eqshard.filter_jit(fn, in_specs=P("dp"), mesh=mesh)
     with pytest.raises(ValueError, match="^the step's own mistake"):
         step(x)
+
+
+class _Scaled(eqx.Module):
+    scale: float | int = eqx.field(static=True)
+    w: jax.Array
+
+
+@pytest.mark.parametrize("route", ["field", "argument"])
+def test_static_values_are_told_apart_by_type_and_sign(route):
+    # Values equal under `==` that trace to other programs: `1` then `1.0` (an
+    # int32 then a float32 program), `0.0` then `-0.0` (the sign), as raw JAX
+    # traces them.
+    if route == "field":
+        f = eqshard.filter_jit(lambda m: m.w * m.scale)
+        sign = eqshard.filter_jit(lambda m: m.w * jnp.copysign(1.0, m.scale))
+
+        def call(fn, w, s):
+            return fn(_Scaled(s, w))
+    else:
+        f = eqshard.filter_jit(lambda w, s: w * s)
+        sign = eqshard.filter_jit(lambda w, s: w * jnp.copysign(1.0, s))
+
+        def call(fn, w, s):
+            return fn(w, s)
+
+    ints = jnp.arange(3, dtype=jnp.int32)
+    for s in (1, 1.0, 1):
+        want = jax.jit(lambda w: w * s)(ints)
+        got = call(f, ints, s)
+        assert got.dtype == want.dtype and np.array_equal(got, want), s
+    ones = jnp.ones(2)
+    for s in (0.0, -0.0, 0.0):
+        assert np.asarray(call(sign, ones, s)).tolist() == [np.copysign(1.0, s)] * 2
+    if route == "field":  # (a NaN field: JAX's structures compare unequal)
+        return
+    # A NaN argument is itself: the same program, not a compile per call.
+    call(f, ints, float("nan"))
+    with Compiles() as compiles:
+        call(f, ints, float("nan"))
+    assert compiles.count == 0

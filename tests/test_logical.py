@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from probes import RUN_TIMEOUT
 
 import eqshard
 from eqshard import AxisNames
@@ -427,9 +428,9 @@ def test_threads_see_their_own_rules():
 
     def work(name, axis):
         with eqshard.logical_axis_rules([("a", axis)]):
-            barrier.wait(timeout=30)
+            barrier.wait(timeout=RUN_TIMEOUT)
             seen[name] = eqshard.logical_to_mesh_axes(("a",))
-            barrier.wait(timeout=30)
+            barrier.wait(timeout=RUN_TIMEOUT)
         seen[name + "_after"] = eqshard.get_logical_axis_rules()
 
     with eqshard.logical_axis_rules([("a", "main")]):

@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from probes import RUN_TIMEOUT
 
 import eqshard
 from eqshard._readers._inspect import format_bytes
@@ -24,7 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "eqshard", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
 
 
@@ -267,7 +268,7 @@ def test_output_cut_short_by_the_reader():
     assert child.stdout is not None
     assert child.stdout.readline().startswith("eqshard ")
     child.stdout.close()
-    stderr = child.communicate(timeout=300)[1]
+    stderr = child.communicate(timeout=RUN_TIMEOUT)[1]
     assert child.returncode == 1 and "Traceback" not in stderr, stderr
 
 
@@ -306,7 +307,7 @@ def test_readme_example_runs(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(P("tp", None))
@@ -362,7 +363,7 @@ def _run_model(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "eqshard", "--model", TINY, *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
         cwd=ROOT,
     )
 
@@ -548,7 +549,7 @@ def test_bad_model_options(args, match):
         [sys.executable, "-m", "eqshard", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
         cwd=ROOT,
     )
     assert re.search(match, _one_line_error(result))
@@ -574,7 +575,7 @@ def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -638,7 +639,7 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
         [*command, "--fit", "--save-rules", str(saved)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
         cwd=tmp_path,
     )
     assert fit.returncode == 0, fit.stderr
@@ -657,7 +658,7 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
         [*command, "--rules", str(saved)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
         cwd=tmp_path,
     )
     assert again.returncode == 0, again.stderr

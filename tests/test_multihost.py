@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
-from probes import aligned
+from probes import aligned, RUN_TIMEOUT
 
 import eqshard
 
@@ -593,7 +593,7 @@ def _child_gather_alone():
 
 @pytest.mark.slow
 def test_gather_or_shard_alone_raises_instead_of_hanging():
-    results = run_processes(_child_gather_alone, timeout=120)
+    results = run_processes(_child_gather_alone, timeout=RUN_TIMEOUT)
     for r in results:
         np.testing.assert_array_equal(r["together"], W)
         np.testing.assert_array_equal(r["again"], W)
@@ -828,7 +828,9 @@ def _child_save_safetensors(directory):
 
 @pytest.mark.slow
 def test_save_safetensors_alone_or_failing_raises_everywhere(tmp_path):
-    results = run_processes(_child_save_safetensors, args=(str(tmp_path),), timeout=120)
+    results = run_processes(
+        _child_save_safetensors, args=(str(tmp_path),), timeout=RUN_TIMEOUT
+    )
     path = str(tmp_path / "m.safetensors")
     for p, r in enumerate(results):
         assert r["files at return"] == ["m.safetensors"]

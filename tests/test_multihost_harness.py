@@ -19,6 +19,7 @@ import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from multihost import MultiProcessError, MultiProcessTimeoutError, run_processes
+from probes import RUN_TIMEOUT
 
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -163,7 +164,10 @@ def _child_fail_in_process_1(mode):
 def test_a_failing_process_fails_the_launch_with_its_traceback(mode, expected):
     with pytest.raises(MultiProcessError) as excinfo:
         run_processes(
-            _child_fail_in_process_1, devices_per_process=1, args=(mode,), timeout=60
+            _child_fail_in_process_1,
+            devices_per_process=1,
+            args=(mode,),
+            timeout=RUN_TIMEOUT,
         )
     error = excinfo.value
     message = str(error)
@@ -230,13 +234,13 @@ def test_children_exit_when_the_parent_is_killed():
     # A parent python process runs a launch whose children report their pids to
     # us and block; we SIGKILL that parent, so no `finally` of it runs.
     with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(60)
+        server.settimeout(RUN_TIMEOUT)
         port = server.getsockname()[1]
         code = (
             f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import multihost, "
             f"test_multihost_harness as t; multihost.run_processes("
             f"t._child_report_pid_then_block, devices_per_process=1, "
-            f"args=({port},), timeout=300)"
+            f"args=({port},), timeout={RUN_TIMEOUT})"
         )
         parent = subprocess.Popen([sys.executable, "-c", code])
         pids = []

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
+from probes import RUN_TIMEOUT
 
 
 D, F, T = 8, 16, 4  # model width, MLP width, sequence length
@@ -496,7 +497,7 @@ def test_command_plans_a_pipeline():
     result = subprocess.run(
         [sys.executable, "-m", "eqshard", "--model", "examples/llama.py:tiny",
          "--mesh", "pp:2,dp:4", "--device-memory", "1GiB", "--pipeline", schedule],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
         cwd=pathlib.Path(__file__).resolve().parent.parent,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from probes import RUN_TIMEOUT
 
 import eqshard
 
@@ -106,6 +107,33 @@ def test_device_memory_follows_the_preallocation_fraction(monkeypatch):
     w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
     report = eqshard.analyze_step(lambda w: w * 2, w)
     assert report.device_memory == 42331013120 // 2
+
+
+@pytest.mark.parametrize("text", ["abc", "-0.5", "7", "0", "nan", ""])
+def test_a_preallocation_fraction_that_is_none_is_refused(monkeypatch, text):
+    from eqshard._mesh._targets import device_memory
+
+    mesh = eqshard.create_mesh((8,), ("dp",), target="a100-40g")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", text)
+    with pytest.raises(ValueError, match="above 0 and at most 1") as error:
+        device_memory(list(mesh.devices.flat))
+    assert f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r}" in str(error.value)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1")
+    assert device_memory(list(mesh.devices.flat)) == 42331013120  # the whole card
+
+
+def test_the_gpu_route_says_to_set_the_platform_before_importing_jax(monkeypatch):
+    from jax.experimental import topologies
+
+    def off(**kwargs):  # the CUDA plugin, switched off by JAX's start-up
+        raise NotImplementedError
+
+    monkeypatch.setattr(topologies, "get_topology_desc", off)
+    with pytest.raises(ValueError, match="JAX_PLATFORMS=cpu") as error:
+        eqshard.create_mesh((8,), ("dp",), target="h100")
+    said = str(error.value)
+    assert "before `import jax`" in said and "first JAX call" not in said
+    assert "os.environ['JAX_PLATFORMS'] = 'cpu'" in said
 
 
 # The report on a target: peak, budget, JSON.
@@ -231,8 +259,8 @@ def _python(code: str, **env: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_gpu_target_needs_jax_platforms_set_before_jax_starts():
     late, early = _python(_GPU_SCRIPT), _python(_GPU_SCRIPT, JAX_PLATFORMS="cpu")
-    late_out, _ = late.communicate(timeout=120)
-    early_out, _ = early.communicate(timeout=120)
+    late_out, _ = late.communicate(timeout=RUN_TIMEOUT)
+    early_out, _ = early.communicate(timeout=RUN_TIMEOUT)
     assert early_out.strip() == "OK 8"
     assert late_out.startswith("ERROR eqshard.create_mesh: target='h100': ")
     assert "Set JAX_PLATFORMS=cpu" in late_out
@@ -253,7 +281,7 @@ _TPU_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_two_processes_compile_for_tpus_at_once():
     runs = [_python(_TPU_SCRIPT, JAX_PLATFORMS="cpu") for _ in range(2)]
-    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    outputs = [run.communicate(timeout=RUN_TIMEOUT)[0] for run in runs]
     assert [out.strip() for out in outputs] == ["OK tpu", "OK tpu"]
 
 
@@ -267,7 +295,7 @@ def _command(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "eqshard", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT,
     )
 
 

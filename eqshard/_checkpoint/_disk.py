@@ -9,7 +9,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +28,50 @@ from ._targets import import_optional
 
 # orbax's own files: every orbax checkpoint has one of them.
 ORBAX_FILES = ("_CHECKPOINT_METADATA", "_METADATA")
-# What else orbax writes in a checkpoint's directory (beside a directory per array,
-# named as its metadata names it, where the checkpoint is not OCDBT's).
-_ORBAX_ENTRIES = re.compile(
-    r"_ROOT_METADATA|_sharding|manifest\.ocdbt|d|ocdbt\.process_\d+|"
-    r"commit_success\.txt|orbax\.checkpoint|array_metadatas"
+# What orbax and eqshard write in a checkpoint's directory, by kind: each entry's
+# name, and `None` for a regular file or, for a directory, what it holds in turn
+# (beside a directory per array, named as its metadata names it, where the
+# checkpoint is not OCDBT's: `_CHUNKS`).
+_Kinds: TypeAlias = "list[tuple[re.Pattern[str], _Kinds | None]]"
+
+
+def _kinds(*entries: tuple[str, "_Kinds | None"]) -> _Kinds:
+    return [(re.compile(name), kind) for name, kind in entries]
+
+
+_DATA = _kinds((r"[0-9a-f]+", None))  # OCDBT's data files
+_CHUNKS = _kinds((r"\.z(array|attrs|group)|zarr\.json|\d+(\.\d+)*", None))
+_CHUNKS += _kinds((r"c|\d+", _CHUNKS))  # zarr3's chunk directories
+_CHECKPOINT = _kinds(
+    (
+        r"_CHECKPOINT_METADATA|_METADATA|_ROOT_METADATA|_sharding|manifest\.ocdbt|"
+        r"commit_success\.txt|orbax\.checkpoint|eqshard\.json",
+        None,
+    ),
+    ("d", _DATA),
+    (
+        r"ocdbt\.process_(replica_)?\d+",
+        _kinds((r"manifest\.ocdbt", None), ("d", _DATA)),
+    ),
+    ("array_metadatas", _kinds((r"process_\d+", None))),
 )
+
+
+def _foreign(directory: str, kinds: _Kinds, prefix: str = "") -> list[str]:
+    """The entries under `directory` (named from it, a directory's with a '/')
+    that are not of the kind `kinds` says their names are: another kind (a
+    directory named as a file, a link), or a name it does not know."""
+    found = []
+    with os.scandir(directory) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            name = prefix + entry.name
+            is_dir = entry.is_dir(follow_symlinks=False)
+            kind = next((k for p, k in kinds if p.fullmatch(entry.name)), False)
+            if is_dir and isinstance(kind, list):
+                found += _foreign(entry.path, kind, name + "/")
+            elif kind is not None or not entry.is_file(follow_symlinks=False):
+                found.append(name + "/" * is_dir)
+    return found
 
 
 def check_directory(path: str, overwrite: bool, caller: str) -> None:
@@ -62,21 +100,19 @@ def check_directory(path: str, overwrite: bool, caller: str) -> None:
             "metadata), so `overwrite=True` does not replace it. Save to another "
             "directory, or empty this one yourself."
         )
-    foreign = [e for e in entries if not _is_orbax_or_own(e)]
+    foreign = _foreign(path, _CHECKPOINT)
+    for name in sorted(_array_entries(path) if foreign else ()):
+        if name + "/" in foreign:  # an array's directory (not OCDBT's checkpoint)
+            foreign.remove(name + "/")
+            foreign += _foreign(os.path.join(path, name), _CHUNKS, name + "/")
     if foreign:
-        foreign = sorted(set(foreign) - _array_entries(path))
-    if foreign:
-        shown = [e + "/" * os.path.isdir(os.path.join(path, e)) for e in foreign]
         raise ValueError(
             f"eqshard.{caller}: {path!r} holds a checkpoint and also "
-            f"{paths_text(shown, 5)}, which is not part of it: `overwrite=True` "
-            "replaces the whole directory, so it would be deleted. Move it out of "
-            "the directory (or save to another one), and save again."
+            f"{paths_text(sorted(foreign), 5)}, which is not part of it (neither "
+            "orbax nor eqshard writes it there): `overwrite=True` replaces the whole "
+            "directory, so it would be deleted. Move it out of the directory (or "
+            "save to another one), and save again."
         )
-
-
-def _is_orbax_or_own(entry: str) -> bool:
-    return entry in (OWN_FILE, *ORBAX_FILES) or bool(_ORBAX_ENTRIES.fullmatch(entry))
 
 
 def _array_entries(path: str) -> set[str]:
@@ -335,6 +371,29 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         found[name] = held._replace(dtype=entry.dtype)
     zarr3 = bool(getattr(metadata, "use_zarr3", False))
     return found, Held(layout, names, zarr3)
+
+
+def check_staged(ocp: Any, staged: str, names: Sequence[str], caller: str) -> None:
+    """Raises unless the checkpoint just written at `staged` reads back: its own
+    descriptions name every array saved (`names`), and the files they point to
+    are there (the index of OCDBT's files, or each array's directory)."""
+    found, held = saved_arrays(ocp, staged, caller)
+    missing = [f"the array {name!r}" for name in names if name not in found]
+    entries = os.listdir(staged)
+    if any(e.startswith("ocdbt.process_") for e in entries):
+        if "manifest.ocdbt" not in entries:
+            missing.append("the index of its files ('manifest.ocdbt')")
+    else:
+        missing += [
+            f"the directory of {name!r}"
+            for name in held.names
+            if name is not None and not os.path.isdir(os.path.join(staged, name))
+        ]
+    if missing:
+        raise ValueError(
+            f"eqshard.{caller}: the checkpoint written at {staged!r} does not read "
+            f"back: {'; '.join(missing[:3])} missing"
+        )
 
 
 def is_read_error(error: Exception) -> bool:

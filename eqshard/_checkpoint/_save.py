@@ -24,8 +24,9 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory
+from ._disk import check_directory, check_staged
 from ._swap import (
+    literal_name,
     OWN_FILE,
     release_lock,
     remove,
@@ -196,8 +197,9 @@ def save(
     - `directory`: the checkpoint's directory; it must not exist yet.
     - `tree`: any pytree.
     - `overwrite`: replace a checkpoint (or an empty directory) at `directory`;
-      a directory that holds anything else too (a `config.yaml`, say) is
-      refused, naming it.
+      a directory that holds anything else too (a `config.yaml`, a directory
+      of yours named as orbax's file, a file in orbax's `d/`) is refused,
+      naming it.
     - `timeout`: in a multi-process run, how many seconds each process waits
       for the others at each meeting (after writing its shards, for the
       slowest to write theirs).
@@ -211,8 +213,10 @@ def save(
       other than a checkpoint, or its parent is a file; if another save to
       `directory` is under way (naming its host, process and the lock file,
       `<directory>.eqshard-lock`; the lock of a process of this host that is
-      gone is taken over, with a warning); naming both paths if two arrays have
-      the same path string; if writing fails (nothing is replaced); and in a
+      gone is taken over, with a warning; a lock that is a link or not a
+      regular file is refused); naming both paths if two arrays have the same
+      path string; if writing fails, or what was written does not read back
+      (nothing is replaced); and in a
       multi-process run, if another process failed, passed another tree, or did
       not make the call within `timeout` seconds.
     - `ImportError` if orbax-checkpoint is not installed
@@ -262,14 +266,16 @@ def save(
         items = _items(named, own)
         try:  # every process writes its shards
             if items:
-                handler.save(epath.Path(new), args=ocp.args.StandardSave(items))
+                with literal_name(new, caller) as where:
+                    handler.save(epath.Path(where), args=ocp.args.StandardSave(items))
         except Exception as error:
             failure = _not_written(caller, path, error)
         fail_together(caller, failure, timeout, cannot=cannot, rule=rule)
         try:  # all have written: process 0 completes the checkpoint, and swaps
             if primary:
                 if items:
-                    handler.finalize(epath.Path(new))
+                    with literal_name(new, caller) as where:
+                        handler.finalize(epath.Path(where))
                 with open(os.path.join(new, OWN_FILE), "w") as f:
                     json.dump(
                         {
@@ -280,6 +286,7 @@ def save(
                         },
                         f,
                     )
+                check_staged(ocp, new, sorted(named), caller)
                 swap(new, path)
         except Exception as error:
             failure = _not_written(caller, path, error)

@@ -10,7 +10,10 @@ the place of an old one in one step.
    over with a warning; its staging directory is removed.
 2. **Stage.** Each writer writes into a directory of its own,
    `<path>.eqshard-new-<16 random hex digits>`, beside `path`: never a directory it did
-   not make.
+   not make. orbax reads part of the name it writes to as a glob pattern (its
+   merge of each process's files), so where the path holds glob characters
+   (`runs/exp[lr=3e-4]`), orbax is given `/proc/self/fd/<n>` for the staging
+   directory instead (`literal_name`), a name free of them.
 3. **Swap.** `renameat2(RENAME_EXCHANGE)` (Linux) exchanges the staging
    directory and the old checkpoint in one atomic step, so `path` always holds
    a complete checkpoint; the old one, now at the staging name, is removed.
@@ -22,9 +25,11 @@ the place of an old one in one step.
    the read, and what was read may mix two checkpoints.
 """
 
+import contextlib
 import ctypes
 import errno
 import fcntl
+import glob
 import json
 import os
 import re
@@ -32,6 +37,7 @@ import shutil
 import socket
 import stat
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from .._typing import warn
@@ -55,6 +61,28 @@ def staging_name(path: str) -> str:
     return f"{path}{NEW}-{uuid.uuid4().hex[:16]}"
 
 
+@contextlib.contextmanager
+def literal_name(directory: str, caller: str) -> Iterator[str]:
+    """A name of the directory `directory` that holds no glob characters, for
+    orbax (see the module docstring): `directory` itself where it holds none,
+    else `/proc/self/fd/<n>` for a descriptor of it, open while in use."""
+    if glob.escape(directory) == directory:
+        yield directory
+        return
+    if not os.path.isdir("/proc/self/fd"):
+        raise ValueError(
+            f"eqshard.{caller}: cannot write a checkpoint under {directory!r}: orbax "
+            "reads glob characters ('[', '*', '?') in its path as a pattern, and "
+            "this system has no /proc/self/fd to name the directory otherwise. "
+            "Save under a path without them."
+        )
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def _is_staging(path: str, name: Any) -> bool:
     """Whether `name` is one of `staging_name(path)`'s names."""
     return (
@@ -68,19 +96,25 @@ def _is_staging(path: str, name: Any) -> bool:
 # ---------------------------------------------------------------------------------
 
 
+# The largest process id a C `pid_t` holds.
+_PID_MAX = 2**31 - 1
+
+
 def _holder(info: Any) -> str:
     if not isinstance(info, dict):
         return "a writer that did not say who it is (its lock is empty or unreadable)"
+    pid = info.get("pid")
+    odd = type(pid) is int and not 0 < pid <= _PID_MAX
     return (
-        f"process {info.get('pid')!r} on host {info.get('host')!r} (staging in "
-        f"{info.get('staging')!r})"
+        f"process {pid!r}{' (not a pid of this host)' * odd} on host "
+        f"{info.get('host')!r} (staging in {info.get('staging')!r})"
     )
 
 
 def _read_lock(lock: str) -> Any:
     """What the lock at `lock` says, or `None` if it cannot be read as a lock."""
     try:
-        info = json.loads(read_regular(lock, 1 << 16) or b"")
+        info = json.loads(read_regular(lock, 1 << 16, follow=False) or b"")
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
@@ -97,7 +131,7 @@ def _gone(info: Any) -> bool:
     if not isinstance(info, dict) or info.get("host") != socket.gethostname():
         return False
     pid = info.get("pid")
-    if type(pid) is not int or pid <= 0 or pid == os.getpid():
+    if type(pid) is not int or not 0 < pid <= _PID_MAX or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
@@ -150,10 +184,16 @@ def _take_over(
     descriptor, or `None` if the lock changed meanwhile (look again)."""
     lock = path + LOCK
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise _not_a_file(caller, path, "a symbolic link") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_a_file(caller, path, "not a regular file")
         if not _flocked(fd):  # another writer is taking it over
             raise held_error(caller, path, _read_lock(lock))
         if not _same_file(fd, lock) or _read_lock(lock) != info:
@@ -176,6 +216,27 @@ def _take_over(
     return fd
 
 
+def _not_a_file(caller: str, path: str, kind: str) -> ValueError:
+    lock = path + LOCK
+    return ValueError(
+        f"eqshard.{caller}: the lock of the checkpoint at {path!r}, {lock!r}, is "
+        f"{kind}, where eqshard writes a regular file: this save wrote nothing, "
+        "and writes through no link. Remove it (eqshard did not make it), and "
+        "save again."
+    )
+
+
+def _check_kind(path: str, caller: str) -> None:
+    """Raises unless the lock of `path` is a regular file (or is gone)."""
+    try:
+        mode = os.lstat(path + LOCK).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise _not_a_file(caller, path, kind)
+
+
 def take_lock(path: str, staging: str, caller: str) -> int:
     """Makes this process the one writer of `path` (see the module docstring):
     the lock's descriptor, for `release_lock`."""
@@ -185,6 +246,7 @@ def take_lock(path: str, staging: str, caller: str) -> int:
         try:
             fd = os.open(lock, flags, 0o644)
         except FileExistsError:
+            _check_kind(path, caller)
             info = _read_lock(lock)
             if not _gone(info):
                 raise held_error(caller, path, info) from None
@@ -281,12 +343,14 @@ def swap(new: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def read_regular(file: str, limit: int) -> bytes | None:
+def read_regular(file: str, limit: int, *, follow: bool = True) -> bytes | None:
     """The first `limit` bytes of `file`, or `None` if there is no such file;
     raises `ValueError` if it is not a regular file (a FIFO, say, whose read
-    would wait for a writer), without waiting."""
+    would wait for a writer), without waiting, and `OSError` if it is a link
+    and not `follow`."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(file, flags | (0 if follow else os.O_NOFOLLOW))
     except FileNotFoundError:
         return None
     try:

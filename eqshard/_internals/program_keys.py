@@ -5,6 +5,7 @@ It reads every equation's parameters and literals, so it lives behind the door.
 """
 
 import hashlib
+import struct
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -20,6 +21,14 @@ _NOT_RUN = {
     "custom_jvp_call": frozenset({"jvp_jaxpr_fun"}),
     "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
 }
+
+
+def scalar_key(value: float | complex) -> tuple[type, bytes]:
+    """A key of a Python float or complex that `==` would not give: its type and
+    its bits, so that `0.0` and `-0.0` differ, and a NaN is itself."""
+    if isinstance(value, complex):
+        return type(value), struct.pack("<dd", value.real, value.imag)
+    return type(value), struct.pack("<d", value)
 
 
 class _Keyer:
@@ -53,6 +62,8 @@ class _Keyer:
             return (type(value).__name__, tuple(map(self.param_key, value)))
         if isinstance(value, dict):
             return ("dict", tuple((k, self.param_key(v)) for k, v in value.items()))
+        if isinstance(value, float | complex):
+            return scalar_key(value)
         try:
             hash(value)
         except TypeError:

@@ -257,8 +257,12 @@ def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
             caller, target.name, "JAX's CUDA plugin is not available in this "
             "process: JAX started before the plugin was told there is no GPU. "
             "Set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the "
-            "environment before the first JAX call, e.g. at the top of the script "
-            "or notebook; `python -m eqshard --target` does this itself."
+            "environment before `import jax` (JAX reads it when imported): in "
+            "the shell (`JAX_PLATFORMS=cpu python train.py`), or with "
+            "`os.environ['JAX_PLATFORMS'] = 'cpu'` at the top of the script or "
+            "notebook, before any import of jax or eqshard (in a notebook, "
+            "restart the kernel first); `python -m eqshard --target` does this "
+            "itself."
         ) from None  # fmt: skip
     return list(topology.devices)
 
@@ -294,11 +298,29 @@ def device_memory(devices: Sequence[Any]) -> int | None:
         return size
     for spec in GPUS.values():
         if spec.name == kind:
-            fraction = float(
-                os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_FRACTION)
-            )
-            return int(spec.device_memory_size * fraction)
+            return int(spec.device_memory_size * _memory_fraction())
     return None
+
+
+def _memory_fraction() -> float:
+    """The fraction of a GPU's memory JAX preallocates: 0.75, or
+    `XLA_PYTHON_CLIENT_MEM_FRACTION`, checked to be one (`0 < f <= 1`)."""
+    name = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    text = os.environ.get(name)
+    if text is None:
+        return GPU_FRACTION
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:  # NaN too
+        raise ValueError(
+            f"eqshard: the environment variable {name}={text!r} is not a fraction "
+            "of a GPU's memory: give a number above 0 and at most 1 (JAX "
+            f"preallocates {GPU_FRACTION} of it when the variable is unset), e.g. "
+            f"{name}=0.9, or unset it."
+        )
+    return fraction
 
 
 def compiler_versions(devices: Sequence[Any]) -> dict[str, str]:

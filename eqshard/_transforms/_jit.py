@@ -423,7 +423,7 @@ class JitFunction:
         if run and layout.abstract_paths:
             raise abstract_error(self._caller, self.__name__, layout.abstract_paths)
         statics = layout.get_static(leaves)
-        jit_key = (statics, typed_args)
+        jit_key = (tuple(map(typed, statics)), typed_args)
         try:
             jitted = layout.jitted.get(jit_key)
         except TypeError:

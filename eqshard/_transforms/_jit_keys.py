@@ -5,7 +5,8 @@ A call's key holds only what the shardings' resolution reads (`KeyReads`): the
 argument's tree structure and leaf types always; each array's shape, dtype and
 placement, the values of non-array leaves, and the mesh set, where read. The
 non-array leaves then pick one `jax.jit` of the layout (`Layout.jitted`), keyed by
-`typed` values, so that `True`, `1` and `1.0` compile apart.
+`typed` values, so that `True`, `1` and `1.0` (and `0.0` and `-0.0`) compile
+apart; so do static fields of the structure (`structure_key`).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
+from .._internals.program_keys import scalar_key
 from .._tree import is_array
 from .._typing import KeyPath, PyTreeDef
 
@@ -47,11 +49,45 @@ def getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]
 
 def typed(value: Any) -> Any:
     """A cache key for a static value that also tells apart values that compare
-    equal but differ in type (`True`, `1`, `1.0`), also inside tuples: the traced
-    program can depend on the type."""
+    equal but differ in type (`True`, `1`, `1.0`) or in sign (`0.0`, `-0.0`),
+    also inside tuples: the traced program can depend on them. Floats are keyed
+    by their bits."""
     if isinstance(value, tuple):
         return (type(value), tuple(map(typed, value)))
+    if isinstance(value, float | complex):
+        return scalar_key(value)
     return (type(value), value)
+
+
+_NUMBERS = (float, complex)
+
+
+def _exact(data: Any) -> Any:
+    """What `==` does not tell apart in a node's static data: the types of what
+    it holds (`1`, `1.0` and `True` are equal), and the bits of its floats
+    (`0.0` and `-0.0` are equal, a NaN is not itself). Reads only types where it
+    can: this runs on every call."""
+    kind = type(data)
+    if kind is not tuple and kind is not list:
+        return scalar_key(data) if kind in _NUMBERS else kind
+    kinds = tuple(map(type, data))
+    if float in kinds or complex in kinds or tuple in kinds or list in kinds:
+        return tuple(map(_exact, data))
+    return kinds
+
+
+def structure_key(treedef: PyTreeDef, leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """What the static data of `treedef`'s nodes (an Equinox module's static
+    fields, a dict's keys) holds that comparing treedefs does not tell apart
+    (see `_exact`): a static `1.0` after `1`, or `-0.0` after `0.0`, must compile
+    again. `leaves` are `treedef`'s."""
+    found: list[Any] = []
+    treedef.walk(lambda _, data: found.append(data), _nothing, leaves)
+    return tuple(map(_exact, found))
+
+
+def _nothing(leaf: Any) -> None:
+    return None
 
 
 # Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
@@ -121,7 +157,7 @@ def layout_key(
     names (for placed arrays, the common case, inline); `None` where the
     shardings are given, not resolved: then the leaf types pick the layout."""
     if reads is None:
-        return (treedef, tuple(map(type, leaves)))
+        return (treedef, structure_key(treedef, leaves), tuple(map(type, leaves)))
     placed, statics = PLACED_TYPES, reads.statics
     others = () if statics else OTHER_TYPES  # leaves whose type is all read
     if reads.placements:
@@ -144,7 +180,7 @@ def layout_key(
         ]
     else:  # spec trees on a given mesh: the types, as without specs
         signature = list(map(type, leaves))
-    return (treedef, mesh_key(), tuple(signature))
+    return (treedef, structure_key(treedef, leaves), mesh_key(), tuple(signature))
 
 
 class Static:
