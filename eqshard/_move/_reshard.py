@@ -31,6 +31,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
+from .._internals import cpu, routes
 from .._keys import is_key, key_data
 from .._tree import path_str, paths_text, placed_dtype
 from .._typing import KeyPath
@@ -166,10 +167,11 @@ def batches(
     return out
 
 
-def _shards(x: jax.Array) -> list[jax.Array]:
-    """This process's single-device arrays of `x` (of its key data for keys)."""
+def _addresses(x: jax.Array) -> list[int]:
+    """The address of each of this process's buffers of `x` (of its key data for
+    keys), in `addressable_data` order."""
     data = key_data(x) if is_key(x) else x
-    return [shard.data for shard in data.addressable_shards]
+    return [cpu.buffer_address(data, k) for k in range(len(data.addressable_shards))]
 
 
 def release(
@@ -182,7 +184,8 @@ def release(
     `(source, placed)` pairs) whose every move of `moves` is placed (`left`
     counts the moves still to come, by `id`), unless a leaf keeps them (`kept`).
     A buffer that a placed array shares (an array that stayed where it was, or
-    a block `jax.device_put` kept on its device) is kept; the others go."""
+    a block `jax.device_put` kept on its device) is kept; the others go. Where
+    the buffers' addresses cannot be read, nothing is freed (the plain route)."""
     for source, _ in batch:
         key = id(source)
         left[key] -= 1
@@ -190,15 +193,17 @@ def release(
             continue
         if not isinstance(source, jax.Array) or source.is_deleted():
             continue
-        shared = {
-            b.unsafe_buffer_pointer()
-            for value, placed in moves
-            if value is source and isinstance(placed, jax.Array)
-            for b in _shards(placed)
-        }
-        if not shared:
+        placed = [p for v, p in moves if v is source and isinstance(p, jax.Array)]
+        try:
+            shared = {a for p in placed for a in _addresses(p)}
+            own = _addresses(source)
+        except routes.Unrecognised as error:
+            routes.fall_back("copies", str(error))
+            continue
+        if not shared & set(own):
             source.delete()
             continue
-        for buffer in _shards(source):
-            if buffer.unsafe_buffer_pointer() not in shared:
-                buffer.delete()
+        data = key_data(source) if is_key(source) else source
+        for k, address in enumerate(own):
+            if address not in shared:
+                data.addressable_data(k).delete()
