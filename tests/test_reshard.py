@@ -198,3 +198,79 @@ def test_a_deleted_array_is_named_before_anything_moves():
     with pytest.raises(ValueError, match=r"opt/0/mu/layers/1/weight.*deleted"):
         eqshard.shard(state, _specs(state, target), target, donate=True)
     assert not state["model"].layers[0].weight.is_deleted()
+
+
+def _spread(count=4):
+    """`count` float32 arrays of (8, 64) on a (2, 4) mesh: 256 bytes a device each."""
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    tree = [np.full((8, 64), i, np.float32) for i in range(count)]
+    return eqshard.shard(tree, P("dp", "tp"), mesh)
+
+
+def _live_bytes():
+    """The bytes of the live buffers on each device (a buffer that several live
+    arrays stand on, such as a placed array and its shards, counted once)."""
+    buffers = {}
+    for x in jax.live_arrays():
+        if x.is_deleted():
+            continue
+        for shard in x.addressable_shards:
+            key = (shard.device, shard.data.unsafe_buffer_pointer())
+            buffers[key] = shard.data.nbytes
+    out = {}
+    for (device, _), n in buffers.items():
+        out[device] = out.get(device, 0) + n
+    return out
+
+
+@pytest.mark.parametrize("bound, peak", [(256, 1024 + 256), (512, 1024 + 512)])
+def test_the_peak_is_the_state_plus_the_bound(monkeypatch, bound, peak):
+    tree = _spread()
+    target = _mesh((8,), ("dp",))
+    plan = eqshard.shard_plan(
+        tree, P("dp"), target, donate=True, max_inflight_bytes=bound
+    )
+    # Each device holds 4 blocks of 256 bytes; a batch adds `bound` on top.
+    assert plan.peak_bytes_per_device == (peak,) * 8
+    assert plan.batches == 1024 // bound
+    assert plan.bytes_per_device == (4 * 64 * 4,) * 8  # a (1, 64) block of each
+    before = _live_bytes()
+    grown = []
+    real = eqshard._move._shard.release
+
+    def measured(*args):  # the worst moment: a batch placed, none of it freed
+        now = _live_bytes()
+        grown.append(max(now[d] - before[d] for d in now))
+        return real(*args)
+
+    monkeypatch.setattr(eqshard._move._shard, "release", measured)
+    moved = eqshard.shard(tree, P("dp"), target, donate=True, max_inflight_bytes=bound)
+    assert len(grown) == 1024 // bound and max(grown) == bound
+    assert [np.asarray(x)[0, 0] for x in moved] == [0, 1, 2, 3]
+    keeping = eqshard.shard_plan(moved, P(), target)  # not donating: all at once
+    assert keeping.peak_bytes == 1024 + 4 * 8 * 64 * 4  # replicated: whole copies
+
+
+def test_the_plan_moves_nothing_and_says_what_would():
+    mesh, other = _mesh((2, 4), ("dp", "tp")), _mesh((4, 2), ("dp", "tp"))
+    state = eqshard.shard(_state(), _specs(_state(), mesh), mesh)
+    before = _buffers(state)
+    same = eqshard.shard_plan(state, _specs(state, mesh), mesh, donate=True)
+    assert not same.moves and same.bytes_per_device == (0,) * 8
+    assert "nothing moves" in str(same)
+    plan = eqshard.shard_plan(state, _specs(state, other), other)
+    routes = {row.path: row.route for row in plan.rows}
+    assert routes["opt/0/count"] == "none"  # replicated on the same devices
+    assert routes["opt/0/mu/layers/1/weight"] == "device to device"
+    assert routes["key"] == "device to device"
+    # What each device receives, from the shapes: the (4, 2) mesh's blocks.
+    floats = [(32, 12), (32,), (32, 32), (32,), (8, 32), (8,)]
+    divisors = {2: 2 * 4, 1: 2}  # P('tp', 'dp'): tp=2, dp=4; P('tp'): tp=2
+    per_device = 3 * sum(4 * np.prod(s) // divisors[len(s)] for s in floats)
+    per_device += 8 * 8 // 4  # the keys: P('dp') of 8 keys of 8 bytes, dp=4
+    assert plan.bytes_per_device == (per_device,) * 8
+    table = str(plan)
+    assert "model/layers/1/weight (+ mu, nu)" in table and "device to device" in table
+    assert all(a is b and not a.is_deleted() for a, b in zip(before, _buffers(state)))
+    with pytest.raises(ValueError, match=r"model/layers/0/weight.*'sp'"):
+        eqshard.shard_plan(state, P("sp"), other)
