@@ -76,6 +76,7 @@ from ._multiprocess import (
     check_timeout,
     from_host_copies,
     from_host_local,
+    host_value,
     is_global,
 )
 from ._reshard import (
@@ -220,11 +221,13 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
     """One array of a multi-process run on its sharding: a global array is laid
     out again; host data is this process's full copy or, with `host_local`, its
     block of the array."""
-    if is_global(leaf):
-        return jax.device_put(leaf, sharding)
     if is_key(leaf):  # NumPy has no key dtype: place the key's data, wrap it again
         data = _to_global(key_data(leaf), sharding, host_local)
         return jax.random.wrap_key_data(data, impl=key_impl_name(leaf))
+    if is_global(leaf) and leaf.sharding.device_set == sharding.device_set:
+        return jax.device_put(leaf, sharding)  # JAX's cross-process move applies
+    if is_global(leaf):  # onto other devices: through the hosts
+        return from_host_copies(host_value(leaf), sharding)
     leaf = np.asarray(leaf)  # JAX arrays on this process's devices included
     if host_local:
         return from_host_local(leaf, sharding)
