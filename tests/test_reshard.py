@@ -274,3 +274,26 @@ def test_the_plan_moves_nothing_and_says_what_would():
     assert all(a is b and not a.is_deleted() for a, b in zip(before, _buffers(state)))
     with pytest.raises(ValueError, match=r"model/layers/0/weight.*'sp'"):
         eqshard.shard_plan(state, P("sp"), other)
+
+
+def test_going_on_after_a_loss_from_the_live_state():
+    mesh, survivors = _mesh((2, 4), ("dp", "tp")), jax.devices()[:4]
+    rules = [("weight", P("tp")), (".*", P())]  # one whole copy on each dp row
+    state = eqshard.shard(
+        _state(), eqshard.match_partition_rules(rules, _state()), mesh
+    )
+    want = _host_copy(state)
+    remaining = _mesh((4,), ("tp",), survivors)
+    specs = eqshard.match_partition_rules(rules, state)
+    assert eqshard.shard_plan(state, specs, remaining).from_live
+    for buffer in _buffers(state):  # the devices of the second row are lost
+        if buffer.devices() <= set(jax.devices()[4:]):
+            buffer.delete()
+    state = eqshard.shard(state, specs, remaining, donate=True)
+    eqshard.check_layout(state, specs, remaining)
+    assert _host_copy(state) == want
+    # Split over 'dp', half of each array was only on the lost devices.
+    split = eqshard.shard(_state(), _specs(_state(), mesh), mesh)
+    plan = eqshard.shard_plan(split, specs, remaining)
+    assert not plan.from_live and "model/layers/0/weight" in plan.outside
+    assert "opt/0/count" not in plan.outside and "checkpoint" in str(plan)

@@ -167,11 +167,16 @@ def batches(
     return out
 
 
-def _addresses(x: jax.Array) -> list[int]:
-    """The address of each of this process's buffers of `x` (of its key data for
-    keys), in `addressable_data` order."""
+def _buffers(x: jax.Array) -> list[jax.Array]:
+    """This process's single-device arrays of `x` (of its key data for keys)."""
     data = key_data(x) if is_key(x) else x
-    return [cpu.buffer_address(data, k) for k in range(len(data.addressable_shards))]
+    return [shard.data for shard in data.addressable_shards]
+
+
+def _address(buffer: jax.Array) -> int | None:
+    """The address of a single-device array's buffer; `None` if it was deleted
+    already (a lost device's, deleted by the caller)."""
+    return None if buffer.is_deleted() else cpu.buffer_address(buffer, 0)
 
 
 def release(
@@ -194,16 +199,16 @@ def release(
         if not isinstance(source, jax.Array) or source.is_deleted():
             continue
         placed = [p for v, p in moves if v is source and isinstance(p, jax.Array)]
+        buffers = _buffers(source)
         try:
-            shared = {a for p in placed for a in _addresses(p)}
-            own = _addresses(source)
+            shared = {_address(b) for p in placed for b in _buffers(p)}
+            own = [_address(b) for b in buffers]
         except routes.Unrecognised as error:
             routes.fall_back("copies", str(error))
             continue
-        if not shared & set(own):
+        if not shared & set(own) and None not in own:
             source.delete()
             continue
-        data = key_data(source) if is_key(source) else source
-        for k, address in enumerate(own):
-            if address not in shared:
-                data.addressable_data(k).delete()
+        for buffer, address in zip(buffers, own, strict=True):
+            if address is not None and address not in shared:
+                buffer.delete()

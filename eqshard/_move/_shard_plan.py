@@ -76,6 +76,11 @@ class ShardPlan(Report):
     - `peak_bytes_per_device`: the most each device of the new mesh holds during
       the move (its part of the old state included), in the same order;
       `peak_bytes`, the largest of them.
+    - `outside`: the paths of the arrays some block of which only devices
+      outside the new mesh hold now (`from_live` is `True` when there are none:
+      after losing devices, a state whose every block still has a copy on the
+      devices that remain moves from the live state; else restore it from the
+      last checkpoint).
     - `seconds`: the expected time of the move; `None` (not estimated: it needs
       measured link speeds of the target).
     """
@@ -89,7 +94,13 @@ class ShardPlan(Report):
     batches: int
     peak_bytes_per_device: tuple[int, ...]
     peak_bytes: int
+    outside: tuple[str, ...] = ()
     seconds: float | None = None
+
+    @property
+    def from_live(self) -> bool:
+        """Whether the devices of the new mesh hold a copy of every block now."""
+        return not self.outside
 
     @property
     def moves(self) -> bool:
@@ -138,6 +149,12 @@ class ShardPlan(Report):
             if self.max_inflight_bytes is None
             else f"at most {format_bytes(self.max_inflight_bytes)} a device at once"
         )
+        if self.outside:
+            lines.append(
+                f"not held by the new mesh's devices: {len(self.outside)} arrays "
+                f"(first '{self.outside[0]}'): restore them from a checkpoint if "
+                "the other devices are lost."
+            )
         lines += [
             f"moved: {format_bytes(self.bytes_moved)} in all; each device receives "
             f"{received}; {self.batches} batch(es), {bound}.",
@@ -221,6 +238,24 @@ def _sources(leaves: list[Leaf]) -> tuple[str, ...]:
         else:
             found[_spec_text(value)] = None
     return tuple(found)
+
+
+def _outside(leaves: list[Leaf], mesh: Mesh) -> tuple[str, ...]:
+    """The paths of the JAX arrays of `leaves` some block of which no device of
+    `mesh` holds."""
+    kept = set(mesh.devices.flat)
+    out = []
+    for leaf in leaves:
+        value = leaf.value
+        if not isinstance(value, jax.Array):
+            continue
+        holders: dict[Any, bool] = {}
+        for device, index in value.sharding.devices_indices_map(value.shape).items():
+            key = tuple(sl.indices(n)[:2] for sl, n in zip(index, value.shape))
+            holders[key] = holders.get(key, False) or device in kept
+        if not all(holders.values()):
+            out.append(path_str(leaf.path))
+    return tuple(out)
 
 
 def _distinct(leaves: list[Leaf]) -> list[Leaf]:
@@ -371,4 +406,5 @@ def shard_plan(
         len([g for g in groups if g]),
         peaks,
         max(peaks, default=0),
+        _outside(leaves, mesh),
     )
