@@ -365,7 +365,9 @@ def shard(
 
     A placed state (a model and its optimizer state, typed PRNG keys, leaves in
     host memory) moves to any mesh of the job's devices: another shape or
-    order, a subset or a superset of them, bit for bit. Inside `jit`, use
+    order, a subset or a superset of them, bit for bit; across processes by
+    JAX's cross-process `device_put` onto the same devices, and through the
+    hosts onto others. Inside `jit`, use
     [`eqshard.with_sharding_constraint`][] (or `jax.sharding.reshard`) instead.
 
     **Returns:**
