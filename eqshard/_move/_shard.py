@@ -252,17 +252,18 @@ def _place(
     sizes = [move_size(m.leaf) for m in moves]
     paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
     check_inflight(caller, paths, max_inflight_bytes)
+    groups = batches(sizes, max_inflight_bytes)
     on_host = [m for m in moves if not isinstance(m.leaf.value, jax.Array)]
     lost = _stage(on_host, plain=copies_plain())  # NumPy data: checked first
-    if lost:
+    if lost and len(groups) > 1:
         raise loss_error(caller, lost)
     moved_from = collections.Counter(id(m.leaf.value) for m in moves)
     left = collections.Counter(moved_from)
     kept = {id(leaf.value) for leaf in leaves if leaf.sharding is None}
-    for group in batches(sizes, max_inflight_bytes):
+    for group in groups:
         batch = [moves[i] for i in group]
         resident = [m for m in batch if isinstance(m.leaf.value, jax.Array)]
-        lost = _stage(resident, plain=copies_plain())
+        lost += _stage(resident, plain=copies_plain())  # one error for all
         lost += _move_in_programs(batch)
         if lost:
             raise loss_error(caller, lost)
