@@ -28,6 +28,10 @@ How data moves, in the order of this file:
      posting its digest before placing and reading the others' after
      (`_agreement.py`).
 
+With `max_inflight_bytes`, staging and placing run batch by batch (at most that
+many bytes of new blocks per device each), and with `donate` each batch's
+sources are freed once placed (`_reshard.py`).
+
 After these comes `named_shardings`, for code that moves a tree piece by piece.
 Copying back to host is `_gather.py`; `with_sharding_constraint`, which moves
 nothing itself, is in `_transforms/_constraint.py`.
