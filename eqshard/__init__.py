@@ -33,6 +33,11 @@ from ._mesh._current import (
 )
 from ._move._gather import gather as gather, iter_gather as iter_gather
 from ._move._shard import named_shardings as named_shardings, shard as shard
+from ._move._shard_plan import (
+    shard_plan as shard_plan,
+    ShardPlan as ShardPlan,
+    ShardPlanRow as ShardPlanRow,
+)
 from ._readers._inspect import (
     extract_shardings as extract_shardings,
     get_partition_spec as get_partition_spec,
@@ -114,7 +119,8 @@ __version__ = _version("eqshard")
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
 # `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `LayoutSearch`,
-# `LayoutCandidate`, `AutoFSDP`, `Stacked`, `Host`, `HostKey`) are importable from here
+# `LayoutCandidate`, `ShardPlan`, `ShardPlanRow`, `AutoFSDP`, `Stacked`, `Host`,
+# `HostKey`) are importable from here
 # too, and documented with their functions.
 __all__ = [
     # Meshes.
@@ -153,6 +159,7 @@ __all__ = [
     "restrict_specs",
     # Shard, gather, constrain, initialise.
     "shard",
+    "shard_plan",
     "gather",
     "iter_gather",
     "init_sharded",

@@ -274,9 +274,12 @@ def test_abstract_trees_are_refused_everywhere_data_moves(mesh):
             fn(tree)
 
 
-def test_shard_inside_jit_asks_for_a_concrete_mesh(mesh):
-    with jax.set_mesh(mesh), pytest.raises(TypeError, match="concrete `Mesh`.*jit"):
-        jax.jit(lambda x: eqshard.shard(x, P("dp")))(jnp.ones(8))
+def test_shard_inside_jit_points_to_the_moves_inside_programs(mesh):
+    expected = r"traced arrays at 'x'.*jit.*with_sharding_constraint.*reshard"
+    with jax.set_mesh(mesh), pytest.raises(TypeError, match=expected):
+        jax.jit(lambda x: eqshard.shard({"x": x}, P("dp")))(jnp.ones(8))
+    with pytest.raises(TypeError, match=expected):  # a concrete mesh given
+        jax.jit(lambda x: eqshard.shard({"x": x}, P("dp"), mesh))(jnp.ones(8))
 
 
 def test_make_shard_fns_errors_name_the_full_path(mesh):

@@ -4,7 +4,10 @@
 places them in three steps: tied arrays, staging on host (`_host.py`: dtypes no
 device holds, casts, private copies, no aliasing), placing. Arrays already on
 devices are moved to other shardings or dtypes without a compile per shape
-(`_resident.py`). `gather` and `iter_gather` (`_gather.py`) copy trees back to
+(`_resident.py`). A placed state moves in batches of bounded bytes per device,
+each caller's array freed once its new one is placed (`_reshard.py`), and
+`shard_plan` (`_shard_plan.py`) says beforehand what will move, by which route,
+and the peak. `gather` and `iter_gather` (`_gather.py`) copy trees back to
 host.
 
 Every copy goes through the copy engine's door (`_copies.py`), one function per

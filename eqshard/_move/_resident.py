@@ -218,9 +218,18 @@ _BlockPlan = tuple[tuple[Any, tuple[int, ...], _Copies], ...]
 def _block_plan(source: Any, target: Any, shape: tuple[int, ...]) -> _BlockPlan:
     """For each distinct block of `target` for an array of `shape`, where in the
     distinct blocks of `source` its parts are."""
+    # Each block is read from a device of the target where one holds it (so that
+    # a move onto the devices that remain reads none of the others).
     sources: dict[Any, int] = {}
-    for k, index in enumerate(source.addressable_devices_indices_map(shape).values()):
-        sources.setdefault(_block_key(index, shape), k)
+    on_target: set[Any] = set()
+    staying = target.device_set
+    held = source.addressable_devices_indices_map(shape)
+    for k, (device, index) in enumerate(held.items()):
+        key = _block_key(index, shape)
+        if key not in sources or (device in staying and key not in on_target):
+            sources[key] = k
+            if device in staying:
+                on_target.add(key)
     keys: dict[Any, list[Any]] = {}  # bounds -> the `_index_key`s of the block
     for index in target.addressable_devices_indices_map(shape).values():
         keys.setdefault(_block_key(index, shape), []).append(_index_key(index))

@@ -28,6 +28,10 @@ How data moves, in the order of this file:
      posting its digest before placing and reading the others' after
      (`_agreement.py`).
 
+With `max_inflight_bytes`, staging and placing run batch by batch (at most that
+many bytes of new blocks per device each), and with `donate` each batch's
+sources are freed once placed (`_reshard.py`).
+
 After these comes `named_shardings`, for code that moves a tree piece by piece.
 Copying back to host is `_gather.py`; `with_sharding_constraint`, which moves
 nothing itself, is in `_transforms/_constraint.py`.
@@ -76,7 +80,16 @@ from ._multiprocess import (
     check_timeout,
     from_host_copies,
     from_host_local,
+    host_value,
     is_global,
+)
+from ._reshard import (
+    batches,
+    check_inflight,
+    check_max_inflight,
+    check_traced,
+    move_size,
+    release,
 )
 from ._resident import move_in_programs, Route, route
 
@@ -170,17 +183,22 @@ def _move_in_programs(moves: list[_Move]) -> list[_Loss]:
     return lost
 
 
-def _put(moves: list[_Move], *, host_local: bool, donate: bool) -> None:
+def _put(
+    moves: list[_Move],
+    *,
+    host_local: bool,
+    donate: bool,
+    moved_from: collections.Counter[int],
+) -> None:
     """Placing, by the copy engine (`_copies.to_devices`): the moves not placed
     yet, in one batched `jax.device_put` in one process, or one process's shards
     of each in a multi-process run. It returns once no device reads the caller's
     NumPy memory, nor holds it as a buffer. With `donate` (one process), JAX
     arrays give up their old buffers, but an array that stands in several moves
-    cannot give its buffer twice."""
+    (`moved_from`: how many, by `id`) cannot give its buffer twice."""
     rest = [m for m in moves if m.placed is None]
     donated = None
     if donate:
-        moved_from = collections.Counter(id(m.leaf.value) for m in moves)
         donated = [
             isinstance(m.ready, jax.Array) and moved_from[id(m.leaf.value)] == 1
             for m in rest
@@ -207,11 +225,13 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
     """One array of a multi-process run on its sharding: a global array is laid
     out again; host data is this process's full copy or, with `host_local`, its
     block of the array."""
-    if is_global(leaf):
-        return jax.device_put(leaf, sharding)
     if is_key(leaf):  # NumPy has no key dtype: place the key's data, wrap it again
         data = _to_global(key_data(leaf), sharding, host_local)
         return jax.random.wrap_key_data(data, impl=key_impl_name(leaf))
+    if is_global(leaf) and leaf.sharding.device_set == sharding.device_set:
+        return jax.device_put(leaf, sharding)  # JAX's cross-process move applies
+    if is_global(leaf):  # onto other devices: through the hosts
+        return from_host_copies(host_value(leaf), sharding)
     leaf = np.asarray(leaf)  # JAX arrays on this process's devices included
     if host_local:
         return from_host_local(leaf, sharding)
@@ -219,16 +239,47 @@ def _to_global(leaf: Any, sharding: NamedSharding, host_local: bool) -> jax.Arra
 
 
 def _place(
-    leaves: list[Leaf], *, caller: str, host_local: bool, donate: bool
+    leaves: list[Leaf],
+    *,
+    caller: str,
+    host_local: bool,
+    donate: bool,
+    release_sources: bool = False,
+    max_inflight_bytes: int | None = None,
 ) -> list[Any]:
-    """The values of `leaves`, each array moved to its sharding and cast as asked.
-    Raises, before anything is returned, if data would lose values."""
+    """The values of `leaves`, each array moved to its sharding and cast as asked,
+    in batches of at most `max_inflight_bytes` per device (`_reshard.py`), each
+    batch's sources deleted once placed with `release_sources`. Raises, before
+    anything moves, if a bound is too small or NumPy data would lose values; a
+    cast of JAX arrays that loses values raises before its batch is released."""
     moves, of_leaf = _distinct(leaves)
-    lost = _stage(moves, plain=copies_plain())
-    lost += _move_in_programs(moves)
-    if lost:
+    sizes = [move_size(m.leaf) for m in moves]
+    paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
+    check_inflight(caller, paths, max_inflight_bytes)
+    groups = batches(sizes, max_inflight_bytes)
+    on_host = [m for m in moves if not isinstance(m.leaf.value, jax.Array)]
+    lost = _stage(on_host, plain=copies_plain())  # NumPy data: checked first
+    if lost and len(groups) > 1:
         raise loss_error(caller, lost)
-    _put(moves, host_local=host_local, donate=donate and jax.process_count() == 1)
+    moved_from = collections.Counter(id(m.leaf.value) for m in moves)
+    left = collections.Counter(moved_from)
+    kept = {id(leaf.value) for leaf in leaves if leaf.sharding is None}
+    for group in groups:
+        batch = [moves[i] for i in group]
+        resident = [m for m in batch if isinstance(m.leaf.value, jax.Array)]
+        lost += _stage(resident, plain=copies_plain())  # one error for all
+        lost += _move_in_programs(batch)
+        if lost:
+            raise loss_error(caller, lost)
+        donating = donate and jax.process_count() == 1
+        _put(batch, host_local=host_local, donate=donating, moved_from=moved_from)
+        if release_sources:
+            release(
+                [(m.leaf.value, m.placed) for m in batch],
+                [(m.leaf.value, m.placed) for m in moves],
+                left,
+                kept,
+            )
     return [
         leaf.value if move is None else move.placed
         for leaf, move in zip(leaves, of_leaf, strict=True)
@@ -242,6 +293,8 @@ def shard(
     mesh: Mesh | AbstractMesh | None = None,
     *,
     dtype: Any = None,
+    donate: bool = False,
+    max_inflight_bytes: int | None = None,
     check_values: CheckValues = "sample",
     timeout: float | int = 300.0,
 ) -> PyTree:
@@ -288,6 +341,14 @@ def shard(
       NumPy arrays are cast on host and JAX arrays with the rest of the tree
       (block by block on CPU, in one program elsewhere); a cast that would
       turn finite values into inf is refused.
+    - `donate`: delete each of the caller's JAX arrays once its new one is
+      placed (the arrays of `tree` are unusable after the call; an array that
+      stays where it was, or that a leaf with a `None` spec keeps, is not).
+    - `max_inflight_bytes`: move the arrays in batches that give no device more
+      than this many bytes of new blocks at once. With `donate`, a device then
+      holds at most its part of the state plus this bound (see
+      [`eqshard.shard_plan`][]); it must be at least one device's block of the
+      largest array.
     - `check_values`: in a multi-process run, how much of the values the processes
       compare: `"sample"` (64 elements of each array) or `"full"` (every byte).
     - `timeout`: in a multi-process run, how many seconds to wait for the other
@@ -307,6 +368,13 @@ def shard(
     An [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it)
     becomes a key array again, placed with its spec.
 
+    A placed state (a model and its optimizer state, typed PRNG keys, leaves in
+    host memory) moves to any mesh of the job's devices: another shape or
+    order, a subset or a superset of them, bit for bit; across processes by
+    JAX's cross-process `device_put` onto the same devices, and through the
+    hosts onto others. Inside `jit`, use
+    [`eqshard.with_sharding_constraint`][] (or `jax.sharding.reshard`) instead.
+
     **Returns:**
 
     A pytree of the structure of `tree`, its arrays now on the mesh.
@@ -325,10 +393,13 @@ def shard(
       not make the same call within `timeout` seconds (a process that comes
       after one gave up raises too).
       Also, naming the arrays, if NumPy data would lose values (see above), if
-      an array was deleted (donated), if `dtype` is not floating, if
+      an array was deleted (donated), if one device's block of an array is
+      larger than `max_inflight_bytes` (before anything moves), if `dtype` is
+      given with `donate` and `max_inflight_bytes`, if `dtype` is not floating, if
       `check_values` is neither `"sample"` nor `"full"`, or if `timeout` is not
       a number of seconds > 0.
-    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s (no data to place), if a
+    - `TypeError` if `tree` holds traced arrays (a call inside `jit`) or
+      `jax.ShapeDtypeStruct`s (no data to place), if a
       leaf of `specs` is not a spec, if `mesh` or a `NamedSharding`'s mesh is
       abstract,
       or if NumPy arrays have a dtype no device holds (strings, bytes, dates,
@@ -347,6 +418,14 @@ def shard(
     """
     check_choice(check_values, CHECK_VALUES, caller="shard", name="check_values")
     check_timeout("shard", timeout)
+    check_max_inflight("shard", max_inflight_bytes)
+    if donate and max_inflight_bytes is not None and dtype is not None:
+        raise ValueError(
+            "eqshard.shard: `dtype=` with `donate=True` and `max_inflight_bytes` "
+            "could delete arrays before a later cast is found to lose values. Cast "
+            "first (`shard(tree, specs, mesh, dtype=...)`), then move with donate."
+        )
+    check_traced("shard", tree)
     specs = resolve_specs(specs, tree, caller="shard", mesh=mesh)
     return shard_tree(
         tree,
@@ -354,6 +433,8 @@ def shard(
         mesh,
         dtype=dtype,
         caller="shard",
+        release_sources=donate,
+        max_inflight_bytes=max_inflight_bytes,
         check_values=check_values,
         timeout=timeout,
     )
@@ -369,12 +450,16 @@ def shard_tree(
     root: KeyPath = (),
     host_local: bool = False,
     donate: bool = False,
+    release_sources: bool = False,
+    max_inflight_bytes: int | None = None,
     check_values: CheckValues = "sample",
     timeout: float | int = 300.0,
 ) -> PyTree:
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
-    blocks (`host_local`) and, in one process, donated buffers (`donate`)."""
+    blocks (`host_local`) and, in one process, donated buffers (`donate`). With
+    `release_sources`, the caller's arrays are deleted once their new ones are
+    placed, in batches of `max_inflight_bytes` per device (`_reshard.py`)."""
     require_runnable(caller, mesh)
     agreed = agreed_alone
     if jax.process_count() > 1:
@@ -407,7 +492,14 @@ def shard_tree(
             root=root,
             host_local=host_local,
         )
-        placed = _place(leaves, caller=caller, host_local=host_local, donate=donate)
+        placed = _place(
+            leaves,
+            caller=caller,
+            host_local=host_local,
+            donate=donate,
+            release_sources=release_sources,
+            max_inflight_bytes=max_inflight_bytes,
+        )
     except (TypeError, ValueError):  # what a tree that does not fit raises
         agreed()  # if the trees differ, that is the error, on every process
         raise
