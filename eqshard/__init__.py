@@ -84,6 +84,11 @@ from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport
+from ._transforms._attention import dot_product_attention as dot_product_attention
+from ._transforms._balance import (
+    balance_sequence as balance_sequence,
+    unbalance_sequence as unbalance_sequence,
+)
 from ._transforms._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
@@ -161,6 +166,9 @@ __all__ = [
     "pipeline",
     "stage_view",
     "unstage_view",
+    "dot_product_attention",
+    "balance_sequence",
+    "unbalance_sequence",
     # Checkpoints.
     "save",
     "restore",

@@ -11,5 +11,10 @@ any pytree, its specs resolved and checked before tracing (`_shard_map_specs.py`
 its program kept in a `Programs` cache (`_programs.py`). Inside a function,
 `with_sharding_constraint` (`_constraint.py`) constrains without moving data, and
 `auto_axes` (`_explicit.py`) runs a function with Explicit mesh axes made Auto,
-turning JAX's errors there into eqshard's.
+turning JAX's errors there into eqshard's. `pipeline` (`_pipeline.py`) runs
+stacked layers as stages over a mesh axis (the circular view in
+`_stage_view.py`). `dot_product_attention` (`_attention.py`, its checks in
+`_attention_checks.py`) splits the sequence over a context axis, all-gathered,
+by Ulysses's all-to-alls or round the ring of `_attention_ring.py`;
+`_balance.py` reorders a sequence for equal causal work (`balance_sequence`).
 """
