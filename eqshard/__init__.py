@@ -85,6 +85,9 @@ from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport
 from ._transforms._attention import dot_product_attention as dot_product_attention
+from ._transforms._attention_module import (
+    ContextParallelAttention as ContextParallelAttention,
+)
 from ._transforms._balance import (
     balance_sequence as balance_sequence,
     unbalance_sequence as unbalance_sequence,
@@ -169,6 +172,7 @@ __all__ = [
     "dot_product_attention",
     "balance_sequence",
     "unbalance_sequence",
+    "ContextParallelAttention",
     # Checkpoints.
     "save",
     "restore",

@@ -15,6 +15,8 @@ turning JAX's errors there into eqshard's. `pipeline` (`_pipeline.py`) runs
 stacked layers as stages over a mesh axis (the circular view in
 `_stage_view.py`). `dot_product_attention` (`_attention.py`, its checks in
 `_attention_checks.py`) splits the sequence over a context axis, all-gathered,
-by Ulysses's all-to-alls or round the ring of `_attention_ring.py`;
+by Ulysses's all-to-alls or round the ring of `_attention_ring.py`, and
+`ContextParallelAttention` (`_attention_module.py`) puts it in place of an
+`eqx.nn.MultiheadAttention`;
 `_balance.py` reorders a sequence for equal causal work (`balance_sequence`).
 """
