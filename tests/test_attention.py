@@ -72,7 +72,11 @@ def test_strategies_equal_jax(cp_mesh, strategy, causal, kv_heads):
 
     q, k, v = _qkv(kv_heads=kv_heads)
     ours = ft.partial(
-        eqshard.dot_product_attention, is_causal=causal, axis="cp", strategy=strategy
+        eqshard.dot_product_attention,
+        is_causal=causal,
+        axis="cp",
+        strategy=strategy,
+        batch_axes=None if strategy == "ring" else "dp",
     )
     theirs = ft.partial(jax.nn.dot_product_attention, is_causal=causal)
     _compare(cp_mesh, ours, theirs, q, k, v)
@@ -200,22 +204,31 @@ def test_unbatched_under_vmap_and_explicit_axes():
 def _collectives(strategy: str, mesh) -> str:
     import eqshard
 
-    q, k, v = _qkv()
-    fn = ft.partial(eqshard.dot_product_attention, axis="cp", strategy=strategy)
+    fn = ft.partial(
+        eqshard.dot_product_attention, axis="cp", strategy=strategy, batch_axes="dp"
+    )
     with jax.set_mesh(mesh):
+        q, k, v = jax.device_put(_qkv(), P("dp", "cp"))
         text = jax.jit(fn).lower(q, k, v).compile().as_text()
     assert text is not None
     return text
 
 
 def test_collectives_per_strategy(cp_mesh):
+    """Each strategy's collectives, and none over 'dp' (the batch stays split:
+    every collective's groups are the four devices of a 'cp' row)."""
+    cp_rows = "replica_groups={{0,1,2,3},{4,5,6,7}}"
     ring = _collectives("ring", cp_mesh)
-    assert "collective-permute" in ring
-    assert "all-gather" not in ring and "all-to-all" not in ring
+    assert "collective-permute(" in ring
+    assert "all-gather(" not in ring and "all-to-all(" not in ring
     gathered = _collectives("all_gather", cp_mesh)
-    assert "all-gather" in gathered and "collective-permute" not in gathered
+    lines = [x for x in gathered.splitlines() if " all-gather(" in x]
+    assert len(lines) == 2 and all(cp_rows in x for x in lines)  # keys, values
+    assert "collective-permute(" not in gathered
     ulysses = _collectives("ulysses", cp_mesh)
-    assert "all-to-all" in ulysses and "collective-permute" not in ulysses
+    lines = [x for x in ulysses.splitlines() if " all-to-all(" in x]
+    assert len(lines) == 4 and all(cp_rows in x for x in lines)  # q, k, v, out
+    assert "all-gather(" not in ulysses and "collective-permute(" not in ulysses
 
 
 def test_axis_none_is_jax_with_tokens():
@@ -248,6 +261,8 @@ def test_axis_none_is_jax_with_tokens():
         ({"axis": "cp", "segment_ids": (2, 16)}, "`segment_ids` has shape .2, 16."),
         ({"axis": "cp", "local_window_size": 4}, "`local_window_size` with axis='cp'"),
         ({"axis": "cp", "strategy": "tree"}, "unknown strategy='tree'"),
+        ({"axis": "cp", "batch_axes": "cp"}, "batch_axes names 'cp', not an axis"),
+        ({"axis": "cp", "batch_axes": ("dp", "x")}, "batch_axes names 'x'"),
     ],
 )
 def test_bad_input(cp_mesh, kwargs, match):

@@ -25,7 +25,7 @@ How a call goes:
    result is typed like the query.
 """
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from .._mesh._current import require_mesh
 from .._typing import typecheck
 from ._attention_checks import (
     axis_count,
+    check_batch_axes,
     check_jax_only,
     check_shapes,
     check_tokens,
@@ -135,34 +136,46 @@ def _ulysses_body(size: int, axis: str, scale: float) -> Any:
 _BODIES = {"ring": _ring_body, "all_gather": _gather_body, "ulysses": _ulysses_body}
 
 
-def _specs(a: dict[str, Any], axis: str, strategy: str) -> dict[str, P]:
-    """Each argument's split: sequences along `axis`; masks and biases along the
-    queries (ring, all-gather) or the heads (Ulysses), where they have them."""
-    specs = {name: P(None, axis) for name in a}
-    for name in ("mask", "bias"):
-        if name not in a:
-            continue
-        dims: list[str | None] = [None] * 4
-        at = 1 if strategy == "ulysses" else 2
-        if a[name].shape[at] != 1:
-            dims[at] = axis
+class _Split(NamedTuple):
+    """How the map splits: the context axis and its size, the strategy, the
+    scale, and the mesh axes of the batch (manual too)."""
+
+    axis: str
+    size: int
+    strategy: str
+    scale: float
+    batch: tuple[str, ...]
+
+
+def _specs(a: dict[str, Any], split: _Split) -> dict[str, P]:
+    """Each argument's split: the batch over `split.batch` (where it is not
+    broadcast), sequences along the axis; masks and biases along the queries
+    (ring, all-gather) or the heads (Ulysses), where they have them."""
+    axis, batch = split.axis, split.batch or None
+    specs = {}
+    for name, x in a.items():
+        dims: list[Any] = [batch if x.shape[0] != 1 else None, axis]
+        if name in ("mask", "bias"):
+            at = 1 if split.strategy == "ulysses" else 2
+            dims = [dims[0], None, None, None]
+            if x.shape[at] != 1:
+                dims[at] = axis
         specs[name] = P(*dims)
     return specs
 
 
-def _mapped(a: dict[str, Any], on: Any, axis: str, plan: tuple[int, str, float]) -> Any:
-    size, strategy, scale = plan
+def _mapped(a: dict[str, Any], on: Any, split: _Split) -> Any:
     if "bias" in a:  # broadcast where it would be split, so its gradient is too
         b = a["bias"]
-        at = 1 if strategy == "ulysses" else 2
-        full = a["q"].shape[2] if strategy == "ulysses" else a["q"].shape[1]
+        at = 1 if split.strategy == "ulysses" else 2
+        full = a["q"].shape[at]
         a = dict(a, bias=jnp.broadcast_to(b, (*b.shape[:at], full, *b.shape[at + 1 :])))
     fn = jax.shard_map(
-        _BODIES[strategy](size, axis, scale),
+        _BODIES[split.strategy](split.size, split.axis, split.scale),
         mesh=on,
-        in_specs=(_specs(a, axis, strategy),),
-        out_specs=P(None, axis),
-        axis_names=frozenset({axis}),
+        in_specs=(_specs(a, split),),
+        out_specs=P(split.batch or None, split.axis),
+        axis_names=frozenset({split.axis, *split.batch}),
         check_vma=False,
     )
     return fn(a)
@@ -200,14 +213,30 @@ def _typed_spec(x: Any) -> P:
         return P()
 
 
-def _split_attention(
-    a: dict[str, Any], on: Mesh | AbstractMesh, axis: str, plan: tuple[int, str, float]
-) -> Any:
+def _explicit(on: Mesh | AbstractMesh) -> bool:
     base = on.abstract_mesh if isinstance(on, Mesh) else on
-    if not any(t == AxisType.Explicit for t in base.axis_types):
-        return _mapped(a, on, axis, plan)
+    return any(t == AxisType.Explicit for t in base.axis_types)
+
+
+def _batch_axes(
+    given: str | tuple[str, ...] | None, on: Mesh | AbstractMesh, axis: str, query: Any
+) -> tuple[str, ...]:
+    """The batch's mesh axes: those given, else (on Explicit axes) the query's
+    typed layout of its batch, else none."""
+    if given is None:
+        if query.ndim != 4 or not _explicit(on):
+            return ()
+        given = _typed_spec(query)[0] if len(_typed_spec(query)) else None
+    axes = (given,) if isinstance(given, str) else tuple(given or ())
+    check_batch_axes(on, axes, axis, query)
+    return axes
+
+
+def _split_attention(a: dict[str, Any], on: Mesh | AbstractMesh, split: _Split) -> Any:
+    if not _explicit(on):
+        return _mapped(a, on, split)
     return auto_axes(
-        lambda a: _mapped(a, jax.sharding.get_abstract_mesh(), axis, plan),
+        lambda a: _mapped(a, jax.sharding.get_abstract_mesh(), split),
         out_sharding=_typed_spec(a["q"]),
         mesh=on,
     )(a)
@@ -231,6 +260,7 @@ def dot_product_attention(
     implementation: Literal["xla", "cudnn"] | None = None,
     axis: str | None = None,
     strategy: str = "ring",
+    batch_axes: str | tuple[str, ...] | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Array:
     """Scaled dot-product attention, `jax.nn.dot_product_attention`'s layout and
@@ -257,6 +287,10 @@ def dot_product_attention(
       `implementation`: JAX's, with `axis=None` only.
     - `axis`: the mesh axis the sequence is split over; None for JAX's function.
     - `strategy`: `"ring"`, `"all_gather"` or `"ulysses"`.
+    - `batch_axes`: the mesh axes the batch is split over (data parallel). The
+      map is manual over them too, so that XLA does not gather the batch for
+      the all-gather and all-to-alls (the ring does not need them). Default:
+      the query's typed layout on Explicit axes, else none.
     - `mesh`: defaults to the mesh set with `jax.set_mesh`.
 
     **Returns:**
@@ -313,6 +347,9 @@ def dot_product_attention(
         segment_ids = None if segment_ids is None else segment_ids[None]
         positions = None if positions is None else positions[None]
     factor = query.shape[-1] ** -0.5 if scale is None else scale
+    split = _Split(
+        axis, size, strategy, factor, _batch_axes(batch_axes, on, axis, query)
+    )
     a = _arguments(query, key, value, (bias, mask), (segment_ids, positions, is_causal))
-    out = _split_attention(a, on, axis, (size, strategy, factor))
+    out = _split_attention(a, on, split)
     return out[0] if unbatched else out

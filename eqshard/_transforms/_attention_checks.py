@@ -122,3 +122,27 @@ def check_jax_only(names: dict[str, Any], axis: str) -> None:
             "these pass through to jax.nn.dot_product_attention only with "
             "axis=None; express padding with `segment_ids` or `mask`.",
         )
+
+
+def check_batch_axes(
+    on: Mesh | AbstractMesh, axes: tuple[str, ...], axis: str, query: Any
+) -> None:
+    """`batch_axes` in the mesh and not `axis`, their product dividing the batch."""
+    sizes = dict(zip(on.axis_names, on.axis_sizes, strict=True))
+    missing = [a for a in axes if a not in sizes or a == axis]
+    if missing:
+        raise attention_error(
+            f"batch_axes names {', '.join(map(repr, missing))}, not an axis of "
+            f"the mesh {mesh_repr(on)} other than axis={axis!r}",
+            "name the mesh axes the batch is split over, or leave batch_axes out.",
+        )
+    count = 1
+    for a in axes:
+        count *= sizes[a]
+    if query.ndim != 4 or query.shape[0] % count:
+        raise attention_error(
+            f"batch_axes={axes} split the batch {count} ways, but the query's "
+            f"shape is {query.shape}",
+            "give a batched query whose batch divides by that, or leave "
+            "batch_axes out (as under `vmap`).",
+        )

@@ -69,7 +69,8 @@ class ContextParallelAttention(eqx.Module):
         )
         mesh = eqshard.create_mesh((2, 4), ("dp", "cp"))
         with jax.set_mesh(mesh):
-            y = eqx.filter_jit(lambda b, x: jax.vmap(b)(x))(block, jnp.ones((2, 16, 32)))
+            x = jnp.ones((2, 16, 32))
+            y = eqx.filter_jit(lambda b, x: jax.vmap(b)(x))(block, x)
         ```
     """
 
