@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
 B, T, N, H = 2, 32, 4, 8
@@ -190,6 +190,7 @@ class _Heads(eqx.Module):
 
 
 def test_unbatched_under_vmap_and_explicit_axes():
+    import eqshard
 
     mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(AxisType.Explicit,) * 2)
     q, k, v = _qkv(kv_heads=2)
@@ -199,6 +200,24 @@ def test_unbatched_under_vmap_and_explicit_axes():
     assert jax.typeof(got).sharding.spec == P("dp", "cp", None, None)
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Batched on Explicit axes: the batch's axis read from the query's type.
+    with jax.set_mesh(mesh):
+        fn = ft.partial(
+            eqshard.dot_product_attention,
+            is_causal=True,
+            axis="cp",
+            strategy="all_gather",
+        )
+        compiled = jax.jit(fn).lower(*args).compile()
+        got = compiled(*args)
+    assert jax.typeof(got).sharding.spec == P("dp", "cp", None, None)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    text = compiled.as_text()
+    assert text is not None
+    gathers = [x for x in text.splitlines() if " all-gather(" in x]
+    assert gathers and all(
+        "replica_groups={{0,1,2,3},{4,5,6,7}}" in x for x in gathers
+    ), gathers
 
 
 def _collectives(strategy: str, mesh) -> str:
@@ -284,3 +303,33 @@ def test_no_mesh_inside_jit():
     q, _, _ = _qkv()
     with pytest.raises(ValueError, match="dot_product_attention"):
         jax.jit(lambda q: eqshard.dot_product_attention(q, q, q, axis="cp"))(q)
+
+
+def _temporaries(fn, q, mesh) -> tuple[int, int]:
+    """XLA's temporaries per device of `fn` forward and of its gradient."""
+    loss = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))
+    found = []
+    for f in (fn, loss):
+        with jax.set_mesh(mesh):
+            analysis = jax.jit(f).lower(q, q, q).compile().memory_analysis()
+        assert analysis is not None
+        found.append(analysis.temp_size_in_bytes)
+    return found[0], found[1]
+
+
+@pytest.mark.slow
+def test_ring_temporaries_at_most_half_of_whole_scores(cp_mesh):
+    """The ring's temporaries, forward and gradient, against JAX's function on
+    the same sequence-split inputs (which holds `T/4 x T` scores per head)."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 256, 4, 16), jnp.float32, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    whole = _temporaries(
+        ft.partial(jax.nn.dot_product_attention, is_causal=True), q, cp_mesh
+    )
+    ring = _temporaries(
+        ft.partial(eqshard.dot_product_attention, is_causal=True, axis="cp"), q, cp_mesh
+    )
+    assert ring[0] <= whole[0] / 2 and ring[1] <= whole[1] / 2, (ring, whole)
