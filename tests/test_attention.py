@@ -101,17 +101,20 @@ def test_packed_segments_causal(cp_mesh, strategy):
     _compare(cp_mesh, ours, theirs, q, k, v)
 
 
-def test_ring_bias_and_mask(cp_mesh):
+@pytest.mark.parametrize("strategy, kv_heads", [("ring", 2), ("ulysses", N)])
+def test_bias_and_mask(cp_mesh, strategy, kv_heads):
     """A full `[B, N, T, S]` bias (its gradient too) and a key-padding mask
     `[B, 1, 1, S]` that leaves some rows with no key at all."""
     import eqshard
 
-    q, k, v = _qkv(kv_heads=2)
+    q, k, v = _qkv(kv_heads=kv_heads)
     bias = jax.random.normal(jax.random.key(5), (B, N, T, T))
     mask = jnp.stack([jnp.arange(T) < 20, jnp.arange(T) >= 40])[:, None, None, :]
 
     def ours(q, k, v, bias):
-        return eqshard.dot_product_attention(q, k, v, bias, mask, axis="cp")
+        return eqshard.dot_product_attention(
+            q, k, v, bias, mask, axis="cp", strategy=strategy
+        )
 
     def theirs(q, k, v, bias):
         return jax.nn.dot_product_attention(q, k, v, bias, mask)

@@ -38,8 +38,7 @@ def _step(model, x, y):
     return value, eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
-def test_training_step_equals_whole_attention(strategy):
+def test_training_step_equals_whole_attention():
     import eqshard
 
     model = _Model(jax.random.key(0))
@@ -52,7 +51,7 @@ def test_training_step_equals_whole_attention(strategy):
         lambda m: [b.attn for b in m.blocks],
         model,
         replace_fn=lambda a: eqshard.ContextParallelAttention(
-            a, axis="cp", strategy=strategy
+            a, axis="cp", strategy="ring"
         ),
     )
     mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(AxisType.Auto,) * 2)

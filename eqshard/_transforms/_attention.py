@@ -168,7 +168,7 @@ def _mapped(a: dict[str, Any], on: Any, split: _Split) -> Any:
     if "bias" in a:  # broadcast where it would be split, so its gradient is too
         b = a["bias"]
         at = 1 if split.strategy == "ulysses" else 2
-        full = a["q"].shape[at]
+        full = a["q"].shape[3 - at]  # heads (Ulysses) or queries, [B, T, N, H]
         a = dict(a, bias=jnp.broadcast_to(b, (*b.shape[:at], full, *b.shape[at + 1 :])))
     fn = jax.shard_map(
         _BODIES[split.strategy](split.size, split.axis, split.scale),
