@@ -9,9 +9,10 @@ How a call goes:
    gets a batch of one; `mask` and `bias` are made 4-d `[B, N, T, S]` (their
    dimensions of size one kept); positions default to `arange` for a causal mask,
    so that every strategy masks by positions.
-3. **Map** (`_mapped`): a `jax.shard_map` manual over `axis` only (the other axes
-   keep their layouts, the batch over a data axis say), with the query, keys and
-   values split along the sequence, and inside it the strategy:
+3. **Map** (`_mapped`): a `jax.shard_map` manual over `axis` and the batch's
+   axes (`batch_axes`, read from the query's type on Explicit axes; the other
+   axes keep their layouts), with the query, keys and values split along the
+   sequence, and inside it the strategy:
    - `ring` (`_attention_ring.py`): key/value blocks travel the axis by
      `ppermute`, an online softmax over blocks, and its own backward pass;
    - `all_gather`: keys and values (and their positions and segments) gathered,
@@ -23,6 +24,11 @@ How a call goes:
    first, so that its gradient is split too), along the heads for Ulysses.
 4. On Explicit axes all of this runs as `auto_axes` runs a function, and the
    result is typed like the query.
+
+Why the batch's axes are manual too: XLA cannot run an all-gather or all-to-all
+over one axis inside a map of an array still split over another (Auto) axis, so
+it gathers that axis first, the whole batch on every device. The ring's
+`ppermute`s have no such limit.
 """
 
 from typing import Any, Literal, NamedTuple

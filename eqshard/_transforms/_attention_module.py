@@ -39,6 +39,9 @@ class ContextParallelAttention(eqx.Module):
     `eqx.tree_at`, stacked layers (`eqx.filter_vmap`-built) included. The call
     takes one sequence, as Equinox's does (vmap it over the batch); its extra
     keywords `positions` and `segment_ids` are [`eqshard.dot_product_attention`][]'s.
+    Under `vmap` the batch's axes cannot be named, so `"all_gather"` and
+    `"ulysses"` gather the batch of a data-parallel axis first; the default
+    `"ring"` keeps it split.
 
     **Arguments:**
 
