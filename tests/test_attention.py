@@ -336,3 +336,15 @@ def test_ring_temporaries_at_most_half_of_whole_scores(cp_mesh):
         ft.partial(eqshard.dot_product_attention, is_causal=True, axis="cp"), q, cp_mesh
     )
     assert ring[0] <= whole[0] / 2 and ring[1] <= whole[1] / 2, (ring, whole)
+
+
+def test_eager_cross_attention(cp_mesh):
+    """Outside `jit`, queries shorter than the keys (causal as JAX's: top-left)."""
+    import eqshard
+
+    q = _qkv(t=16)[0]
+    _, k, v = _qkv(kv_heads=2, seed=1)
+    with jax.set_mesh(cp_mesh):
+        got = eqshard.dot_product_attention(q, k, v, is_causal=True, axis="cp")
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

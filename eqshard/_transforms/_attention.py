@@ -239,13 +239,16 @@ def _batch_axes(
 
 
 def _split_attention(a: dict[str, Any], on: Mesh | AbstractMesh, split: _Split) -> Any:
+    """The map, in `jit` (inlined when already inside one): outside, a map
+    manual over some axes only does not run."""
     if not _explicit(on):
-        return _mapped(a, on, split)
-    return auto_axes(
+        return jax.jit(lambda a: _mapped(a, on, split))(a)
+    mapped = auto_axes(
         lambda a: _mapped(a, jax.sharding.get_abstract_mesh(), split),
         out_sharding=_typed_spec(a["q"]),
         mesh=on,
-    )(a)
+    )
+    return jax.jit(mapped)(a)
 
 
 @typecheck
