@@ -285,6 +285,8 @@ def test_axis_none_is_jax_with_tokens():
         ({"axis": "cp", "strategy": "tree"}, "unknown strategy='tree'"),
         ({"axis": "cp", "batch_axes": "cp"}, "batch_axes names 'cp', not an axis"),
         ({"axis": "cp", "batch_axes": ("dp", "x")}, "batch_axes names 'x'"),
+        ({"mask": jnp.ones((B, N, T, T))}, "`mask` has dtype float32"),
+        ({"bias": jnp.ones((N, 5, T))}, "`bias` has shape .4, 5, 32., not broad"),
     ],
 )
 def test_bad_input(cp_mesh, kwargs, match):

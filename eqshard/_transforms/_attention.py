@@ -44,6 +44,7 @@ from ._attention_checks import (
     axis_count,
     check_batch_axes,
     check_jax_only,
+    check_masks,
     check_shapes,
     check_tokens,
 )
@@ -311,6 +312,7 @@ def dot_product_attention(
     `ValueError` naming the argument, the axis and its size and the fix: bad
     shapes, `axis` not in the mesh or lengths it does not divide, heads Ulysses
     cannot split, `positions` without `is_causal`, token arrays not `[B, T]`,
+    a mask not boolean or a mask or bias not broadcastable to the scores,
     JAX-only arguments with an axis, or no mesh.
 
     !!! Example
@@ -325,6 +327,7 @@ def dot_product_attention(
     """
     check_shapes(query, key, value)
     check_tokens(query, key, segment_ids, positions, is_causal)
+    check_masks(query, key, bias, mask)
     if axis is None:
         batched = query.ndim == 4
         if not batched and (segment_ids is not None or positions is not None):

@@ -146,3 +146,24 @@ def check_batch_axes(
             "give a batched query whose batch divides by that, or leave "
             "batch_axes out (as under `vmap`).",
         )
+
+
+def check_masks(query: Any, key: Any, bias: Any, mask: Any) -> None:
+    """`mask` boolean, `bias` and `mask` broadcastable to the scores' `[B, N, T,
+    S]` (`[N, T, S]` unbatched)."""
+    want = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is None:
+            continue
+        if name == "mask" and x.dtype != bool:
+            raise attention_error(
+                f"`mask` has dtype {x.dtype}", "give a boolean mask (True: attend)."
+            )
+        shape = tuple(x.shape)
+        pairs = zip(shape[::-1], want[::-1], strict=False)
+        if len(shape) > len(want) or any(d not in (1, w) for d, w in pairs):
+            raise attention_error(
+                f"`{name}` has shape {shape}, not broadcastable to the scores' "
+                f"{'[B, N, T, S]' if len(want) == 4 else '[N, T, S]'} = {want}",
+                "give each dimension its size or 1.",
+            )
