@@ -89,6 +89,14 @@ from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport
+from ._transforms._attention import dot_product_attention as dot_product_attention
+from ._transforms._attention_module import (
+    ContextParallelAttention as ContextParallelAttention,
+)
+from ._transforms._balance import (
+    balance_sequence as balance_sequence,
+    unbalance_sequence as unbalance_sequence,
+)
 from ._transforms._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
@@ -174,6 +182,10 @@ __all__ = [
     "unstage_view",
     "stack_layers",
     "unstack_layers",
+    "dot_product_attention",
+    "balance_sequence",
+    "unbalance_sequence",
+    "ContextParallelAttention",
     # Checkpoints.
     "save",
     "restore",

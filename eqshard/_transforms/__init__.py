@@ -15,4 +15,10 @@ turning JAX's errors there into eqshard's. `pipeline` (`_pipeline.py`, its check
 in `_pipeline_checks.py`) runs stacked layers as stages over one mesh axis, the
 circular schedule's view of the stack from `_stage_view.py`, a list of layers
 stacked by `_stack_layers.py`.
+`dot_product_attention` (`_attention.py`, its checks in
+`_attention_checks.py`) splits the sequence over a context axis, all-gathered,
+by Ulysses's all-to-alls or round the ring of `_attention_ring.py`, and
+`ContextParallelAttention` (`_attention_module.py`) puts it in place of an
+`eqx.nn.MultiheadAttention`;
+`_balance.py` reorders a sequence for equal causal work (`balance_sequence`).
 """
