@@ -185,11 +185,32 @@ def test_data_cannot_be_placed_or_run_on_a_target_mesh():
         ("h100:0x8", {}, r"'h100:HOSTSxGPUS'"),
         ("v5e:2x4", {"devices": jax.devices()}, r"either devices= or target="),
         ("v5e:3x3", {}, r"libtpu cannot make the topology 'v5e:3x3'"),
+        ("h100", {"num_slices": 2}, r"num_slices=2 is for TPU slices.*'h100:2x8'"),
+        ("v5e:2x2x2", {}, r"v5e slice is a 2-D topology, not 3-D.*'v5e:2x4'"),
+        ("v4:2x2", {}, r"v4 slice is a 3-D topology, not 2-D"),
+        ("h100:100000x8", {}, r"800000 devices, more than the 8192"),
+        ("v5e:0x4", {}, r"sizes of 1 or more"),
+        ("v5p-8", {"num_slices": 100_000}, r"num_slices=100000 of 4 chips"),
     ],
 )
 def test_bad_targets_say_what_to_write(target, kwargs, message):
     with pytest.raises(ValueError, match=message):
         eqshard.create_mesh((-1,), ("dp",), target=target, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "target, kind", [("v5e-1", "TPU v5 lite"), ("v6e-1", "TPU v6 lite")]
+)
+def test_single_chip_cloud_tpus_are_built(target, kind):
+    mesh = eqshard.create_mesh((1,), ("dp",), target=target)
+    assert [d.device_kind for d in mesh.devices.flat] == [kind]
+
+
+def test_a_hybrid_mesh_reads_a_gpu_name_in_any_case():
+    # Upper case is still a GPU name: its two hosts are the DCN units.
+    mesh = eqshard.create_hybrid_mesh((1, 8), (2, 1), ("dp", "tp"), target="H100:2x8")
+    assert mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    assert [{d.process_index for d in row} for row in mesh.devices] == [{0}, {1}]
 
 
 def test_sizes_must_use_every_device_of_the_target():

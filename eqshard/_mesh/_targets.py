@@ -105,9 +105,6 @@ GPUS: dict[str, GpuSpec] = {
     ),
 }  # fmt: skip
 
-# Target names that are GPUs (their hosts, not slices, are the DCN units).
-GPU_PREFIXES = tuple(GPUS)
-
 # JAX preallocates this fraction of a GPU's memory unless told otherwise.
 GPU_FRACTION = 0.75
 
@@ -130,6 +127,8 @@ _CLOUD = {
     "v6e": ("v6e", False, 2),
 }
 _MAX_CHIPS = 1 << 13
+# The rank of each generation's topology (a 2-D torus, or 3-D).
+_RANKS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 
 
 def _cloud_topology(chips: int, rank: int) -> tuple[int, ...] | None:
@@ -152,6 +151,42 @@ class Target:
     name: str
     platform: str  # "tpu" or "cuda"
     topology: str  # libtpu's topology name, or the GPU's "slices x hosts x gpus"
+    gpu: str = ""  # the key of `GPUS` for a GPU target
+
+
+def _gpu_target(caller: str, target: str, gpu: str, hosts: str) -> Target:
+    shape = re.fullmatch(r"(\d+)x(\d+)", hosts) if hosts else None
+    if hosts and (shape is None or 0 in map(int, shape.groups())):
+        raise _target_error(
+            caller, target, "write a GPU target as 'h100' (one host of 8) or "
+            "'h100:HOSTSxGPUS' such as 'h100:8x8'."
+        )  # fmt: skip
+    n_hosts, per_host = map(int, shape.groups()) if shape else (1, 8)
+    if n_hosts * per_host > _MAX_CHIPS:
+        raise _target_error(
+            caller, target, f"{n_hosts} hosts of {per_host} GPUs are "
+            f"{n_hosts * per_host} devices, more than the {_MAX_CHIPS} a target "
+            "may have; name fewer hosts."
+        )  # fmt: skip
+    return Target(target, "cuda", f"1x{n_hosts}x{per_host}", gpu)
+
+
+def _tpu_topology(caller: str, target: str, text: str) -> Target:
+    generation, _, shape = text.partition(":")
+    dims = [int(d) for d in shape.split("x")]
+    rank = _RANKS[generation]
+    if len(dims) != rank:
+        example = "2x2x1" if rank == 3 else "2x4"
+        raise _target_error(
+            caller, target, f"a {generation} slice is a {rank}-D topology, not "
+            f"{len(dims)}-D; write {rank} sizes such as '{generation}:{example}'."
+        )  # fmt: skip
+    if 0 in dims or math.prod(dims) > _MAX_CHIPS:
+        raise _target_error(
+            caller, target, f"a slice of {math.prod(dims)} chips: give sizes of "
+            f"1 or more, at most {_MAX_CHIPS} chips in all."
+        )  # fmt: skip
+    return Target(target, "tpu", text)
 
 
 def parse_target(caller: str, target: str) -> Target:
@@ -159,21 +194,14 @@ def parse_target(caller: str, target: str) -> Target:
     text = target.strip().lower()
     gpu, _, hosts = text.partition(":")
     if gpu in GPUS:
-        shape = re.fullmatch(r"(\d+)x(\d+)", hosts) if hosts else None
-        if hosts and (shape is None or 0 in map(int, shape.groups())):
-            raise _target_error(
-                caller, target, "write a GPU target as 'h100' (one host of 8) or "
-                "'h100:HOSTSxGPUS' such as 'h100:8x8'."
-            )  # fmt: skip
-        n_hosts, per_host = map(int, shape.groups()) if shape else (1, 8)
-        return Target(target, "cuda", f"1x{n_hosts}x{per_host}")
+        return _gpu_target(caller, target, gpu, hosts)
     if gpu == "a100":
         raise _target_error(
             caller, target, "an A100 has 40 or 80 GB; name it 'a100-40g' or "
             "'a100-80g'."
         )  # fmt: skip
-    if re.fullmatch(r"v(4|5e|5p|6e):\d+(x\d+){1,2}", text):
-        return Target(target, "tpu", text)
+    if re.fullmatch(r"v(4|5e|5p|6e):\d+(x\d+)*", text):
+        return _tpu_topology(caller, target, text)
     cloud = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", text)
     if cloud is not None:
         generation, cores, rank = _CLOUD[cloud.group(1)]
@@ -213,6 +241,11 @@ def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     options: dict[str, Any] = {"num_slices": num_slices}
     if target.topology.startswith(("v4:", "v5p:")):
         options["chip_config_name"] = "megacore"  # one JAX device per chip
+    dims = [int(d) for d in target.topology.partition(":")[2].split("x")]
+    if len(dims) == 2 and min(dims) < 2:
+        # libtpu's default host is 2x2 chips: a smaller slice (v5e-1, a single
+        # chip) is one host of its own size.
+        options["chips_per_host_bounds"] = [*dims, 1]
     try:
         topology = topologies.get_topology_desc(
             topology_name=target.topology, platform="tpu", **options
@@ -243,7 +276,7 @@ def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
             caller, target.name, "gpu", "JAX's CUDA plugin (jax-cuda12-plugin)"
         )
     _, hosts, per_host = target.topology.split("x")
-    gpu = GPUS[target.name.split(":")[0].strip().lower()]
+    gpu = GPUS[target.gpu]
     try:
         topology = topologies.get_topology_desc(
             platform="cuda",
@@ -263,12 +296,29 @@ def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     return list(topology.devices)
 
 
-def target_devices(caller: str, target: str, *, num_slices: int = 1) -> list[Any]:
-    """The compile-only devices of `target` (`num_slices` copies over DCN)."""
+def target_devices(
+    caller: str, target: str | Target, *, num_slices: int = 1
+) -> list[Any]:
+    """The compile-only devices of `target` (`num_slices` TPU slices over DCN)."""
+    name = target if isinstance(target, str) else target.name
     if num_slices < 1:
-        raise _target_error(caller, target, f"num_slices={num_slices}; give 1 or more.")
-    parsed = parse_target(caller, target)
+        raise _target_error(caller, name, f"num_slices={num_slices}; give 1 or more.")
+    parsed = parse_target(caller, target) if isinstance(target, str) else target
+    if parsed.platform == "cuda" and num_slices != 1:
+        hosts = parsed.topology.split("x")[1]
+        raise _target_error(
+            caller, name, f"num_slices={num_slices} is for TPU slices; a GPU "
+            f"target's DCN units are its hosts: write '{parsed.gpu}:HOSTSxGPUS' "
+            f"such as '{parsed.gpu}:{int(hosts) * num_slices}x8' and leave "
+            "num_slices out."
+        )  # fmt: skip
     if parsed.platform == "tpu":
+        chips = math.prod(map(int, parsed.topology.partition(":")[2].split("x")))
+        if chips * num_slices > _MAX_CHIPS * 8:
+            raise _target_error(
+                caller, name, f"num_slices={num_slices} of {chips} chips is more "
+                f"than the {_MAX_CHIPS * 8} chips a target may have; give fewer."
+            )  # fmt: skip
         return _tpu_devices(caller, parsed, num_slices)
     return _gpu_devices(caller, parsed, num_slices)
 
