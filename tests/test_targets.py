@@ -359,3 +359,19 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
         )
         exposed.append((candidate.exposed_cost, candidate.cost))
     assert exposed == sorted(exposed)
+
+
+def test_arguments_on_a_target_mesh_and_this_machines_are_named():
+    # Both meshes number their devices 0-7: only the platform tells them apart.
+    target = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
+    cpu = eqshard.create_mesh((2, 4), ("dp", "tp"))
+    w = eqshard.abstract(jnp.ones((8, 8)), P("dp"), target)
+    x = eqshard.shard(np.ones((8, 8), np.float32), P("dp"), cpu)
+    with pytest.raises(ValueError) as raised:
+        eqshard.analyze_step(lambda p, x: p["w"] @ x, {"w": w}, x)
+    message = str(raised.value)
+    assert "eqshard.analyze_step: the arguments are on 2 different sets" in message
+    assert "'p/w': on the mesh {'dp': 2, 'tp': 4} of 8 TPU v5 lite, compile-only" in (
+        message
+    )
+    assert "'x': on the mesh {'dp': 2, 'tp': 4} of 8 cpu devices" in message
