@@ -571,3 +571,17 @@ def test_an_async_start_wrapper_is_one_collective(between, overlapped):
     assert part.shape.dims == (8, 8) and part.arguments == {0}
     assert part.results == {0}
     assert gather.overlapped is overlapped
+
+
+@pytest.mark.slow
+def test_search_layout_compiles_and_reads_a_sparsecore_step():
+    mesh = regenerate.v5p_mesh()
+    step, args = regenerate.moe(mesh)
+    with warnings.catch_warnings():
+        # The expert matmuls are Mosaic kernels: their rows say so.
+        warnings.filterwarnings("ignore", "eqshard.analyze_step: the step runs")
+        result = eqshard.search_layout(
+            step, *args, mesh=mesh, max_candidates=1, progress=False
+        )
+    assert result.best is not None
+    assert result.best.report.collectives

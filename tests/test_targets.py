@@ -375,3 +375,45 @@ def test_arguments_on_a_target_mesh_and_this_machines_are_named():
         message
     )
     assert "'x': on the mesh {'dp': 2, 'tp': 4} of 8 cpu devices" in message
+
+
+@pytest.mark.slow
+def test_every_eager_call_on_a_target_mesh_is_the_compile_only_error(tmp_path):
+    mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
+    cpu = eqshard.create_mesh((2, 4), ("dp", "tp"))
+    tree = {"w": np.ones((8, 8), np.float32)}
+    eqshard.save(tmp_path / "ck", eqshard.shard(tree, P("dp"), cpu))
+    eqshard.save_safetensors(tmp_path / "w.safetensors", tree)
+    x = np.ones((8, 8), np.float32)
+    stack = {"w": np.ones((4, 8, 8), np.float32)}
+    layer = lambda w, h: h @ w["w"]
+    calls = {
+        "restore": lambda: eqshard.restore(tmp_path / "ck", tree, P("dp"), mesh),
+        "load_safetensors": lambda: eqshard.load_safetensors(
+            tmp_path / "w.safetensors", tree, P("dp"), mesh
+        ),
+        "with_sharding_constraint": lambda: eqshard.with_sharding_constraint(
+            x, P("dp"), mesh=mesh
+        ),
+        "filter_shard_map": lambda: eqshard.filter_shard_map(
+            lambda x: x * 2, in_specs=P("dp"), out_specs=P("dp"), mesh=mesh
+        )(x),
+        "pipeline": lambda: eqshard.pipeline(
+            layer, stack, x, mesh=mesh, axis="dp", microbatches=2
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"eqshard.{name}: .*compile-only dev"):
+            call()
+    with pytest.raises(ValueError, match=r"mesh=AbstractMesh .* only traces"):
+        eqshard.pipeline(
+            layer, stack, x, mesh=mesh.abstract_mesh, axis="dp", microbatches=2
+        )
+    # Traced for a compile, the same calls are what a target is for.
+    traced = jax.jit(
+        lambda s, h: eqshard.pipeline(
+            layer, s, h, mesh=mesh.abstract_mesh, axis="dp", microbatches=2
+        )
+    )
+    args = [eqshard.abstract(a, P(), mesh) for a in (stack, x)]
+    assert traced.lower(*args).compile() is not None

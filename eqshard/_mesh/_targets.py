@@ -15,7 +15,8 @@ from importlib import metadata
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh
 
 
 _GiB = 1 << 30
@@ -390,3 +391,23 @@ def require_runnable(caller: str, mesh: Any) -> None:
     error = compile_only_error(caller, mesh)
     if error is not None:
         raise error
+
+
+def require_traced_or_runnable(
+    caller: str, mesh: Any, values: Any, *, abstract: bool = False
+) -> None:
+    """For a call that runs now unless it is traced (inside `jit`, for a
+    compile): where none of `values` is a tracer, raise `compile_only_error`
+    for a target's mesh and, with `abstract`, an error for an `AbstractMesh`
+    (no devices to run on)."""
+    if any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(values)):
+        return
+    require_runnable(caller, mesh)
+    if abstract and isinstance(mesh, AbstractMesh):
+        raise ValueError(
+            f"eqshard.{caller}: mesh=AbstractMesh {dict(mesh.shape)} has no devices "
+            "to run on: it only traces, for a compile. Call it inside a function "
+            "that is compiled (`eqshard.filter_jit(f).lower(...).compile()`, "
+            "`eqshard.analyze_step`), or give a `Mesh` of devices "
+            "(`eqshard.create_mesh`)."
+        )

@@ -40,6 +40,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import mesh_repr, require_mesh
+from .._mesh._targets import require_traced_or_runnable
 from .._tree import path_str, paths_text
 from .._typing import KeyPath, typecheck, warn
 from ._explicit import auto_axes
@@ -457,6 +458,7 @@ def pipeline(
         ```
     """
     on = require_mesh(mesh, caller=_CALLER)
+    require_traced_or_runnable(_CALLER, on, (x, stack), abstract=True)
     stages = _check_mesh(on, axis)
     if schedule == "gpipe" and repeats != 1:
         raise _input_error(
