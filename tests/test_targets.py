@@ -417,3 +417,40 @@ def test_every_eager_call_on_a_target_mesh_is_the_compile_only_error(tmp_path):
     )
     args = [eqshard.abstract(a, P(), mesh) for a in (stack, x)]
     assert traced.lower(*args).compile() is not None
+
+
+_LIBTPU_LINES = ("unexpected worker hostname", "could not determine TPU")
+
+
+@pytest.mark.slow
+def test_libtpu_start_up_lines_show_only_when_the_target_fails():
+    # libtpu writes them to file descriptor 2 the first time it is used.
+    code = textwrap.dedent(
+        """
+        import sys
+        import eqshard
+        print("eqshard's first line", file=sys.stderr, flush=True)
+        try:
+            mesh = eqshard.create_mesh((-1,), ("dp",), target=sys.argv[1])
+        except ValueError as error:
+            print("ERROR", error)
+        else:
+            print("OK", mesh.devices.size)
+        """
+    )
+    runs = {
+        target: subprocess.Popen(
+            [sys.executable, "-c", code, target],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for target in ("v5e:2x4", "v5e:3x3")
+    }
+    (ok, ok_err), (failed, failed_err) = [p.communicate() for p in runs.values()]
+    assert ok == "OK 8\n"
+    assert not any(line in ok_err for line in _LIBTPU_LINES)
+    assert failed.startswith("ERROR eqshard.create_mesh: target='v5e:3x3'")
+    after = failed_err.split("eqshard's first line", 1)[1]
+    assert all(line in after for line in _LIBTPU_LINES)

@@ -6,11 +6,14 @@ run on them. `target_devices` is the one entry; `is_compile_only` tells a
 target's devices (their client's runtime type),
 `device_memory` the memory of one, `compiler_versions` what compiles for it."""
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -228,6 +231,38 @@ def _missing_extra(caller: str, target: str, extra: str, why: str) -> ImportErro
     )
 
 
+@contextlib.contextmanager
+def _stderr_into(sink: Any) -> Iterator[None]:
+    """Send what this process writes to file descriptor 2 (C++ logs included)
+    to the file `sink` meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _quietly(make: Callable[[], Any]) -> Any:
+    """`make()`, with what it writes to stderr shown only if it raises: libtpu
+    starts with warnings about the cloud metadata and worker hostnames that a
+    compile-only use has none of (`E0000 ... unexpected worker hostname`,
+    `WARNING: could not determine TPU accelerator type`), which read as a
+    failure."""
+    with tempfile.TemporaryFile() as sink:
+        try:
+            with _stderr_into(sink):
+                return make()
+        except BaseException:
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            sys.stderr.flush()
+            raise
+
+
 def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     from jax.experimental import topologies
 
@@ -248,8 +283,10 @@ def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
         # chip) is one host of its own size.
         options["chips_per_host_bounds"] = [*dims, 1]
     try:
-        topology = topologies.get_topology_desc(
-            topology_name=target.topology, platform="tpu", **options
+        topology = _quietly(
+            lambda: topologies.get_topology_desc(
+                topology_name=target.topology, platform="tpu", **options
+            )
         )
     except Exception as error:  # libtpu's own error type and text
         raise _target_error(
