@@ -470,3 +470,48 @@ def test_libtpu_start_up_lines_show_only_when_the_target_fails():
     assert failed.startswith("ERROR eqshard.create_mesh: target='v5e:3x3'")
     after = failed_err.split("eqshard's first line", 1)[1]
     assert all(line in after for line in _LIBTPU_LINES)
+
+
+def _xla_host_bytes(mesh, shapes, specs):
+    """XLA's host argument bytes per device of `shapes` kept in host memory."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s, memory_kind="pinned_host"),
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+    args = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        shapes,
+        shardings,
+    )
+    compiled = jax.jit(lambda t: t, out_shardings=shardings).lower(args).compile()
+    stats = compiled.memory_analysis()
+    assert stats is not None
+    return stats.host_argument_size_in_bytes
+
+
+def test_a_tpu_plan_counts_the_bytes_of_the_tiles_xla_lays_out():
+    mesh = eqshard.create_mesh((4,), ("dp",), target="v5e:2x2")
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    cases = [
+        # (64, 32) float32 blocks are laid out as (64, 128): twice their bytes.
+        ({"w": jax.ShapeDtypeStruct((64, 128), f32)}, {"w": P(None, "dp")}),
+        (
+            {
+                "a": jax.ShapeDtypeStruct((17, 33, 20), f32),
+                "b": jax.ShapeDtypeStruct((3, 200), bf16),
+                "c": jax.ShapeDtypeStruct((1000,), jnp.int8),
+                "d": jax.ShapeDtypeStruct((9, 520), bf16),
+            },
+            {"a": P(None, None, "dp"), "b": P(), "c": P(), "d": P(None, "dp")},
+        ),
+    ]
+    for shapes, specs in cases:
+        host_specs = jax.tree.map(
+            eqshard.host, specs, is_leaf=lambda s: isinstance(s, P)
+        )
+        plan = eqshard.plan_training(shapes, host_specs, mesh, gradients=False)
+        xla = _xla_host_bytes(mesh, shapes, specs)
+        assert set(plan.host_bytes_per_device) == {xla}
+    logical = 64 * 128 * 4 // 4
+    assert _xla_host_bytes(mesh, *cases[0]) == 2 * logical
