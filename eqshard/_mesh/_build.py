@@ -281,10 +281,12 @@ def create_mesh(
 
     **Raises:**
 
-    `ValueError` for an unknown `target` (listing the names known), `target`
-    with `devices` or `backend`, or a GPU target in a process whose JAX started
-    without `JAX_PLATFORMS=cpu`; `ImportError` naming the extra to install when
-    the target's compiler is missing. `ValueError` if sizes and names (or
+    `ValueError` for an unknown `target` (listing the names known), a topology
+    of the wrong rank for its generation, more than 8192 chips a slice or GPUs,
+    `num_slices` with a GPU target, `target` with `devices` or `backend`, or a
+    GPU target in a process whose JAX started without `JAX_PLATFORMS=cpu`;
+    `ImportError` naming the extra to install when the target's compiler is
+    missing. `ValueError` if sizes and names (or
     `axis_types` and names) differ in length, a name repeats, more than one size
     is `-1`, a size is `0` or below `-1`, or the sizes do not fit the device
     count (more than there are, or, unless `devices` is given, fewer: the message
