@@ -28,6 +28,7 @@ from eqshard._step._hlo_text import HloTextError
 from eqshard._step._step_records import CollectiveRow, StepLeaf
 from eqshard._step._step_report import StepReport
 from eqshard._step._step_rows import collective_row, memory
+from tests.fakes import host_mesh
 
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
@@ -119,7 +120,11 @@ def fixture(name: str) -> Fixture:
     meta = json.loads((FIXTURES / f"{name}.json").read_text())
     axes = [axis for axis, _ in meta["mesh"]]
     sizes = tuple(size for _, size in meta["mesh"])
-    mesh = jax.make_mesh(sizes, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+    if np.prod(sizes) <= len(jax.devices()):
+        auto = (AxisType.Auto,) * len(axes)
+        mesh = jax.make_mesh(sizes, tuple(axes), axis_types=auto)
+    else:  # more devices than this process has: stand-ins of the same shape
+        mesh = host_mesh(np.zeros(sizes, int).tolist(), tuple(axes))
     arguments = tuple(map(_leaf, meta["arguments"]))
     outputs = tuple(map(_leaf, meta["outputs"]))
     program = Program(text, caller="analyze_step", num_devices=mesh.size)
@@ -252,6 +257,76 @@ def test_tpu_async_collective_fusions_count_once():
     # Each started gather is one row, besides the gathers XLA left plain.
     plain = len(re.findall(r"all-gather\(.*async_collective_name=", text))
     assert len(gathers) == starts + plain
+
+
+# Two slices: XLA peels an iteration of the layer loops and reuses the channel
+# ids of async gathers for plain gathers and reduce-scatters.
+
+_COMPUTATION_HEAD = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = .*? (all-gather|all-reduce|reduce-scatter|all-to-all|"
+    r"collective-permute)(?:-start)?\("
+)
+
+
+def _chain_census(text: str) -> collections.Counter:
+    """The kinds of the program's collectives, each once: every collective line
+    but the clones, which sit in the fusions that continue a TPU async
+    collective (`async_collective_fusion*`) or end it (`AsyncCollectiveDone`),
+    and the all-reduce inside an all-reduce-scatter fusion."""
+    kinds: collections.Counter = collections.Counter()
+    blocks = re.split(r"\n(?=(?:ENTRY )?%[\w.\-]+ .*\{\s*\n)", text)
+    for block in blocks:
+        head = _COMPUTATION_HEAD.match(block.split("\n", 1)[0])
+        if head is None:
+            continue
+        name = head[1]
+        clone = name.startswith("async_collective_fusion") or (
+            'custom_call_target="AsyncCollectiveDone"' in block
+        )
+        if clone or name.startswith("all-reduce-scatter"):
+            continue
+        for line in block.splitlines():
+            found = _COLLECTIVE.match(line)
+            if found is not None:
+                kinds[found[1]] += 1
+    return kinds
+
+
+def test_two_slice_rows_are_every_collective_whatever_its_channel_id():
+    found = fixture("tpu_two_slices")
+    kinds = collections.Counter(row.kind for row in found.report.collectives)
+    assert kinds == _chain_census(found.text)
+    # The channel ids the reader must not key on: one of an async gather's is
+    # also a plain reduce-scatter's.
+    channels = collections.defaultdict(set)
+    for kind, number in re.findall(
+        r" (all-gather|reduce-scatter)\(.*?channel_id=(\d+)", found.text
+    ):
+        channels[number].add(kind)
+    assert any(len(k) > 1 for k in channels.values())
+
+
+# A mixture of experts on TPU v5p: scatters run on the SparseCore.
+
+
+def test_a_sparsecore_program_is_read_with_its_collectives_by_path():
+    found = fixture("tpu_moe_sparsecore")
+    assert 'execution_thread="sparsecore"' in found.text
+    threads = {c.thread for c in found.program.module.computations.values()}
+    assert threads == {"main", "sparsecore"}
+    kinds = collections.Counter(row.kind for row in found.report.collectives)
+    census = _chain_census(found.text)
+    assert {k: v for k, v in kinds.items() if k != "kernel"} == census
+    # The experts' weights are gathered over 'dp' for the expert matmuls.
+    gathered = {
+        path
+        for row in found.report.collectives
+        if row.kind == "all-gather"
+        for part in row.parts
+        for path in part.paths
+    }
+    assert {"params/up", "params/down"} <= gathered
 
 
 @pytest.mark.parametrize("name", FSDP_TP)
@@ -496,3 +571,17 @@ def test_an_async_start_wrapper_is_one_collective(between, overlapped):
     assert part.shape.dims == (8, 8) and part.arguments == {0}
     assert part.results == {0}
     assert gather.overlapped is overlapped
+
+
+@pytest.mark.slow
+def test_search_layout_compiles_and_reads_a_sparsecore_step():
+    mesh = regenerate.v5p_mesh()
+    step, args = regenerate.moe(mesh, dim=128, tokens=256)
+    with warnings.catch_warnings():
+        # The expert matmuls are Mosaic kernels: their rows say so.
+        warnings.filterwarnings("ignore", "eqshard.analyze_step: the step runs")
+        result = eqshard.search_layout(
+            step, *args, mesh=mesh, max_candidates=1, progress=False
+        )
+    assert result.best is not None
+    assert result.best.report.collectives

@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh
+from .._mesh._targets import require_runnable
 from .._spectree._derive import restricted
 from .._spectree._memory import Host, memory_of
 from .._spectree._spec_args import resolve_specs
@@ -69,6 +70,7 @@ def restore_target(
         return like, None
     specs = resolve_specs(specs, like, caller=caller, mesh=mesh)
     mesh = find_mesh(mesh)
+    require_runnable(caller, mesh)
     if mesh is None:
         return like, specs
     pairs = leaf_specs(specs, like, caller=caller)

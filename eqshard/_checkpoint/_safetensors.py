@@ -53,6 +53,8 @@ from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
 from .._keys import is_key, key_impl_name
+from .._mesh._current import find_mesh
+from .._mesh._targets import require_runnable
 from .._move._gather import iter_gather
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text, more_lost
 from .._move._multiprocess import (
@@ -151,6 +153,7 @@ def _load_tree(
 ) -> PyTree:
     """`load_safetensors` on this process (steps 1 to 4 of the module's
     docstring)."""
+    require_runnable(caller, find_mesh(mesh))
     safetensors = import_optional("safetensors", "safetensors", caller)
     named = named_arrays(like, caller, sep)
     leaves, treedef = jtu.tree_flatten(like)

@@ -16,7 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from .._typing import AxisTypesArg, Int, typecheck
-from ._targets import GPU_PREFIXES, target_devices
+from ._targets import parse_target, target_devices
 
 
 # One builder per kind of message.
@@ -271,8 +271,9 @@ def create_mesh(
       `AxisType.Explicit`) or one per axis (default all `Auto`).
     - `target`: hardware to compile for instead of this machine's devices.
     - `num_slices`: with a TPU `target`, that many slices over DCN (devices
-      with `slice_index`); with a GPU one, that many copies of the hosts. The
-      first axis whose size is a multiple of `num_slices` runs across them.
+      with `slice_index`); the first axis whose size is a multiple of
+      `num_slices` runs across them. A GPU target names its hosts instead
+      (`"h100:2x8"`).
 
     **Returns:**
 
@@ -280,10 +281,12 @@ def create_mesh(
 
     **Raises:**
 
-    `ValueError` for an unknown `target` (listing the names known), `target`
-    with `devices` or `backend`, or a GPU target in a process whose JAX started
-    without `JAX_PLATFORMS=cpu`; `ImportError` naming the extra to install when
-    the target's compiler is missing. `ValueError` if sizes and names (or
+    `ValueError` for an unknown `target` (listing the names known), a topology
+    of the wrong rank for its generation, more than 8192 chips a slice or GPUs,
+    `num_slices` with a GPU target, `target` with `devices` or `backend`, or a
+    GPU target in a process whose JAX started without `JAX_PLATFORMS=cpu`;
+    `ImportError` naming the extra to install when the target's compiler is
+    missing. `ValueError` if sizes and names (or
     `axis_types` and names) differ in length, a name repeats, more than one size
     is `-1`, a size is `0` or below `-1`, or the sizes do not fit the device
     count (more than there are, or, unless `devices` is given, fewer: the message
@@ -538,9 +541,10 @@ def create_hybrid_mesh(
             "give target= too, or leave num_slices out."
         )
     if target is not None:
-        slices = 1 if target.startswith(GPU_PREFIXES) else num_units
+        parsed = parse_target(caller, target)  # parsed once, used throughout
+        slices = 1 if parsed.platform == "cuda" else num_units
         slices = slices if num_slices is None else operator.index(num_slices)
-        devs = target_devices(caller, target, num_slices=slices)
+        devs = target_devices(caller, parsed, num_slices=slices)
     else:
         devs = resolve_devices(caller, devices, None)
     attr = _unit_attribute(devs, num_units)

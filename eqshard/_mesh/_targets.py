@@ -6,16 +6,21 @@ run on them. `target_devices` is the one entry; `is_compile_only` tells a
 target's devices (their client's runtime type),
 `device_memory` the memory of one, `compiler_versions` what compiles for it."""
 
+import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import re
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh
 
 
 _GiB = 1 << 30
@@ -105,19 +110,20 @@ GPUS: dict[str, GpuSpec] = {
     ),
 }  # fmt: skip
 
-# Target names that are GPUs (their hosts, not slices, are the DCN units).
-GPU_PREFIXES = tuple(GPUS)
-
 # JAX preallocates this fraction of a GPU's memory unless told otherwise.
 GPU_FRACTION = 0.75
 
 # TPUs: HBM per JAX device (one device per chip; a v4 or v5p chip is one
 # "megacore" device of two TensorCores), by the devices' `device_kind`.
+# What libtpu allows a program ("exceeds available HBM (15.75G)"; libtpu
+# 0.0.42 keeps a further 2-4 MiB for itself), not the chip's HBM: a program
+# compiles when XLA's peak (`peak_memory_in_bytes`) fits, even where its
+# arguments and temporaries add up to more (measured on v5p).
 TPU_MEMORY = {
-    "TPU v4": 32 * _GiB,
-    "TPU v5 lite": 16 * _GiB,
-    "TPU v5": 95 * _GiB,
-    "TPU v6 lite": 32 * _GiB,
+    "TPU v4": int(30.75 * _GiB),
+    "TPU v5 lite": int(15.75 * _GiB),
+    "TPU v5": int(95.74 * _GiB),
+    "TPU v6 lite": int(31.25 * _GiB),
 }
 
 # Cloud TPU accelerator names: the generation as libtpu spells it, whether N
@@ -130,6 +136,8 @@ _CLOUD = {
     "v6e": ("v6e", False, 2),
 }
 _MAX_CHIPS = 1 << 13
+# The rank of each generation's topology (a 2-D torus, or 3-D).
+_RANKS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 
 
 def _cloud_topology(chips: int, rank: int) -> tuple[int, ...] | None:
@@ -152,6 +160,42 @@ class Target:
     name: str
     platform: str  # "tpu" or "cuda"
     topology: str  # libtpu's topology name, or the GPU's "slices x hosts x gpus"
+    gpu: str = ""  # the key of `GPUS` for a GPU target
+
+
+def _gpu_target(caller: str, target: str, gpu: str, hosts: str) -> Target:
+    shape = re.fullmatch(r"(\d+)x(\d+)", hosts) if hosts else None
+    if hosts and (shape is None or 0 in map(int, shape.groups())):
+        raise _target_error(
+            caller, target, "write a GPU target as 'h100' (one host of 8) or "
+            "'h100:HOSTSxGPUS' such as 'h100:8x8'."
+        )  # fmt: skip
+    n_hosts, per_host = map(int, shape.groups()) if shape else (1, 8)
+    if n_hosts * per_host > _MAX_CHIPS:
+        raise _target_error(
+            caller, target, f"{n_hosts} hosts of {per_host} GPUs are "
+            f"{n_hosts * per_host} devices, more than the {_MAX_CHIPS} a target "
+            "may have; name fewer hosts."
+        )  # fmt: skip
+    return Target(target, "cuda", f"1x{n_hosts}x{per_host}", gpu)
+
+
+def _tpu_topology(caller: str, target: str, text: str) -> Target:
+    generation, _, shape = text.partition(":")
+    dims = [int(d) for d in shape.split("x")]
+    rank = _RANKS[generation]
+    if len(dims) != rank:
+        example = "2x2x1" if rank == 3 else "2x4"
+        raise _target_error(
+            caller, target, f"a {generation} slice is a {rank}-D topology, not "
+            f"{len(dims)}-D; write {rank} sizes such as '{generation}:{example}'."
+        )  # fmt: skip
+    if 0 in dims or math.prod(dims) > _MAX_CHIPS:
+        raise _target_error(
+            caller, target, f"a slice of {math.prod(dims)} chips: give sizes of "
+            f"1 or more, at most {_MAX_CHIPS} chips in all."
+        )  # fmt: skip
+    return Target(target, "tpu", text)
 
 
 def parse_target(caller: str, target: str) -> Target:
@@ -159,21 +203,14 @@ def parse_target(caller: str, target: str) -> Target:
     text = target.strip().lower()
     gpu, _, hosts = text.partition(":")
     if gpu in GPUS:
-        shape = re.fullmatch(r"(\d+)x(\d+)", hosts) if hosts else None
-        if hosts and (shape is None or 0 in map(int, shape.groups())):
-            raise _target_error(
-                caller, target, "write a GPU target as 'h100' (one host of 8) or "
-                "'h100:HOSTSxGPUS' such as 'h100:8x8'."
-            )  # fmt: skip
-        n_hosts, per_host = map(int, shape.groups()) if shape else (1, 8)
-        return Target(target, "cuda", f"1x{n_hosts}x{per_host}")
+        return _gpu_target(caller, target, gpu, hosts)
     if gpu == "a100":
         raise _target_error(
             caller, target, "an A100 has 40 or 80 GB; name it 'a100-40g' or "
             "'a100-80g'."
         )  # fmt: skip
-    if re.fullmatch(r"v(4|5e|5p|6e):\d+(x\d+){1,2}", text):
-        return Target(target, "tpu", text)
+    if re.fullmatch(r"v(4|5e|5p|6e):\d+(x\d+)*", text):
+        return _tpu_topology(caller, target, text)
     cloud = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", text)
     if cloud is not None:
         generation, cores, rank = _CLOUD[cloud.group(1)]
@@ -199,6 +236,38 @@ def _missing_extra(caller: str, target: str, extra: str, why: str) -> ImportErro
     )
 
 
+@contextlib.contextmanager
+def _stderr_into(sink: Any) -> Iterator[None]:
+    """Send what this process writes to file descriptor 2 (C++ logs included)
+    to the file `sink` meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _quietly(make: Callable[[], Any]) -> Any:
+    """`make()`, with what it writes to stderr shown only if it raises: libtpu
+    starts with warnings about the cloud metadata and worker hostnames that a
+    compile-only use has none of (`E0000 ... unexpected worker hostname`,
+    `WARNING: could not determine TPU accelerator type`), which read as a
+    failure."""
+    with tempfile.TemporaryFile() as sink:
+        try:
+            with _stderr_into(sink):
+                return make()
+        except BaseException:
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            sys.stderr.flush()
+            raise
+
+
 def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     from jax.experimental import topologies
 
@@ -213,9 +282,16 @@ def _tpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     options: dict[str, Any] = {"num_slices": num_slices}
     if target.topology.startswith(("v4:", "v5p:")):
         options["chip_config_name"] = "megacore"  # one JAX device per chip
+    dims = [int(d) for d in target.topology.partition(":")[2].split("x")]
+    if len(dims) == 2 and min(dims) < 2:
+        # libtpu's default host is 2x2 chips: a smaller slice (v5e-1, a single
+        # chip) is one host of its own size.
+        options["chips_per_host_bounds"] = [*dims, 1]
     try:
-        topology = topologies.get_topology_desc(
-            topology_name=target.topology, platform="tpu", **options
+        topology = _quietly(
+            lambda: topologies.get_topology_desc(
+                topology_name=target.topology, platform="tpu", **options
+            )
         )
     except Exception as error:  # libtpu's own error type and text
         raise _target_error(
@@ -243,7 +319,7 @@ def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
             caller, target.name, "gpu", "JAX's CUDA plugin (jax-cuda12-plugin)"
         )
     _, hosts, per_host = target.topology.split("x")
-    gpu = GPUS[target.name.split(":")[0].strip().lower()]
+    gpu = GPUS[target.gpu]
     try:
         topology = topologies.get_topology_desc(
             platform="cuda",
@@ -267,12 +343,29 @@ def _gpu_devices(caller: str, target: Target, num_slices: int) -> list[Any]:
     return list(topology.devices)
 
 
-def target_devices(caller: str, target: str, *, num_slices: int = 1) -> list[Any]:
-    """The compile-only devices of `target` (`num_slices` copies over DCN)."""
+def target_devices(
+    caller: str, target: str | Target, *, num_slices: int = 1
+) -> list[Any]:
+    """The compile-only devices of `target` (`num_slices` TPU slices over DCN)."""
+    name = target if isinstance(target, str) else target.name
     if num_slices < 1:
-        raise _target_error(caller, target, f"num_slices={num_slices}; give 1 or more.")
-    parsed = parse_target(caller, target)
+        raise _target_error(caller, name, f"num_slices={num_slices}; give 1 or more.")
+    parsed = parse_target(caller, target) if isinstance(target, str) else target
+    if parsed.platform == "cuda" and num_slices != 1:
+        hosts = parsed.topology.split("x")[1]
+        raise _target_error(
+            caller, name, f"num_slices={num_slices} is for TPU slices; a GPU "
+            f"target's DCN units are its hosts: write '{parsed.gpu}:HOSTSxGPUS' "
+            f"such as '{parsed.gpu}:{int(hosts) * num_slices}x8' and leave "
+            "num_slices out."
+        )  # fmt: skip
     if parsed.platform == "tpu":
+        chips = math.prod(map(int, parsed.topology.partition(":")[2].split("x")))
+        if chips * num_slices > _MAX_CHIPS * 8:
+            raise _target_error(
+                caller, name, f"num_slices={num_slices} of {chips} chips is more "
+                f"than the {_MAX_CHIPS * 8} chips a target may have; give fewer."
+            )  # fmt: skip
         return _tpu_devices(caller, parsed, num_slices)
     return _gpu_devices(caller, parsed, num_slices)
 
@@ -323,6 +416,43 @@ def _memory_fraction() -> float:
     return fraction
 
 
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tpu_padded_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """The bytes a TPU lays an array of `shape` out in: its two most minor
+    dimensions in tiles of (rows, 128) elements, rows a power of two from
+    the packing (1 for 32-bit, 2 for 16-bit, 4 for 8-bit elements) to 8, in
+    the order of dimensions that pads least, as XLA's layouts for TPU choose
+    them (`f32[64,32]{0,1:T(8,128)}`); a vector in tiles of 128 to 1024
+    elements. Measured with libtpu 0.0.42 on host and device arguments."""
+    if itemsize not in (1, 2, 4):
+        return math.prod(shape) * itemsize
+    pack = 4 // itemsize
+    if len(shape) <= 1:
+        n = shape[0] if shape else 1
+        return _ceil(n, min(max(_pow2(n), 128 * pack), 1024)) * itemsize
+    best = None
+    for minor, second in itertools.permutations(range(len(shape)), 2):
+        rows = min(max(_pow2(shape[second]), pack), 8)
+        rest = math.prod(d for k, d in enumerate(shape) if k not in (minor, second))
+        n = rest * _ceil(shape[second], rows) * _ceil(shape[minor], 128)
+        best = n if best is None else min(best, n)
+    return int(best or 0) * itemsize
+
+
+def pads_to_tiles(mesh: Any) -> bool:
+    """Whether `mesh` is a TPU target's, whose arrays `tpu_padded_bytes` lays
+    out."""
+    first = next(iter(mesh.devices.flat), None) if isinstance(mesh, Mesh) else None
+    return first is not None and is_compile_only(first) and first.platform == "tpu"
+
+
 def compiler_versions(devices: Sequence[Any]) -> dict[str, str]:
     """The versions of JAX and of the compiler behind `devices`."""
     versions = {"jax": jax.__version__, "jaxlib": metadata.version("jaxlib")}
@@ -362,3 +492,23 @@ def require_runnable(caller: str, mesh: Any) -> None:
     error = compile_only_error(caller, mesh)
     if error is not None:
         raise error
+
+
+def require_traced_or_runnable(
+    caller: str, mesh: Any, values: Any, *, abstract: bool = False
+) -> None:
+    """For a call that runs now unless it is traced (inside `jit`, for a
+    compile): where none of `values` is a tracer, raise `compile_only_error`
+    for a target's mesh and, with `abstract`, an error for an `AbstractMesh`
+    (no devices to run on)."""
+    if any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(values)):
+        return
+    require_runnable(caller, mesh)
+    if abstract and isinstance(mesh, AbstractMesh):
+        raise ValueError(
+            f"eqshard.{caller}: mesh=AbstractMesh {dict(mesh.shape)} has no devices "
+            "to run on: it only traces, for a compile. Call it inside a function "
+            "that is compiled (`eqshard.filter_jit(f).lower(...).compile()`, "
+            "`eqshard.analyze_step`), or give a `Mesh` of devices "
+            "(`eqshard.create_mesh`)."
+        )

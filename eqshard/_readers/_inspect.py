@@ -278,7 +278,8 @@ class ShardingRow:
       array is not placed on the mesh.
     - `nbytes`: the bytes of the whole array.
     - `bytes_per_device`: the bytes of the piece each device holding the array has
-      (0 if it is not placed).
+      (0 if it is not placed); on a TPU target's mesh, as laid out in the TPU's
+      tiles (a (64, 32) float32 piece takes (64, 128)'s bytes).
     - `num_shards`: into how many distinct pieces the array is split.
     - `num_devices`: how many devices hold a piece.
     - `valid`: whether `spec` can apply; if not, the row describes the nearest spec

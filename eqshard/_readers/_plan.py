@@ -22,6 +22,7 @@ from jaxtyping import PyTree
 
 from .._caches import register
 from .._mesh._current import mesh_repr
+from .._mesh._targets import device_memory as device_memory_of
 from .._report import format_bytes, parse_bytes, Report
 from .._spectree._select import split_state
 from .._spectree._spec_args import is_partition_rules, resolve_specs
@@ -457,7 +458,9 @@ def plan_training(
     - `grad_dtype`: the dtype of the gradients; by default the parameters'.
     - `gradients`: whether to count gradients.
     - `device_memory`: the memory of one device, in bytes or as a string such as
-      `"80GiB"`; the plan then says whether it fits and by how much.
+      `"80GiB"`; the plan then says whether it fits and by how much. On a
+      target's mesh (`create_mesh(target=...)`) by default the target's, as
+      [`eqshard.analyze_step`][] takes it.
     - `trainable`: which arrays are trained, as the `filter_spec` of
       `eqx.partition`: a bool, a callable of a leaf returning a bool, or a tree of
       them (a prefix of `params`). The floating-point arrays it selects get
@@ -573,6 +576,8 @@ def plan_training(
     host = host_bytes(parts, mesh, caller)
     copy = np.round(host * float(offload_copy)).astype(np.int64)
     total = tuple((np.asarray(total, dtype=np.int64) + copy - host).tolist())
+    if budget is None and isinstance(mesh, Mesh):  # a target's: its memory
+        budget = device_memory_of(list(mesh.devices.flat))
     return TrainingPlan(
         mesh=mesh,
         params=param_report,

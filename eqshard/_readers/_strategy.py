@@ -17,6 +17,7 @@ from jaxtyping import PyTree
 
 from .._deprecated import renamed_literals
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
+from .._mesh._targets import pads_to_tiles, tpu_padded_bytes
 from .._spectree._memory import Host, HOST_MEMORY
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
@@ -152,6 +153,7 @@ class _Placed:
     piece: int
     shards: int
     holders: int
+    block: tuple[int, ...] = ()  # the shape of a piece
 
 
 @dataclasses.dataclass
@@ -168,6 +170,7 @@ class _Tally:
     # (spec, shape) -> what a spec that applies places. Trees repeat a few shapes
     # under a few specs many times over (layers, gradients, moments).
     placed: dict[Any, _Placed] = dataclasses.field(default_factory=dict)
+    padded: bool = False  # a TPU target's mesh: pieces laid out in tiles
 
 
 def _dtype(tally: _Tally, leaf: Any, spec: Any) -> tuple[int, str]:
@@ -200,11 +203,16 @@ def _placement(
     sizes = dict(leaf_mesh.shape)
     # `fixed` divides every dimension evenly: every device holds as much.
     splits = [math.prod(sizes[a] for a in entry_axes(e)) for e in fixed]
-    piece = math.prod(
+    block = tuple(
         n // (splits[d] if d < len(splits) else 1) for d, n in enumerate(shape)
     )
     found = _Placed(
-        asked, devices, piece, math.prod(splits), math.prod(leaf_mesh.axis_sizes)
+        asked,
+        devices,
+        math.prod(block),
+        math.prod(splits),
+        math.prod(leaf_mesh.axis_sizes),
+        block,
     )
     if problem is None:
         tally.placed[(spec, shape)] = found
@@ -240,10 +248,13 @@ def _add(tally: _Tally, path: KeyPath, spec: Any, leaf: Any) -> None:
     found, problem = _placement(tally, path, spec, leaf, shape)
     if problem is not None:
         tally.problems.append(problem)
+    held = found.piece * itemsize
+    if tally.padded:
+        held = tpu_padded_bytes(found.block, itemsize)
     if isinstance(found.devices, slice):
-        tally.every += found.piece * itemsize
+        tally.every += held
     else:
-        tally.per_device[found.devices] += found.piece * itemsize
+        tally.per_device[found.devices] += held
     tally.rows.append(
         ShardingRow(
             name,
@@ -251,7 +262,7 @@ def _add(tally: _Tally, path: KeyPath, spec: Any, leaf: Any) -> None:
             dtype_name,
             found.asked,
             nbytes,
-            found.piece * itemsize,
+            held,
             found.shards,
             found.holders,
             problem is None,
@@ -277,7 +288,7 @@ def analyze_pairs(
         else None
     )
     per_device = np.zeros(math.prod(mesh.axis_sizes), dtype=np.int64)
-    tally = _Tally(mesh, index, per_device)
+    tally = _Tally(mesh, index, per_device, padded=pads_to_tiles(mesh))
     for (path, spec), leaf in zip(pairs, leaves, strict=True):
         if is_array(leaf):
             _add(tally, path, spec, leaf)

@@ -59,7 +59,7 @@ from ._hlo_text import (
 # ---------------------------------------------------------------------------------
 
 # The ops that run other computations whose parameters their operands become.
-_CALL_SITES = {"fusion", "call", "async-start", "while", "conditional"}
+_CALL_SITES = {"fusion", "call", "async-start", "call-start", "while", "conditional"}
 
 
 def _call_order(module: Module, caller: str) -> list[str]:
@@ -205,12 +205,12 @@ def _call_sites(
     base = graphs[computation.name].base
     operands = graphs.operand_slots(computation, instruction, base)
     result = span(base, position, len(instruction.slots))
-    if opcode in ("fusion", "call", "async-start"):
+    if opcode in ("fusion", "call", "async-start", "call-start"):
         (callee,) = callees(instruction)
         params = graphs.param_slots(callee)
         sources: list[int | None] = [operands[i][k] for i, k in params]
         roots = len(graphs[callee].root)
-        if opcode == "async-start":
+        if opcode in ("async-start", "call-start"):
             yield callee, sources, [result] * roots
         else:
             yield callee, sources, [[slot] for slot in result[:roots]]
@@ -397,7 +397,7 @@ class Program:
                 )
             elif (
                 "all-" in opcode or "collective" in opcode or "scatter-" in opcode
-            ) and opcode not in DONES:
+            ) and opcode not in DONES | {"call-start"}:
                 raise text_error(
                     self.caller, f"an unknown collective {opcode!r}", instruction.line
                 )

@@ -130,52 +130,79 @@ class Forms:
     starts: dict[str, list[tuple[str, int]]]
 
 
+def _chains(module: Module, computation: Computation, forms: Forms) -> set[str]:
+    """The computations of the fusions of `computation` that continue an async
+    chain started there: fed (through `get-tuple-element`) by a TPU start
+    fusion or by a fusion that continues one. Records the starts in `forms`."""
+    chained: set[str] = set()  # instructions that carry a chain's state
+    clones: set[str] = set()
+    for position, instruction in enumerate(computation.instructions):
+        fed = any(operand in chained for operand in instruction.operands)
+        if instruction.opcode == "get-tuple-element" and fed:
+            chained.add(instruction.name)
+        if instruction.opcode == "async-start":
+            forms.starts.setdefault(callees(instruction)[0], []).append(
+                (computation.name, position)
+            )
+        if instruction.opcode != "fusion":
+            continue
+        (callee,) = callees(instruction)
+        inside = module.computations[callee]
+        if _root_target(inside) == ASYNC_START:
+            forms.starts.setdefault(callee, []).append((computation.name, position))
+            chained.add(instruction.name)
+        elif is_scatter_fusion(module, instruction):
+            forms.skipped.update(
+                (callee, k)
+                for k, i in enumerate(inside.instructions)
+                if is_collective(i)
+            )
+        elif fed and any(map(is_collective, inside.instructions)):
+            chained.add(instruction.name)
+            clones.add(callee)
+    return clones
+
+
 def read_forms(module: Module, order: list[str]) -> Forms:
     """The TPU async fusions and all-reduce-scatter fusions of the computations
-    of `order`. Raises `BadLine` for a done whose collective nobody started."""
-    skipped: set[tuple[str, int]] = set()
-    starts: dict[str, list[tuple[str, int]]] = {}
+    of `order`. Raises `BadLine` for a done whose collective nobody started.
+
+    A start fusion's clones are the collectives of the fusions its state flows
+    through to its done (its chain), whatever their channel ids: XLA reuses a
+    channel id for other collectives (a peeled loop iteration's plain ops). A
+    fusion that the chain reaches only across a loop's iterations is matched by
+    channel id; a collective outside any fusion is never a clone."""
+    forms = Forms(set(), {})
     started: set[str] = set()  # channel ids of started collectives
-    done_computations: list[str] = []
+    clones: set[str] = set()  # computations of the fusions of a chain
+    fused: set[str] = set()  # computations that fusions call
     for name in order:
         computation = module.computations[name]
-        root_target = _root_target(computation)
-        if root_target == ASYNC_START:
+        if _root_target(computation) == ASYNC_START:
             started.update(
                 c for i in computation.instructions if (c := channel(i)) is not None
             )
-        elif root_target == ASYNC_DONE:
-            done_computations.append(name)
-        for position, instruction in enumerate(computation.instructions):
-            if instruction.opcode not in ("fusion", "async-start"):
-                continue
-            if instruction.opcode == "async-start":
-                starts.setdefault(callees(instruction)[0], []).append((name, position))
-                continue
-            (callee,) = callees(instruction)
-            if _root_target(module.computations[callee]) == ASYNC_START:
-                starts.setdefault(callee, []).append((name, position))
-            elif is_scatter_fusion(module, instruction):
-                inside = module.computations[callee].instructions
-                skipped.update(
-                    (callee, k) for k, i in enumerate(inside) if is_collective(i)
-                )
-    for name in done_computations:
+        clones |= _chains(module, computation, forms)
+        fused.update(
+            callees(i)[0] for i in computation.instructions if i.opcode == "fusion"
+        )
+    for name in order:
         computation = module.computations[name]
+        root = _root_target(computation)
+        if root == ASYNC_START or (name not in clones and name not in fused):
+            continue
         for position, instruction in enumerate(computation.instructions):
-            if is_collective(instruction) and channel(instruction) not in started:
+            if not is_collective(instruction):
+                continue
+            if name in clones or channel(instruction) in started:
+                forms.skipped.add((name, position))
+            elif root == ASYNC_DONE:
                 raise BadLine(
                     "an AsyncCollectiveDone whose collective no "
                     "AsyncCollectiveStart starts",
                     instruction.line,
                 )
-    for name in order:
-        if _root_target(module.computations[name]) == ASYNC_START:
-            continue
-        for position, instruction in enumerate(module.computations[name].instructions):
-            if is_collective(instruction) and channel(instruction) in started:
-                skipped.add((name, position))
-    return Forms(skipped, starts)
+    return forms
 
 
 def _computes(module: Module, instruction: Instruction) -> bool:

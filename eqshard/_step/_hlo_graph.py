@@ -51,6 +51,9 @@ KINDS = {
 }
 STARTS = {f"{opcode}-start": kind for opcode, kind in KINDS.items()}
 DONES = {f"{opcode}-done" for opcode in KINDS} | {"async-done", "async-update"}
+# An asynchronous call of a computation on another execution thread (TPU's
+# SparseCore): `call-start(...), async_execution_thread=..., to_apply=%c`.
+DONES |= {"call-done", "call-update"}
 
 # Ops that keep each element's identity: which operands flow into the result
 # (`None`: all of them).
@@ -88,7 +91,7 @@ _PASS = {"opt-barrier", "domain"}
 _PICKING = {"get-tuple-element", "tuple", "broadcast"} | _PASS
 # The ops of asynchronous pairs, and collectives' other than `KINDS`: their
 # result is all their operands' data.
-_ASYNC = set(STARTS) | DONES | {"copy-done", "slice-done", "async-start"}
+_ASYNC = set(STARTS) | DONES | {"copy-done", "slice-done", "async-start", "call-start"}
 # Ops that mix elements, and the operands whose data they mix (`None`: all; an
 # int n: the first n, or half of them for negative n).
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')

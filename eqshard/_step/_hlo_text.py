@@ -171,9 +171,13 @@ class Computation:
     index: dict[str, int]  # name -> position in `instructions`
     params: list[int]  # positions of the parameters, by parameter number
     root: int  # position of the root
+    thread: str = "main"  # the execution thread (TPU's "sparsecore", ...)
 
 
 _COMMENT = re.compile(r"/\*.*?\*/")
+# A computation's end, with the execution thread it runs on when not the main
+# one: `}, execution_thread="sparsecore"`.
+_END = re.compile(r'\}(?:\s*,\s*execution_thread="([\w\-.]+)")?')
 _HEAD = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 # The shape, then the opcode: the first lower-case word before a parenthesis
 # (layouts write upper-case `T(8,128)`, `E(4)`, `S(1)`).
@@ -323,9 +327,11 @@ def parse(text: str, *, caller: str) -> Module:
     for line in text.splitlines():
         stripped = line.strip()
         if current is not None:
-            if stripped == "}":
+            end = _END.fullmatch(stripped)
+            if end is not None:
                 if current.root < 0:
                     raise text_error(caller, f"{current.name} has no ROOT", line)
+                current.thread = end[1] or current.thread
                 computations[current.name] = current
                 current = None
                 continue
@@ -511,7 +517,7 @@ def callees(instruction: Instruction) -> list[str]:
     opcode = instruction.opcode
     if opcode in ("fusion", "async-start"):
         return [called(instruction, "calls")]
-    if opcode == "call":
+    if opcode in ("call", "call-start"):  # call-start: on another thread
         return [called(instruction, "to_apply")]
     if opcode == "while":
         return [called(instruction, "condition"), called(instruction, "body")]

@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
 from .._mesh._current import current_mesh, mesh_repr, same_mesh
+from .._mesh._targets import is_compile_only
 from .._tree import is_array, path_name
 
 
@@ -250,27 +251,41 @@ def _placement_error(lines: Sequence[str]) -> ValueError:
     )
 
 
+def _where(sharding: Sharding) -> str:
+    """Where an argument is placed, for `_devices_error`: its mesh and devices."""
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    first = devices[0]
+    kind = first.device_kind
+    if first.platform.lower() not in kind.lower():
+        kind = f"{first.platform.upper()} {kind}"
+    if is_compile_only(first):
+        kind += ", compile-only (a target's)"
+    ids = [d.id for d in devices]
+    if isinstance(sharding, NamedSharding):
+        return f"the mesh {mesh_repr(sharding.mesh)} of {len(ids)} {kind} devices"
+    return f"devices {ids} ({kind})"
+
+
 def _devices_error(arrays: Sequence[Leaf]) -> ValueError | None:
     """The error for committed arguments on different sets of devices (JAX
-    raises when the step is called with them), or `None`."""
-    groups: dict[frozenset[int], list[str]] = {}
+    raises when the step is called with them), or `None`. Devices are told
+    apart by platform too: a target's devices and this machine's share ids."""
+    groups: dict[frozenset[tuple[str, int]], list[tuple[str, Sharding]]] = {}
     for leaf in arrays:
         if leaf.sharding is not None:
-            ids = frozenset(d.id for d in leaf.sharding.device_set)
-            groups.setdefault(ids, []).append(leaf.path)
+            key = frozenset((d.platform, d.id) for d in leaf.sharding.device_set)
+            groups.setdefault(key, []).append((leaf.path, leaf.sharding))
     if len(groups) < 2:
         return None
-    most = max(groups, key=lambda ids: len(groups[ids]))
-    others = [
-        f"  - '{path}': on devices {sorted(ids)}"
-        for ids, found in groups.items()
-        if ids != most
-        for path in found
-    ]
+    lines = []
+    for found in sorted(groups.values(), key=len, reverse=True):
+        paths = ", ".join(f"'{path}'" for path, _ in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        lines.append(f"  - {paths}{more}: on {_where(found[0][1])}")
     return ValueError(
-        f"eqshard.{CALLER}: the arguments are committed to different devices, so "
-        f"calling the step with them raises: most are on devices {sorted(most)}, "
-        "but\n" + "\n".join(others) + "\nPlace every argument on the step's mesh "
-        "(`eqshard.shard(x, spec, mesh)`), or pass host data (NumPy), which the "
-        "program places itself."
+        f"eqshard.{CALLER}: the arguments are on {len(groups)} different sets of "
+        "devices, and one step compiles for one:\n" + "\n".join(lines) + "\nPlace "
+        "every argument on the step's mesh (`eqshard.shard(x, spec, mesh)`, or "
+        "`eqshard.abstract(x, spec, mesh)` for a target's mesh), or pass host "
+        "data (NumPy), which the program places itself."
     )

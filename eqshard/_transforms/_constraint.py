@@ -18,6 +18,7 @@ from jaxtyping import PyTree
 
 from .._deprecated import renamed_keywords
 from .._mesh._current import find_mesh, mesh_repr
+from .._mesh._targets import require_traced_or_runnable
 from .._spectree._logical import normalize_rules
 from .._spectree._memory import refuse_host
 from .._spectree._spec_args import resolve_specs
@@ -272,6 +273,7 @@ def with_sharding_constraint(
     )
     mesh = find_mesh(mesh)
     caller = "with_sharding_constraint"
+    require_traced_or_runnable(caller, mesh, tree)
     table = None if axis_rules is None else normalize_rules(axis_rules, caller=caller)
     specs = resolve_specs(specs, tree, caller=caller, mesh=mesh, axis_rules=table)
     path_leaves, treedef = jtu.tree_flatten_with_path(tree)

@@ -42,6 +42,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import require_mesh
+from .._mesh._targets import require_traced_or_runnable
 from .._typing import typecheck
 from ._explicit import auto_axes
 from ._pipeline_checks import (
@@ -381,6 +382,7 @@ def pipeline(
     choice(schedule, SCHEDULES, "schedule")
     choice(output, OUTPUTS, "output")
     on = require_mesh(mesh, caller="pipeline")
+    require_traced_or_runnable("pipeline", on, (x, stack), abstract=True)
     stages = check_mesh(on, axis)
     schedule_counts(schedule, repeats, microbatches, stages, input_error)
     dyn, static = eqx.partition(stack, eqx.is_array)

@@ -42,6 +42,7 @@ from jaxtyping import PyTree
 from .._caches import register
 from .._internals.jaxpr import consts_of
 from .._internals.program_keys import program_key
+from .._mesh._targets import require_traced_or_runnable
 from .._move._host import host_private
 from .._spectree._logical import (
     AxisNames,
@@ -364,6 +365,7 @@ def filter_shard_map(
             raise abstract_leaf_error(CALLER, structs)
         layouts = [array_layout(leaf) if is_array(leaf) else None for leaf in leaves]
         on = map_mesh(mesh, in_specs, layouts)
+        require_traced_or_runnable(CALLER, on, leaves)
         manual = options.get("axis_names") or frozenset(on.axis_names)
         rules = get_logical_axis_rules() if given_rules is None else given_rules
         specs = resolve_in_specs(in_specs, args, leaves, layouts, on, manual, rules)
