@@ -97,6 +97,15 @@ INTERNAL_BUT_ON_SELF = frozenset({"jaxpr", "consts"})
 # constants read traced programs for the kept programs' keys.
 ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset()
 
+# JAX's and XLA's errors recognised by their text or class name (issue 47): only
+# `_internals/` matches on an error's text (`x in str(error)`, `str(error) == x`,
+# `str(error).startswith(x)`) or its class's name (`type(error).__name__ == x`).
+# Today's others, by module: `_typing` (JAX's words for dict keys it cannot sort)
+# is a base module, below the door; `_cli._fit` matches eqshard's own message.
+ALLOWED_ERROR_MATCHES: frozenset[str] = frozenset(
+    {"eqshard._typing", "eqshard._cli._fit"}
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Import:
@@ -359,6 +368,47 @@ def _reads(tree: ast.AST) -> set[str]:
     return found
 
 
+def _texty(node: ast.AST) -> bool:
+    """Whether `node` is a variable's text (`str(x)`, `repr(x)`) or its class's
+    name (`type(x).__name__`, `x.__class__.__name__`)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        args = node.args
+        return node.func.id in ("str", "repr") and [type(a) for a in args] == [ast.Name]
+    if isinstance(node, ast.Attribute) and node.attr in ("__name__", "__qualname__"):
+        of = node.value
+        return (
+            isinstance(of, ast.Call)
+            and isinstance(of.func, ast.Name)
+            and of.func.id == "type"
+        ) or (isinstance(of, ast.Attribute) and of.attr == "__class__")
+    return False
+
+
+def error_matches(tree: ast.AST) -> list[int]:
+    """The lines of `tree` that match on an object's text or class name: `in`
+    with it on the right, `==`/`!=` with it on either side, or its
+    `startswith`/`endswith`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            left = node.left
+            for op, right in zip(node.ops, node.comparators, strict=True):
+                if (isinstance(op, ast.In | ast.NotIn) and _texty(right)) or (
+                    isinstance(op, ast.Eq | ast.NotEq)
+                    and (_texty(left) or _texty(right))
+                ):
+                    lines.append(node.lineno)
+                left = right
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and _texty(node.func.value)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
 def outside_the_door() -> set[tuple[str, str]]:
     return {
         read
@@ -515,6 +565,30 @@ def test_the_door_check_sees_a_new_reader():
         "__globals__",
         "global_state",
     }
+
+
+def test_only_the_door_recognises_errors_by_text():
+    found = {
+        module
+        for module in modules()
+        if wing(module) != "_internals" and error_matches(_tree(module))
+    }
+    _check("matches on error text outside _internals/", found, ALLOWED_ERROR_MATCHES)
+
+
+def test_the_error_text_check_sees_a_new_match():
+    # The check itself: each kind of match is found; a lookup of the text in a
+    # set of seen ones, and the text in a message, are not.
+    source = (
+        "def f(error, seen):\n"
+        "    'word' in str(error)\n"  # 2
+        "    type(error).__name__ == 'SomeError'\n"  # 3
+        "    str(error).startswith('XLA')\n"  # 4
+        "    'Other' != error.__class__.__name__\n"  # 5
+        "    str(error) not in seen\n"
+        "    message = f'{type(error).__name__}: {error}'\n"
+    )
+    assert error_matches(ast.parse(source)) == [2, 3, 4, 5]
 
 
 def test_stats():

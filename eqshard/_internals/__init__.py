@@ -9,6 +9,7 @@ Everything eqshard reads beyond their public API lives here, one module per part
 - `closures`: what a function reads besides its arguments (closure cells,
   globals), for `init_sharded`'s check of the NumPy data its trace captured.
 - `xla`: XLA's warnings, captured from the process's stderr around a compile.
+- `errors`: JAX's and XLA's errors, known by their words or class name.
 - `distributed`: the distributed client's key-value store.
 - `orbax`: orbax's type handlers (the tensorstore specs it reads with).
 - `cpu`: XLA:CPU's buffers (addresses, alignment) for the CPU copy engine.
