@@ -3,7 +3,9 @@
 The package is a house with wings (CONTRIBUTING.md, "Where things are"): base
 modules at the root, then one private package per concern. Imports run one way,
 down `WINGS`; there are no cycles, no `_private` name is imported from another
-module, no module is over `MAX_MODULE_LINES` lines and no function over
+module, every name is imported from the module that defines it (packages
+re-export), only `_internals/` reads JAX's moving parts or matches on an
+error's text, no module is over `MAX_MODULE_LINES` lines and no function over
 `MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded),
 and every module is named in its wing's row of CONTRIBUTING.md's module map.
 
@@ -346,6 +348,39 @@ def private_imports() -> set[tuple[str, str, str]]:
     return found
 
 
+def defined(module: str) -> set[str]:
+    """The names `module` binds itself at its top level (functions, classes,
+    assignments; also under a top-level `if` or `try`), not those it imports."""
+    names = set()
+    nodes = list(_tree(module).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try):
+            nodes.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.ExceptHandler):
+            nodes.extend(node.body)
+    return names
+
+
+def passed_on() -> set[tuple[str, str, str]]:
+    """(importer, imported, name) of every name taken from a module that does not
+    define it, only imports it: it should be taken from its home. Packages
+    (`__init__.py`s: the root, the namespaces, the wings) re-export by design."""
+    return {
+        (i.importer, i.imported, name)
+        for i in all_imports()
+        if not _is_package(i.imported)
+        for name in i.names
+        if name not in defined(i.imported)
+    }
+
+
 def _reads(tree: ast.AST) -> set[str]:
     """The attributes of `INTERNAL_*` that `tree` reads."""
     found = set()
@@ -536,6 +571,14 @@ def test_every_module_is_in_the_module_map():
             missing.append(str(path.relative_to(PACKAGE)))
     assert not missing, (
         f"not named in its wing's row of CONTRIBUTING.md's module map: {missing}"
+    )
+
+
+def test_names_are_imported_from_their_home():
+    found = passed_on()
+    assert not found, (
+        "names imported from a module that only passes them on (import each from "
+        f"the module that defines it): {sorted(found)}"
     )
 
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from .._internals import orbax
-from .._move._host import aligned_empty
+from .._internals.cpu import aligned_empty
 from ._disk import Held
 from ._targets import import_optional
 

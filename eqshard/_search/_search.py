@@ -40,8 +40,7 @@ from jaxtyping import PyTree
 from .._internals.errors import is_sharding_type_error
 from .._mesh._current import require_mesh
 from .._mesh._targets import device_memory as target_memory
-from .._readers._plan import parse_bytes
-from .._report import format_bytes
+from .._report import format_bytes, parse_bytes
 from .._spectree._rules import match_partition_rules
 from .._spectree._select import check_parameters, select
 from .._step._step_records import OutOfMemory
