@@ -582,6 +582,30 @@ def test_names_are_imported_from_their_home():
     )
 
 
+def test_only_the_door_recognises_errors_by_text():
+    found = {
+        module
+        for module in modules()
+        if wing(module) != "_internals" and error_matches(_tree(module))
+    }
+    _check("matches on error text outside _internals/", found, ALLOWED_ERROR_MATCHES)
+
+
+def test_the_error_text_check_sees_a_new_match():
+    # The check itself: each kind of match is found; a lookup of the text in a
+    # set of seen ones, and the text in a message, are not.
+    source = (
+        "def f(error, seen):\n"
+        "    'word' in str(error)\n"  # 2
+        "    type(error).__name__ == 'SomeError'\n"  # 3
+        "    str(error).startswith('XLA')\n"  # 4
+        "    'Other' != error.__class__.__name__\n"  # 5
+        "    str(error) not in seen\n"
+        "    message = f'{type(error).__name__}: {error}'\n"
+    )
+    assert error_matches(ast.parse(source)) == [2, 3, 4, 5]
+
+
 def test_only_the_door_reads_jax_internals():
     _check(
         "reads of JAX's internals outside _internals/",
@@ -608,30 +632,6 @@ def test_the_door_check_sees_a_new_reader():
         "__globals__",
         "global_state",
     }
-
-
-def test_only_the_door_recognises_errors_by_text():
-    found = {
-        module
-        for module in modules()
-        if wing(module) != "_internals" and error_matches(_tree(module))
-    }
-    _check("matches on error text outside _internals/", found, ALLOWED_ERROR_MATCHES)
-
-
-def test_the_error_text_check_sees_a_new_match():
-    # The check itself: each kind of match is found; a lookup of the text in a
-    # set of seen ones, and the text in a message, are not.
-    source = (
-        "def f(error, seen):\n"
-        "    'word' in str(error)\n"  # 2
-        "    type(error).__name__ == 'SomeError'\n"  # 3
-        "    str(error).startswith('XLA')\n"  # 4
-        "    'Other' != error.__class__.__name__\n"  # 5
-        "    str(error) not in seen\n"
-        "    message = f'{type(error).__name__}: {error}'\n"
-    )
-    assert error_matches(ast.parse(source)) == [2, 3, 4, 5]
 
 
 def test_stats():
