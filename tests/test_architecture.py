@@ -3,7 +3,9 @@
 The package is a house with wings (CONTRIBUTING.md, "Where things are"): base
 modules at the root, then one private package per concern. Imports run one way,
 down `WINGS`; there are no cycles, no `_private` name is imported from another
-module, no module is over `MAX_MODULE_LINES` lines and no function over
+module, every name is imported from the module that defines it (packages
+re-export), only `_internals/` reads JAX's moving parts or matches on an
+error's text, no module is over `MAX_MODULE_LINES` lines and no function over
 `MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded),
 and every module is named in its wing's row of CONTRIBUTING.md's module map.
 
@@ -96,6 +98,15 @@ INTERNAL_BUT_ON_SELF = frozenset({"jaxpr", "consts"})
 # orbax and the CPU buffers are moving into it; `program_key` and `_shard_map`'s
 # constants read traced programs for the kept programs' keys.
 ALLOWED_INTERNAL_READS: frozenset[tuple[str, str]] = frozenset()
+
+# JAX's and XLA's errors recognised by their text or class name (issue 47): only
+# `_internals/` matches on an error's text (`x in str(error)`, `str(error) == x`,
+# `str(error).startswith(x)`) or its class's name (`type(error).__name__ == x`).
+# Today's others, by module: `_typing` (JAX's words for dict keys it cannot sort)
+# is a base module, below the door; `_cli._fit` matches eqshard's own message.
+ALLOWED_ERROR_MATCHES: frozenset[str] = frozenset(
+    {"eqshard._typing", "eqshard._cli._fit"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +348,39 @@ def private_imports() -> set[tuple[str, str, str]]:
     return found
 
 
+def defined(module: str) -> set[str]:
+    """The names `module` binds itself at its top level (functions, classes,
+    assignments; also under a top-level `if` or `try`), not those it imports."""
+    names = set()
+    nodes = list(_tree(module).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try):
+            nodes.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.ExceptHandler):
+            nodes.extend(node.body)
+    return names
+
+
+def passed_on() -> set[tuple[str, str, str]]:
+    """(importer, imported, name) of every name taken from a module that does not
+    define it, only imports it: it should be taken from its home. Packages
+    (`__init__.py`s: the root, the namespaces, the wings) re-export by design."""
+    return {
+        (i.importer, i.imported, name)
+        for i in all_imports()
+        if not _is_package(i.imported)
+        for name in i.names
+        if name not in defined(i.imported)
+    }
+
+
 def _reads(tree: ast.AST) -> set[str]:
     """The attributes of `INTERNAL_*` that `tree` reads."""
     found = set()
@@ -357,6 +401,47 @@ def _reads(tree: ast.AST) -> set[str]:
         ):
             found.add(node.attr)
     return found
+
+
+def _texty(node: ast.AST) -> bool:
+    """Whether `node` is a variable's text (`str(x)`, `repr(x)`) or its class's
+    name (`type(x).__name__`, `x.__class__.__name__`)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        args = node.args
+        return node.func.id in ("str", "repr") and [type(a) for a in args] == [ast.Name]
+    if isinstance(node, ast.Attribute) and node.attr in ("__name__", "__qualname__"):
+        of = node.value
+        return (
+            isinstance(of, ast.Call)
+            and isinstance(of.func, ast.Name)
+            and of.func.id == "type"
+        ) or (isinstance(of, ast.Attribute) and of.attr == "__class__")
+    return False
+
+
+def error_matches(tree: ast.AST) -> list[int]:
+    """The lines of `tree` that match on an object's text or class name: `in`
+    with it on the right, `==`/`!=` with it on either side, or its
+    `startswith`/`endswith`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            left = node.left
+            for op, right in zip(node.ops, node.comparators, strict=True):
+                if (isinstance(op, ast.In | ast.NotIn) and _texty(right)) or (
+                    isinstance(op, ast.Eq | ast.NotEq)
+                    and (_texty(left) or _texty(right))
+                ):
+                    lines.append(node.lineno)
+                left = right
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and _texty(node.func.value)
+        ):
+            lines.append(node.lineno)
+    return lines
 
 
 def outside_the_door() -> set[tuple[str, str]]:
@@ -487,6 +572,38 @@ def test_every_module_is_in_the_module_map():
     assert not missing, (
         f"not named in its wing's row of CONTRIBUTING.md's module map: {missing}"
     )
+
+
+def test_names_are_imported_from_their_home():
+    found = passed_on()
+    assert not found, (
+        "names imported from a module that only passes them on (import each from "
+        f"the module that defines it): {sorted(found)}"
+    )
+
+
+def test_only_the_door_recognises_errors_by_text():
+    found = {
+        module
+        for module in modules()
+        if wing(module) != "_internals" and error_matches(_tree(module))
+    }
+    _check("matches on error text outside _internals/", found, ALLOWED_ERROR_MATCHES)
+
+
+def test_the_error_text_check_sees_a_new_match():
+    # The check itself: each kind of match is found; a lookup of the text in a
+    # set of seen ones, and the text in a message, are not.
+    source = (
+        "def f(error, seen):\n"
+        "    'word' in str(error)\n"  # 2
+        "    type(error).__name__ == 'SomeError'\n"  # 3
+        "    str(error).startswith('XLA')\n"  # 4
+        "    'Other' != error.__class__.__name__\n"  # 5
+        "    str(error) not in seen\n"
+        "    message = f'{type(error).__name__}: {error}'\n"
+    )
+    assert error_matches(ast.parse(source)) == [2, 3, 4, 5]
 
 
 def test_only_the_door_reads_jax_internals():

@@ -1,5 +1,5 @@
 # The built-in candidates of eqshard.search_layout: tensor-parallel pairs found
-# from the step's matmuls and data flow (eqshard/_internals/flow.py,
+# from the step's matmuls and data flow (eqshard/_search/_flow.py,
 # eqshard/_search/_candidates.py), checked on the candidates' spec trees, which
 # are built without compiling: on the seven models of tests/models.py the
 # candidates split attention (q, k and v on their output, the output projection
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from models import ATTENTION, CASES
 
 import eqshard
-from eqshard._internals import flow
+from eqshard._search import _flow as flow
 from eqshard._search._candidates import (
     parameters,
     strategies,

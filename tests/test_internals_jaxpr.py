@@ -1,8 +1,8 @@
 # The door's reads of traced programs (eqshard/_internals/jaxpr.py and
-# flow.py): what they find in JAX's own programs, and `Unrecognised` where a
-# known primitive's parameters are not laid out as they expect (the programs
-# below are JAX's, with one equation's parameters taken away, as a new JAX
-# might lay them out).
+# equations.py, followed by eqshard/_search/_flow.py): what they find in JAX's
+# own programs, and `Unrecognised` where a known primitive's parameters are not
+# laid out as they expect (the programs below are JAX's, with one equation's
+# parameters taken away, as a new JAX might lay them out).
 import types
 
 import equinox as eqx
@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import pytest
 from jax.extend.core import ClosedJaxpr
 
-from eqshard._internals import flow, jaxpr as jaxprs
+from eqshard._internals import jaxpr as jaxprs
 from eqshard._internals.routes import Unrecognised
+from eqshard._search import _flow as flow
 
 
 def _without(closed, name, *params):

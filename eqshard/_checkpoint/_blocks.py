@@ -5,14 +5,13 @@ orbax reads each device's block into a NumPy array and `jax.device_put`s it.
 On CPU devices, whose memory is host memory, that is a second copy of every
 byte (NumPy's large arrays start 16 bytes into their pages, and XLA's CPU
 client copies any array not aligned to 64 bytes), made one block at a time on
-the thread that called `restore`: about 30 ms per 64 MiB on this project's
-2-core machine, beside tensorstore's decoding on the other core. Here each
-block is read by tensorstore into a buffer aligned to 64 bytes
-(`_host.aligned_empty`, as `_resident.py` makes them), which the CPU client
-takes as the device's buffer itself: the read is the only copy. (It takes any
-such NumPy array so, whatever `device_put`'s `may_alias` says: a block that
-several devices hold, read once, is copied device to device for all but the
-first, so that each device owns its buffer.) Every block of every array is
+the thread that called `restore`, while tensorstore decodes on the others.
+Here each block is read by tensorstore into a buffer aligned to 64 bytes
+(`aligned_empty` of `_internals/cpu.py`, as `_resident.py` makes them), which
+the CPU client takes as the device's buffer itself: the read is the only copy.
+(It takes any such NumPy array so, whatever `device_put`'s `may_alias` says: a
+block that several devices hold, read once, is copied device to device for all
+but the first, so that each device owns its buffer.) Every block of every array is
 asked for before any is waited on, so tensorstore decodes them all on
 its own threads.
 
@@ -35,7 +34,7 @@ import jax
 import numpy as np
 
 from .._internals import orbax
-from .._move._host import aligned_empty
+from .._internals.cpu import aligned_empty
 from ._disk import Held
 from ._targets import import_optional
 

@@ -3,10 +3,13 @@
 Everything eqshard reads beyond their public API lives here, one module per part:
 
 - `jaxpr`: primitives of traced programs and their parameters (`init_sharded`'s
-  pieces, how a step uses its parameters, a step's boundary).
+  pieces, a step's boundary).
+- `equations`: a program's equations as `search_layout` reads them (keys,
+  shapes, parameters, nested programs, dimension numbers).
 - `closures`: what a function reads besides its arguments (closure cells,
   globals), for `init_sharded`'s check of the NumPy data its trace captured.
 - `xla`: XLA's warnings, captured from the process's stderr around a compile.
+- `errors`: JAX's and XLA's errors, known by their words or class name.
 - `distributed`: the distributed client's key-value store.
 - `orbax`: orbax's type handlers (the tensorstore specs it reads with).
 - `cpu`: XLA:CPU's buffers (addresses, alignment) for the CPU copy engine.

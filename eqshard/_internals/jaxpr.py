@@ -6,8 +6,8 @@ Three readers use them, each through its own functions here:
 - `init_sharded` (`_build/`): `cut` splits a traced constructor into its keys'
   work and its pieces; `nested_consts` lists the data a trace captured;
   `consts_of` and `as_function` run a program with other constants.
-- `search_layout` (`_search/`): `parameter_uses` in `flow.py`, built on the
-  reads here (`eqn_name`, `eqn_param`, `inner_program`).
+- `search_layout` (`_search/_flow.py`): through the views of `equations.py`,
+  built on the reads here (`eqn_name`, `eqn_param`, `inner_program`).
 - `analyze_step` (`_step/`): `boundary_of`, the shardings and donations of the
   one `jit` call a step makes.
 

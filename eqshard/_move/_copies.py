@@ -33,7 +33,8 @@ from jax.sharding import NamedSharding
 
 from .._caches import register
 from .._internals import cpu, routes
-from ._host import borrowed, converted, Lost, may_alias, private_copy
+from .._internals.cpu import may_alias
+from ._host import borrowed, converted, Lost, private_copy
 from ._resident import move_blocks
 from ._threads import device_put as spread_device_put, split_above, spread
 

@@ -63,7 +63,7 @@ from jaxtyping import PyTree
 
 from .._caches import register
 from .._internals import cpu
-from .._internals.cpu import aligned_empty as aligned_empty, may_alias
+from .._internals.cpu import may_alias
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
 

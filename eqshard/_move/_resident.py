@@ -358,8 +358,8 @@ def move_blocks(
     whose blocks are `SPREAD_UNIT` or larger on average. Smaller blocks, copied
     by NumPy with Python work per block that holds the GIL, and casts to or
     from ml_dtypes' types (whose NumPy loops hold it), stay on this thread: on
-    two threads, the 60 arrays of `bench_device_resident.py` moved from a
-    permuted mesh took 30 ms instead of 22."""
+    two threads, the arrays of `bench_device_resident.py` moved from a permuted
+    mesh more slowly."""
     dtypes = [
         np.dtype(x.dtype) if cast is None else placed_dtype(np.dtype(cast))
         for x, cast in zip(arrays, casts, strict=True)

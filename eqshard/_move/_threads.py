@@ -5,23 +5,21 @@ On CPU devices a device's memory is host memory, so placing NumPy data
 sharding (`_resident.py`) and gathering blocks into one NumPy array (`_gather.py`)
 are memory copies, made with the GIL released. Into freshly allocated memory a
 copy costs about as much in page faults as in copying, and both run on every
-core at once. Measured on this project's 2-core machine:
+core at once (`benchmarks/bench_device_resident.py` and `bench_host.py` measure
+these copies):
 
-- a tree's arrays spread over two threads: 60 arrays (65 MiB) moved from
-  device 0 in 8.6 ms, against 13.7 ms from one thread
-  (`benchmarks/bench_device_resident.py`); gathering 1 GiB took about half the
-  time of `jax.device_get`;
+- a tree's arrays spread over the cores' threads move faster than from one
+  thread, and gathering a large array over them beats `jax.device_get`;
 - NumPy arrays whose blocks are dense gain nothing: XLA's CPU client copies
-  them on threads of its own (256 MiB in row blocks took 14 ms, faster than one
-  thread copies here);
-- nor does placing one array's blocks from several threads (64 MiB in 8 ms,
-  against 6.7 ms for one `device_put`); gathering them does.
+  them on threads of its own, faster than one thread copies here;
+- nor does placing one array's blocks from several threads (slower than one
+  `device_put`); gathering them does.
 
 So those paths give their copies to `spread`: one bin of arrays per core, of
 about equal bytes, each bin copied by one thread, the first by the calling
 thread, the others by a pool of `cores - 1` threads that this process keeps
 once it has spread a copy (JAX's first `device_put` on a new thread takes
-~13 ms more, to fill caches of its own). Below 4 MiB in all, handing work to a
+longer, to fill caches of its own). Below 4 MiB in all, handing work to a
 thread costs more than it saves, and everything stays on the calling thread.
 
 JAX's configuration contexts belong to the thread that entered them
@@ -116,8 +114,7 @@ def movable(dtype: Any) -> bool:
 def native(*dtypes: Any) -> bool:
     """Whether NumPy defines all `dtypes` itself: its loops for the others
     (ml_dtypes' bfloat16, float8, int4) hold the GIL, so casts between them gain
-    nothing from threads (60 arrays cast to bfloat16: 39 ms from one thread or
-    two)."""
+    nothing from threads."""
     return all(np.dtype(dtype).isbuiltin == 1 for dtype in dtypes)
 
 
@@ -168,8 +165,7 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
     """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
     whose blocks are strided spread over the cores. (XLA's CPU client copies
     dense blocks on threads of its own; splitting one array's strided blocks
-    over threads was slower than one `device_put` of it, 64 MiB in 8 ms against
-    6.7 ms.)"""
+    over threads was slower than one `device_put` of it.)"""
     if sum(v.nbytes for v in values if isinstance(v, np.ndarray)) < SPREAD_FROM:
         return jax.device_put(values, shardings)
     strided = [

@@ -51,7 +51,7 @@ from .._spectree._rules import match_partition_rules, rule_spec
 from .._spectree._rules_report import explain_partition_rules
 from .._spectree._specs import entry_axes
 from .._tree import is_array, path_name
-from ._uses import Use
+from ._flow import Use
 
 
 # Arrays with fewer elements stay replicated under FSDP: gathering them costs a

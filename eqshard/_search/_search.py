@@ -37,10 +37,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._internals.errors import is_sharding_type_error
 from .._mesh._current import require_mesh
 from .._mesh._targets import device_memory as target_memory
-from .._readers._plan import parse_bytes
-from .._report import format_bytes
+from .._report import format_bytes, parse_bytes
 from .._spectree._rules import match_partition_rules
 from .._spectree._select import check_parameters, select
 from .._step._step_records import OutOfMemory
@@ -99,7 +99,7 @@ def _untyped(error: BaseException) -> bool:
     JAX does not export its class, so it is known by name, as in `_explicit`."""
     found: BaseException | None = error
     while found is not None:
-        if type(found).__name__ == "ShardingTypeError":
+        if is_sharding_type_error(found):
             return True
         found = found.__cause__
     return False

@@ -60,7 +60,8 @@ from .._step._step_report import StepReport
 from .._transforms._jit_checks import mark_traced
 from .._tree import is_array, path_name
 from .._typing import KeyPath
-from ._uses import parameter_uses, Use
+from ._flow import Use
+from ._uses import parameter_uses
 
 
 CALLER = "search_layout"

@@ -40,6 +40,7 @@ import jax.tree_util as jtu
 from jax.sharding import Mesh, Sharding
 
 from .._caches import register
+from .._internals.errors import is_resource_exhausted
 from .._internals.jaxpr import boundary_of
 from .._internals.routes import Unrecognised
 from .._internals.xla import Captured, captured_stderr
@@ -314,7 +315,7 @@ def _compile(
         try:
             compiled = traced.traced.lower().compile(compiler_options=compiler_options)
         except jax.errors.JaxRuntimeError as error:
-            if not str(error).startswith("RESOURCE_EXHAUSTED"):
+            if not is_resource_exhausted(error):
                 raise
             raise OutOfMemory(
                 f"eqshard.{CALLER}: the compiler refused the step, which does not "

@@ -33,6 +33,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._internals.closures import direct_reads
+from .._internals.errors import is_mixed_meshes, is_sharding_type_error
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import leaf_specs
@@ -120,11 +121,6 @@ def _typed_on(x: Any, auto: frozenset[str]) -> bool:
         a in auto and t == AxisType.Explicit
         for a, t in zip(mesh.axis_names, mesh.axis_types)
     )
-
-
-# JAX's message for an operation mixing arrays typed on another mesh (the
-# Explicit one) with the Auto axes `auto_axes` sets.
-_MIXED_MESHES = "should match the aval mesh"
 
 
 def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
@@ -263,7 +259,7 @@ def auto_axes(
                 try:
                     out = call(*args, **kwargs)
                 except ValueError as error:
-                    if _MIXED_MESHES not in str(error):
+                    if not is_mixed_meshes(error):
                         raise
                     raise _closed_over_error(fn, auto, on, error) from error
             return _lay_out(out, out_sharding, on)
@@ -271,9 +267,6 @@ def auto_axes(
     return run
 
 
-# JAX's error for an operation whose result's sharding is ambiguous on Explicit
-# axes. Its class is private to JAX (`jax._src.core`), so it is known by name.
-_JAX_ERROR = "ShardingTypeError"
 # Packages whose frames are not the user's: the function's variables are looked
 # for in the others' frames.
 _LIBRARIES = ("jax", "jaxlib", "equinox", "eqshard", "jaxtyping", "beartype")
@@ -386,6 +379,6 @@ def explained(caller: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if type(error).__name__ != _JAX_ERROR:
+        if not is_sharding_type_error(error):
             raise
         raise sharding_type_error(caller, error) from error

@@ -34,16 +34,22 @@ Four facts per parameter (`Use`):
 Operations this does not know end the tags they meet (a pair is then not
 found: the hints are vaguer, never wrong); a known primitive whose parameters
 are not laid out as expected, or any equation this reader cannot follow,
-raises `Unrecognised` (the search then warns and pairs nothing).
+raises `Unrecognised` (the search then warns and pairs nothing). The program is
+read through `_internals/equations.py`'s views (`Program`, `Equation`).
 """
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jax.extend.core import ClosedJaxpr, Jaxpr
-
-from .jaxpr import eqn_name, eqn_param, inner_program
-from .routes import Unrecognised
+from .._internals.equations import (
+    contracting_dims,
+    conv_dims,
+    Equation,
+    gathered_dims,
+    Program,
+    program_of,
+)
+from .._internals.routes import Unrecognised
 
 
 class Use(NamedTuple):
@@ -85,8 +91,6 @@ _REDUCTIONS = frozenset(
     reduce_xor argmax argmin""".split()
 )
 _CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
-# Where a call keeps the program it calls.
-_CALLEES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 # A parameter's variable: (its index, the parameter dimension of each of the
 # variable's dimensions, `None` where there is none).
@@ -102,16 +106,16 @@ class _Flow(NamedTuple):
     reduced: frozenset[int]
 
 
-def parameter_uses(closed: ClosedJaxpr, count: int) -> list[Use]:
+def parameter_uses(closed: Any, count: int) -> list[Use]:
     """The use of each of the first `count` inputs of `closed` (as
     `jax.make_jaxpr` makes it)."""
-    jaxpr = closed.jaxpr
+    program = program_of(closed)
     walker = _Walker()
     env: dict[int, Any] = {}
-    for i, var in enumerate(jaxpr.invars[:count]):
-        env[id(var)] = (i, tuple(range(len(var.aval.shape))))
+    for i, key in enumerate(program.ins[:count]):
+        env[key] = (i, tuple(range(len(program.in_shape(i)))))
     try:
-        walker.walk(jaxpr, env)
+        walker.walk(program, env)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
         # An equation laid out as this reader does not expect.
         raise Unrecognised(f"{type(error).__name__}: {error}") from None
@@ -134,54 +138,6 @@ def parameter_uses(closed: ClosedJaxpr, count: int) -> list[Use]:
 
 
 _MATRIX = ("dot", "conv")
-
-
-def _callee(eqn: Any) -> Jaxpr | None:
-    for name in _CALLEES:
-        value = eqn.params.get(name)
-        program = getattr(value, "jaxpr", value)
-        if isinstance(program, Jaxpr):
-            return program
-    return None
-
-
-def contracting_dims(eqn: Any) -> tuple[tuple[Sequence[int], ...], ...]:
-    """A `dot_general`'s `((lhs, rhs) contracting, (lhs, rhs) batch)` dims."""
-    try:
-        (contracting, batch) = eqn_param(eqn, "dimension_numbers")
-        (lc, rc), (lb, rb) = contracting, batch
-        ints = [tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb)]
-        return (ints[0], ints[1]), (ints[2], ints[3])
-    except (TypeError, ValueError) as error:
-        raise Unrecognised(f"'dot_general' dimension numbers ({error})") from None
-
-
-def gathered_dims(eqn: Any) -> list[int]:
-    """The dimensions of its operand that a `gather` indexes: those of
-    `start_index_map` it does not take whole."""
-    shape = eqn.invars[0].aval.shape
-    sizes = eqn_param(eqn, "slice_sizes")
-    index_map = getattr(eqn_param(eqn, "dimension_numbers"), "start_index_map", None)
-    if index_map is None:
-        raise Unrecognised("'gather' dimension numbers without start_index_map")
-    return [int(d) for d in index_map if sizes[d] < shape[d]]
-
-
-def conv_dims(eqn: Any) -> tuple[Sequence[int], Sequence[int], Sequence[int]] | None:
-    """A convolution's `(lhs, rhs, out)` dimension specs (batch or output
-    feature, then feature, then spatial), or `None` for a grouped one."""
-    numbers = eqn_param(eqn, "dimension_numbers")
-    specs: list[Any] = [
-        getattr(numbers, name, None) for name in ("lhs_spec", "rhs_spec", "out_spec")
-    ]
-    if any(spec is None for spec in specs):
-        raise Unrecognised("convolution dimension numbers without their specs")
-    groups = eqn_param(eqn, "feature_group_count")
-    batches = eqn_param(eqn, "batch_group_count")
-    if groups != 1 or batches != 1:
-        return None
-    lhs, rhs, out = (tuple(int(d) for d in spec) for spec in specs)
-    return lhs, rhs, out
 
 
 def reshape_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple]:
@@ -256,15 +212,15 @@ class _Walker:
 
     # ------------------------------------------------------------------- walking
 
-    def walk(self, jaxpr: Jaxpr, env: dict[int, Any]) -> None:
-        for eqn in jaxpr.eqns:
+    def walk(self, program: Program, env: dict[int, Any]) -> None:
+        for eqn in program.equations:
             self.clock += 1
-            found = [env.get(id(var)) for var in eqn.invars]
+            found = [env.get(key) for key in eqn.ins]
             if any(f is not None for f in found):
                 self._eqn(eqn, found, env)
 
-    def _eqn(self, eqn: Any, found: list[Any], env: dict) -> None:
-        name = eqn_name(eqn)
+    def _eqn(self, eqn: Equation, found: list[Any], env: dict) -> None:
+        name = eqn.name
         params = [
             f if isinstance(f, tuple) and not isinstance(f, _Flow) else None
             for f in found
@@ -285,38 +241,35 @@ class _Walker:
         elif name == "scan":
             outs = self._scan(eqn, found)
         elif name == "while":
-            skip = eqn_param(eqn, "cond_nconsts")
-            body = inner_program(eqn_param(eqn, "body_jaxpr"), "a 'while' body")
+            skip = eqn.param("cond_nconsts")
+            body = eqn.program("body_jaxpr", "a 'while' body")
             outs = self._call(body, found[skip:])
         elif name == "cond":
             outs = []
-            for branch in eqn_param(eqn, "branches"):
-                made = self._call(inner_program(branch, "a 'cond' branch"), found[1:])
+            for branch in eqn.programs("branches", "a 'cond' branch"):
+                made = self._call(branch, found[1:])
                 outs = [_merge(a, b) for a, b in zip(made, outs)] if outs else made
-        elif (callee := _callee(eqn)) is not None:
+        elif (callee := eqn.callee()) is not None:
             outs = self._call(callee, found)
         else:
             for p in params:
                 self._use(p, "other", ())
             outs = self._activation(eqn, name, flows)
-        for var, out in zip(eqn.outvars, outs, strict=False):
+        for key, out in zip(eqn.outs, outs, strict=False):
             if out is not None:
-                env[id(var)] = out
+                env[key] = out
 
-    def _call(self, jaxpr: Jaxpr, found: Sequence[Any]) -> list[Any]:
-        if len(jaxpr.invars) != len(found):
+    def _call(self, program: Program, found: Sequence[Any]) -> list[Any]:
+        ins = program.ins
+        if len(ins) != len(found):
             return []
-        inner = {
-            id(var): f
-            for var, f in zip(jaxpr.invars, found, strict=True)
-            if f is not None
-        }
-        self.walk(jaxpr, inner)
-        return [inner.get(id(var)) for var in jaxpr.outvars]
+        inner = {key: f for key, f in zip(ins, found, strict=True) if f is not None}
+        self.walk(program, inner)
+        return [inner.get(key) for key in program.outs]
 
-    def _scan(self, eqn: Any, found: list[Any]) -> list[Any]:
-        carried = eqn_param(eqn, "num_consts") + eqn_param(eqn, "num_carry")
-        body = inner_program(eqn_param(eqn, "jaxpr"), "a 'scan' body")
+    def _scan(self, eqn: Equation, found: list[Any]) -> list[Any]:
+        carried = eqn.param("num_consts") + eqn.param("num_carry")
+        body = eqn.program("jaxpr", "a 'scan' body")
         inner: list[Any] = []
         for k, f in enumerate(found):
             if f is not None and k >= carried:
@@ -329,7 +282,7 @@ class _Walker:
                     f = (index, dims[1:])
             inner.append(f)
         made = self._call(body, inner)
-        carry = eqn_param(eqn, "num_carry")
+        carry = eqn.param("num_carry")
         # The carry comes out as it went in; the stacked outputs gain an axis.
         return [
             f
@@ -340,8 +293,8 @@ class _Walker:
             for k, f in enumerate(made)
         ]
 
-    def _transpose(self, eqn: Any, found: Any) -> Any:
-        order = [int(p) for p in eqn_param(eqn, "permutation")]
+    def _transpose(self, eqn: Equation, found: Any) -> Any:
+        order = [int(p) for p in eqn.param("permutation")]
         if isinstance(found, _Flow):
             return _moved(found, lambda d: list(order).index(d))
         if found is None:
@@ -351,9 +304,9 @@ class _Walker:
 
     # ------------------------------------------------------------------ products
 
-    def _dot(self, eqn: Any, params: list[Any], flows: list[Any]) -> _Flow | None:
+    def _dot(self, eqn: Equation, params: list[Any], flows: list[Any]) -> _Flow | None:
         (lc, rc), (lb, rb) = contracting_dims(eqn)
-        ranks = [len(v.aval.shape) for v in eqn.invars[:2]]
+        ranks = [len(eqn.in_shape(k)) for k in (0, 1)]
         free = [
             [d for d in range(ranks[0]) if d not in lc and d not in lb],
             [d for d in range(ranks[1]) if d not in rc and d not in rb],
@@ -405,7 +358,7 @@ class _Walker:
                     tags[source] = _ordered([place[side].get(d) for d in dims])
         return _Flow(tags, frozenset(reduced))
 
-    def _conv(self, eqn: Any, params: list[Any], flows: list[Any]) -> _Flow | None:
+    def _conv(self, eqn: Equation, params: list[Any], flows: list[Any]) -> _Flow | None:
         specs = conv_dims(eqn)
         kernel = params[1]
         if specs is None or kernel is None or params[0] is not None:
@@ -427,47 +380,47 @@ class _Walker:
 
     # --------------------------------------------------------------- activations
 
-    def _activation(self, eqn: Any, name: str, flows: list[Any]) -> list[Any]:
+    def _activation(self, eqn: Equation, name: str, flows: list[Any]) -> list[Any]:
         """The flows of an operation on activations (`[]`: ends them)."""
         if not any(f is not None for f in flows):
             return []
         if name in _ELEMENTWISE:
-            rank = len(eqn.outvars[0].aval.shape)
+            rank = len(eqn.out_shape(0))
             same = [
-                f if f is not None and len(v.aval.shape) == rank else None
-                for f, v in zip(flows, eqn.invars, strict=True)
+                f if f is not None and len(eqn.in_shape(k)) == rank else None
+                for k, f in enumerate(flows)
             ]
             return [self._combine(same, residual=name in _SUMS)]
         flow = flows[0]
         if name == "broadcast_in_dim" and flow is not None:
-            where = eqn_param(eqn, "broadcast_dimensions")
+            where = eqn.param("broadcast_dimensions")
             return [_moved(flow, lambda d: int(where[d]))]
         if name == "reshape" and flow is not None:
-            old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-            if 0 in old or eqn.params.get("dimensions") is not None:
+            old, new = eqn.in_shape(0), eqn.out_shape(0)
+            if 0 in old or eqn.given("dimensions"):
                 return []
             return [_reshaped(flow, reshape_groups(old, new), old, new)]
         if name == "squeeze" and flow is not None:
-            gone = {int(d) for d in eqn_param(eqn, "dimensions")}
-            keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in gone]
+            gone = {int(d) for d in eqn.param("dimensions")}
+            keep = [d for d in range(len(eqn.in_shape(0))) if d not in gone]
             return [_moved(flow, lambda d: keep.index(d) if d in keep else None)]
         if name in ("slice", "dynamic_slice", "pad", "split", "rev"):
-            return [flow] * len(eqn.outvars)
+            return [flow] * len(eqn.outs)
         if name in ("concatenate", "dynamic_update_slice"):
             return [self._combine(flows, residual=False)]
         if name == "stack":  # operands of one shape along a new axis
-            axis = int(eqn_param(eqn, "axis"))
+            axis = int(eqn.param("axis"))
             moved = [
                 None if f is None else _moved(f, lambda d: d + (d >= axis))
                 for f in flows
             ]
             return [self._combine(moved, residual=False)]
         if name in _REDUCTIONS and flow is not None:
-            axes = {int(a) for a in eqn_param(eqn, "axes")}
-            keep = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in axes]
+            axes = {int(a) for a in eqn.param("axes")}
+            keep = [d for d in range(len(eqn.in_shape(0))) if d not in axes]
             return [self._reduced(flow, axes, lambda d: keep.index(d))]
         if name in _CUMULATIVE and flow is not None:
-            axis = int(eqn_param(eqn, "axis"))
+            axis = int(eqn.param("axis"))
             return [self._reduced(flow, {axis}, lambda d: d)]
         return []
 
