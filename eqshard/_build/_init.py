@@ -13,7 +13,7 @@ data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
 data the trace captured, looked for by `_internals.closures.closed_over`): JAX
 would narrow it to 32 bits while tracing, out of sight.
 
-The compiled program is kept (`_PROGRAMS`, emptied by `clear_cache`) under what
+The compiled program is kept (`_PROGRAMS`, emptied by `eqshard.clear_caches`) under what
 was traced: the jaxpr with every parameter and nested constant, the shardings,
 JAX's configuration and the route. The
 NumPy data `fn` closes over is an input of the program, not part of it. So

@@ -4,6 +4,10 @@ Everything eqshard reads beyond their public API lives here, one module per part
 
 - `jaxpr`: primitives of traced programs and their parameters (`init_sharded`'s
   pieces, how a step uses its parameters, a step's boundary).
+- `flow`: how a step uses its parameters and which matrix's product feeds
+  which, for `search_layout`.
+- `program_keys`: what tells two traced programs apart, the key of a kept
+  program (`init_sharded`, eager `filter_shard_map`).
 - `closures`: what a function reads besides its arguments (closure cells,
   globals), for `init_sharded`'s check of the NumPy data its trace captured.
 - `xla`: XLA's warnings, captured from the process's stderr around a compile.

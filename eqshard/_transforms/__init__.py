@@ -9,7 +9,10 @@ for the first arguments of each structure, `t5x.PartitionedFn` the shardings bui
 at partition time. `filter_shard_map` (`_shard_map.py`) runs `jax.shard_map` over
 any pytree, its specs resolved and checked before tracing (`_shard_map_specs.py`),
 its program kept in a `Programs` cache (`_programs.py`). Inside a function,
-`with_sharding_constraint` (`_constraint.py`) constrains without moving data, and
+`with_sharding_constraint` (`_constraint.py`) constrains without moving data,
 `auto_axes` (`_explicit.py`) runs a function with Explicit mesh axes made Auto,
-turning JAX's errors there into eqshard's.
+turning JAX's errors there into eqshard's, and `_offload.py` moves arguments kept
+in host memory to the device and outputs back, inside the traced program.
+`pipeline` (`_pipeline.py`) runs stacked layers as stages over one mesh axis, the
+circular schedule's view of the stack in `_stage_view.py`.
 """
