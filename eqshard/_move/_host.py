@@ -66,6 +66,7 @@ from .._internals import cpu
 from .._internals.cpu import aligned_empty as aligned_empty, may_alias
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
+from ._threads import copy_into
 
 
 # ---------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ register(_blocks_replicated.cache_clear)
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
     out = cpu.aligned_empty(leaf.shape, leaf.dtype)
-    np.copyto(out, leaf)
+    copy_into(out, leaf)
     return out
 
 
@@ -367,8 +368,7 @@ def host_ready(
         return leaf, None, False
     allocate = cpu.aligned_empty if private and not plain else np.empty
     out = allocate(leaf.shape, target)
-    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
-        np.copyto(out, leaf, casting="unsafe")
+    copy_into(out, leaf)  # what a cast lost is checked by `cast_lost`
     lost = cast_lost(leaf, out)
     return out, None if lost is None else lost_text(lost), cast is not None
 
