@@ -17,13 +17,10 @@ How `load_safetensors` reads:
    each tensor name is mapped onto them (`rename`), and every tensor missing,
    extra, or of another shape or dtype is reported before any data is read.
 4. **Read.** Each array is built with `jax.make_array_from_callback`: every
-   device's block is copied by slice from the file, memory-mapped for that
-   array only, into an aligned buffer of its own (`_safetensors_reads.py`: the
-   tensors of a group of at most 512 MiB on the copying threads), which a CPU
-   device takes as its buffer without another copy. The host never holds a
-   whole file beyond the group read ahead. In a multi-process run each process
-   reads only the blocks its devices hold. A typed PRNG key is read as its data
-   (`jax.random.key_data`) and wrapped again.
+   device's block is copied by slice from the file, memory-mapped for that array
+   only, so the host holds one array's blocks at a time, never a whole file. In
+   a multi-process run each process reads only the blocks its devices hold. A
+   typed PRNG key is read as its data (`jax.random.key_data`) and wrapped again.
 
 How `save_safetensors` writes: the format itself (an 8-byte header length, a
 JSON header, the raw bytes), so that the header is written from the shapes alone
@@ -69,7 +66,6 @@ from .._spectree._spec_args import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
 from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES
-from ._safetensors_reads import Key, read_ahead
 from ._swap import rename_no_replace
 from ._targets import (
     check_against,
@@ -99,10 +95,20 @@ def _read(
     return converted(value, cast)
 
 
-def _mapped(
-    path: str, start: int, shape: tuple[int, ...], stored: np.dtype, caller: str
-) -> np.ndarray:
-    """The tensor at byte `start` of `path`, mapped (read-only)."""
+def _load(
+    path: str,
+    start: int,
+    shape: tuple[int, ...],
+    stored: np.dtype,
+    target: jax.ShapeDtypeStruct,
+    cast: np.dtype | None,
+    caller: str,
+) -> tuple[jax.Array, Lost | None]:
+    """One array of `shape` and `stored` dtype, at byte `start` of `path`, each
+    device's block read by slice. The file is mapped for this array only, so the
+    pages read leave this process's memory with it; replicated blocks are read
+    once. A typed key (`target`'s dtype) is read as its data, then wrapped. Returns
+    the array and what converting its blocks lost."""
     nbytes = math.prod(shape) * stored.itemsize
     try:  # (an empty file region cannot be mapped)
         data = (
@@ -112,26 +118,7 @@ def _mapped(
         )
     except (OSError, ValueError) as error:  # changed since its header was read
         raise damaged_error(caller, path, str(error), None) from None
-    return data.view(stored.newbyteorder("<")).reshape(shape)
-
-
-def _load(
-    path: str,
-    start: int,
-    shape: tuple[int, ...],
-    stored: np.dtype,
-    target: jax.ShapeDtypeStruct,
-    cast: np.dtype | None,
-    caller: str,
-    blocks: dict[Key, np.ndarray | None],
-) -> tuple[jax.Array, Lost | None]:
-    """One array of `shape` and `stored` dtype, at byte `start` of `path`, each
-    device's block taken from `blocks` (read ahead, `_safetensors_reads.py`) or,
-    where that is `None`, read by slice from the file mapped for this array
-    only, so the pages read leave this process's memory with it; replicated
-    blocks are read once. A typed key (`target`'s dtype) is read as its data,
-    then wrapped. Returns the array and what converting its blocks lost."""
-    mapped: list[np.ndarray] = []
+    piece = data.view(stored.newbyteorder("<")).reshape(shape)
     read: dict[tuple[Any, ...], Any] = {}
     lost: Lost | None = None
 
@@ -142,13 +129,7 @@ def _load(
         )
         key = tuple((s.start, s.stop) for s in index)
         if key not in read:
-            ahead = blocks.get(key)
-            if ahead is not None:
-                read[key], block_lost = converted(ahead, cast)
-            else:
-                if not mapped:
-                    mapped.append(_mapped(path, start, shape, stored, caller))
-                read[key], block_lost = _read(mapped[0], index, stored, cast)
+            read[key], block_lost = _read(piece, index, stored, cast)
             lost = more_lost(lost, block_lost)
         return read[key]
 
@@ -224,13 +205,11 @@ def _load_tree(
     )
     out = list(leaves)
     losses = []
-    jobs = [(name, *sources[name], *found[name], targets[name]) for name in named]
-    for (name, path, start, shape, stored, target), blocks in zip(
-        jobs, read_ahead(jobs, caller), strict=True
-    ):
-        i, key, _ = named[name]
+    for name, (i, key, _) in named.items():
+        path, start = sources[name]
+        shape, stored = found[name]
         out[i], lost = _load(
-            path, start, shape, stored, target, casts[i], caller, blocks
+            path, start, shape, stored, targets[name], casts[i], caller
         )
         if lost is not None:
             asked = casts[i] is not None
