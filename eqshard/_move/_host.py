@@ -66,7 +66,6 @@ from .._internals import cpu
 from .._internals.cpu import aligned_empty as aligned_empty, may_alias
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
-from ._threads import copy_into
 
 
 # ---------------------------------------------------------------------------------
@@ -279,7 +278,7 @@ register(_blocks_replicated.cache_clear)
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
     out = cpu.aligned_empty(leaf.shape, leaf.dtype)
-    copy_into(out, leaf)
+    np.copyto(out, leaf)
     return out
 
 
@@ -368,7 +367,8 @@ def host_ready(
         return leaf, None, False
     allocate = cpu.aligned_empty if private and not plain else np.empty
     out = allocate(leaf.shape, target)
-    copy_into(out, leaf)  # what a cast lost is checked by `cast_lost`
+    with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
+        np.copyto(out, leaf, casting="unsafe")
     lost = cast_lost(leaf, out)
     return out, None if lost is None else lost_text(lost), cast is not None
 

@@ -77,7 +77,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-_PREFIX = "eqshard-copy"
 _POOL_LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []  # this process's copying threads, if started
 
@@ -86,7 +85,9 @@ def _pool() -> ThreadPoolExecutor:
     """This process's copying threads, started when first needed."""
     with _POOL_LOCK:
         if not _POOL:
-            _POOL.append(ThreadPoolExecutor(_cores() - 1, thread_name_prefix=_PREFIX))
+            _POOL.append(
+                ThreadPoolExecutor(_cores() - 1, thread_name_prefix="eqshard-copy")
+            )
         return _POOL[0]
 
 
@@ -185,44 +186,3 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
         [v.nbytes if free else 0 for v, free in zip(values, strided, strict=True)],
         pinned=[not free for free in strided],
     )
-
-
-def copy_into(out: np.ndarray, source: np.ndarray) -> None:
-    """`np.copyto(out, source, casting="unsafe")` (a cast that overflows gives
-    inf or nan without a warning: the caller checks it), split by rows over the
-    cores when it is large and NumPy's own loops run it with the GIL released
-    (`native`), unless called from a copying thread: the private copy of a
-    16 MiB array is then made in about half the time on two cores, and placing
-    it costs no copy more."""
-    rows = out.shape[0] if out.ndim else 0
-    parts = min(_cores(), rows)
-    spreadable = (
-        out.nbytes >= SPREAD_FROM
-        and parts > 1
-        and native(out.dtype, source.dtype)
-        and source.shape == out.shape
-        and not _in_pool()
-    )
-    if not spreadable:
-        _copy(out, source)
-        return
-    edges = [rows * k // parts for k in range(parts + 1)]
-
-    def copy(indices: list[int]) -> list[None]:
-        for k in indices:
-            _copy(out[edges[k] : edges[k + 1]], source[edges[k] : edges[k + 1]])
-        return [None] * len(indices)
-
-    sizes = [(edges[k + 1] - edges[k]) * (out.nbytes // rows) for k in range(parts)]
-    spread(copy, sizes, pinned=[False] * parts)
-
-
-def _in_pool() -> bool:
-    """Whether this is one of the copying threads (which must not wait for the
-    others: there may be no other)."""
-    return threading.current_thread().name.startswith(_PREFIX)
-
-
-def _copy(out: np.ndarray, source: np.ndarray) -> None:
-    with np.errstate(over="ignore", invalid="ignore"):  # per thread
-        np.copyto(out, source, casting="unsafe")
