@@ -13,13 +13,14 @@ data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
 data the trace captured, looked for by `_internals.closures.closed_over`): JAX
 would narrow it to 32 bits while tracing, out of sight.
 
-The compiled program is kept (`_PROGRAMS`, emptied by `eqshard.clear_caches`) under what
-was traced: the jaxpr with every parameter and nested constant, the shardings,
-JAX's configuration and the route. The
-NumPy data `fn` closes over is an input of the program, not part of it. So
-building again with a new key compiles nothing, and a closure's variable or a
-config object that changed between calls gives another trace, never a stale
-model.
+The trace, its specs and its program are kept (`_BUILT`) under what the trace
+depends on (`_built_key`: `fn` and what it reads, keyed by value by
+`_internals.closures.reads_key`; the arguments; the specs, mesh and rules;
+JAX's trace context), so a warm call traces nothing; the compiled program
+(`_PROGRAMS`) under what was traced: the jaxpr with its parameters and nested
+constants, the shardings, JAX's configuration and the route (both emptied by
+`eqshard.clear_caches`). NumPy data `fn` closes over is an input of the
+program, not part of it. A value `fn` reads that changed is traced again.
 """
 
 import functools as ft
@@ -412,14 +413,9 @@ def _built_key(
     mesh: Mesh | None,
     caller: str,
 ) -> tuple[Hashable | None, list[Any]]:
-    """What a build's trace, specs and program depend on, so that calling again
-    traces nothing: `fn` and everything it reads (its closure's variables, the
-    globals it names, a partial's or a bound method's data: `reads_key`), the
-    arguments (their non-array values by value, `(static_args, in_def, arrays)`
-    the arrays by type), `specs`, the mesh, the logical axis rules and JAX's
-    trace context. `None` where something cannot be keyed by value (then every
-    call traces, as before). Also returns the objects the key holds by
-    identity."""
+    """What a build's trace, specs and program depend on (the module's
+    docstring), or `None` where something cannot be keyed by value (then every
+    call traces); and the objects the key holds by identity."""
     keep: list[Any] = []
     value = ft.partial(value_key, array_key=lambda x: _by_identity(x, keep), keep=keep)
     static_args, in_def, flat = arguments
@@ -496,12 +492,16 @@ def init_sharded(
     spec shards, and a model larger than one device can be made. Everything that
     is not an array (static fields, callables, Python scalars, `None`) comes back
     as eager construction makes it, so an Equinox module comes back as a module
-    of the same type. `fn` is traced on every call (cheap next to compiling), and
-    the compiled program is kept under what was traced: building the model again
-    with a new key compiles nothing, while a value `fn` reads that has changed (a
-    closure's variable, a field of a config object) is traced into a new program,
-    never served stale. NumPy arrays `fn` closes over are inputs of the kept
-    program, read on every call.
+    of the same type. The trace and its program are kept under `fn` and what it
+    reads (its closure's variables, the globals it names, a partial's or bound
+    method's data), the arguments' types and values, the specs and the mesh:
+    building the model again with a new key traces and compiles nothing, while
+    a value `fn` reads that has changed (a closure's variable, a field of a
+    config object) is traced into a new program, never served stale (what
+    cannot be compared by value, such as an object with slots, is traced on
+    every call). NumPy arrays `fn` closes over are inputs of the kept program,
+    read on every call. Static fields of the model are those of the first
+    build of a kept trace, as `eqx.filter_jit` returns its static outputs.
     [`eqshard.clear_caches`][] forgets the kept programs.
 
     The values are those of the jitted constructor,

@@ -22,8 +22,13 @@ How a call goes:
    content) with the mesh, specs, options, rules and static arguments: a call
    whose trace is one already compiled compiles nothing, eagerly too (an eager
    `jax.shard_map` compiles at every call), and a value `fn` reads that has
-   changed gives another program, never a stale result. So every call traces
-   `fn` once; under `jax.jit` that is once per trace of the enclosing function.
+   changed gives another program, never a stale result. JAX arrays `fn` reads
+   are the program's inputs (by type in the key), so a new one compiles nothing.
+5. **Warm calls.** An eager call is kept too (`_call_key`: what `fn` reads,
+   keyed by value by `_internals.closures.reads_key`, with the specs and the
+   arguments' types): the next call with the same key traces nothing, only
+   dispatches the program. Under `jax.jit`, and where something `fn` reads
+   cannot be keyed by value, each call traces `fn` once.
 """
 
 import functools as ft
@@ -400,9 +405,10 @@ def filter_shard_map(
     shapes and non-array values (by type and value, as `eqx.filter_jit` holds
     them static) compiles nothing, eagerly too, while a value `fn` reads that has
     changed (a closure's variable, a global, NumPy data changed in place) is
-    read again, as an eager `jax.shard_map` reads it. Each call traces `fn` once
-    (the first twice: once more for the program); for the least overhead per
-    step, call it inside `jax.jit`, which traces once.
+    read again, as an eager `jax.shard_map` reads it. JAX arrays `fn` reads are
+    inputs of the program: a new one compiles nothing. An eager call whose `fn`
+    reads only what can be compared by value traces nothing after the first;
+    otherwise each call traces `fn` once.
 
     **Arguments:**
 
