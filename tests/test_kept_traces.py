@@ -5,6 +5,7 @@ never served stale."""
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,3 +171,20 @@ def test_a_changed_closed_over_int_is_mapped_again(mesh, map_traces):
     factor = 3
     np.testing.assert_array_equal(np.asarray(mapped(x)), np.full(16, 3.0))
     assert map_traces["map"] == 2
+
+
+class Layer(eqx.Module):
+    weight: jax.Array
+    WIDTH = 8  # a class constant the constructor reads
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (8, self.WIDTH))
+
+
+def test_a_module_class_is_kept_and_its_constant_read_again(mesh, traces, monkeypatch):
+    eqshard.init_sharded(Layer, jax.random.key(0), specs=P("dp"), mesh=mesh)
+    eqshard.init_sharded(Layer, jax.random.key(1), specs=P("dp"), mesh=mesh)
+    assert traces["init"] == 1
+    monkeypatch.setattr(Layer, "WIDTH", 16)
+    out = eqshard.init_sharded(Layer, jax.random.key(1), specs=P("dp"), mesh=mesh)
+    assert out.weight.shape == (8, 16) and traces["init"] == 2

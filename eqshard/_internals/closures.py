@@ -206,17 +206,20 @@ def _class_key(
     cls: type, value_key: Callable[[Any], Hashable], todo: list[Any]
 ) -> Hashable:
     """A user class's own attributes that are not functions (class constants),
-    by `value_key`; the functions of properties and static and class methods
-    go to `todo`."""
+    by `value_key`; the functions of properties, static and class methods and
+    Equinox's wrapped methods go to `todo`."""
     parts = []
     for name, value in vars(cls).items():
         if name.startswith("__") or inspect.isfunction(value):
             continue
-        if isinstance(value, property):
-            todo.extend(f for f in (value.fget, value.fset) if f is not None)
-        elif isinstance(value, staticmethod | classmethod):
-            todo.append(value.__func__)
-        else:
+        wrapped = [
+            getattr(value, attribute, None)
+            for attribute in ("fget", "fset", "__func__", "method", "__wrapped__")
+        ]
+        wrapped = [f for f in wrapped if inspect.isfunction(f)]
+        if wrapped:  # a property, static or class method, Equinox's methods
+            todo.extend(wrapped)
+        elif name != "_abc_impl":  # (the registry of an abstract base class)
             parts.append((name, value_key(value)))
     return tuple(parts)
 
