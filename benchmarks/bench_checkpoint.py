@@ -141,7 +141,9 @@ def _child(case: str, path: str, mib: int, leaf_mib: int) -> None:
         flat = safetensors.numpy.load_file(path)
         return eqshard.shard(eqshard.unflatten_tree(flat, sep="."), specs, mesh)
 
+    cpu = time.process_time()
     seconds, out = once(load)
+    cpu = time.process_time() - cpu
     gc.collect()
     stop.set()
     sampler.join()
@@ -151,6 +153,7 @@ def _child(case: str, path: str, mib: int, leaf_mib: int) -> None:
         json.dumps(
             {
                 "seconds": seconds,
+                "cpu": cpu,
                 "peak": hwm - base_rss,
                 "peak_anon": peak_anon[0] - base_anon,
                 "after": rss - base_rss,
@@ -200,12 +203,63 @@ def _row(name: str, values: list[float], unit: str = "s") -> str:
     return f"{name:<46} {lo:>10.3f} {mid:>10.3f} {unit}"
 
 
+def _restore_table(host, specs, work, runs):
+    """orbax: saved from (4, 2), restored onto (2, 4), by eqshard and by hand."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+
+    import eqshard
+
+    saved_on, restored_on = _mesh((4, 2)), _mesh((2, 4))
+    ckpt = os.path.join(work, "ckpt")
+    eqshard.save(ckpt, eqshard.shard(host, specs, saved_on))
+    like = eqshard.abstract(host)
+    target = {
+        f"{layer}/{leaf}": jax.ShapeDtypeStruct(
+            x.shape,
+            x.dtype,
+            sharding=NamedSharding(restored_on, specs[layer][leaf]),
+        )
+        for layer, leaves in host.items()
+        for leaf, x in leaves.items()
+    }
+
+    def by_orbax():
+        checkpointer = ocp.StandardCheckpointer()
+        try:
+            return checkpointer.restore(ckpt, target)
+        finally:
+            checkpointer.close()
+
+    def by_eqshard():
+        return eqshard.restore(ckpt, like, specs, restored_on)
+
+    times = interleaved({"ours": by_eqshard, "orbax": by_orbax}, runs)
+    print()
+    result = table(
+        [
+            (
+                "restore (4, 2) -> (2, 4) (target <= 1.05)",
+                times["ours"],
+                times["orbax"],
+            )
+        ],
+        theirs="orbax, target by hand",
+    )
+    shutil.rmtree(ckpt)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--leaf-mib", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--child", nargs=4)
+    parser.add_argument(
+        "--only-safetensors", action="store_true", help="skip the orbax restore"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if args.child:
@@ -215,11 +269,7 @@ def main() -> None:
 
     _setup_jax()
     import jax
-    import orbax.checkpoint as ocp
     import safetensors.numpy
-    from jax.sharding import NamedSharding
-
-    import eqshard
 
     work = tempfile.mkdtemp(prefix="bench_checkpoint_")
     try:
@@ -232,45 +282,9 @@ def main() -> None:
             f"largest {largest / 2**20:.0f} MiB; {args.runs} runs; min / median"
         )
 
-        # orbax: saved from (4, 2), restored onto (2, 4).
-        saved_on, restored_on = _mesh((4, 2)), _mesh((2, 4))
-        ckpt = os.path.join(work, "ckpt")
-        eqshard.save(ckpt, eqshard.shard(host, specs, saved_on))
-        like = eqshard.abstract(host)
-        target = {
-            f"{layer}/{leaf}": jax.ShapeDtypeStruct(
-                x.shape,
-                x.dtype,
-                sharding=NamedSharding(restored_on, specs[layer][leaf]),
-            )
-            for layer, leaves in host.items()
-            for leaf, x in leaves.items()
-        }
-
-        def by_orbax():
-            checkpointer = ocp.StandardCheckpointer()
-            try:
-                return checkpointer.restore(ckpt, target)
-            finally:
-                checkpointer.close()
-
-        def by_eqshard():
-            return eqshard.restore(ckpt, like, specs, restored_on)
-
-        times = interleaved({"ours": by_eqshard, "orbax": by_orbax}, args.runs)
-        print()
         tables = {}
-        tables["restore"] = table(
-            [
-                (
-                    "restore (4, 2) -> (2, 4) (target <= 1.05)",
-                    times["ours"],
-                    times["orbax"],
-                )
-            ],
-            theirs="orbax, target by hand",
-        )
-        shutil.rmtree(ckpt)
+        if not args.only_safetensors:
+            tables["restore"] = _restore_table(host, specs, work, args.runs)
 
         # safetensors: one file, read in a fresh process per run.
         file = os.path.join(work, "model.safetensors")
@@ -300,6 +314,29 @@ def main() -> None:
             ],
             theirs="load_file + shard",
         )
+        cores = len(os.sched_getaffinity(0))
+
+        def median(case: str, key: str) -> float:
+            return statistics.median(r[key] for r in runs[case])
+
+        tables["safetensors_rate"] = as_table(
+            ("route", "GB/s (median)", "CPU s (median)", "x CPU", "cores"),
+            [
+                (
+                    labels[case],
+                    f"{total / 1e9 / median(case, 'seconds'):.2f}",
+                    f"{median(case, 'cpu'):.3f}",
+                    f"{median(case, 'cpu') / median('raw', 'cpu'):.2f}",
+                    str(cores),
+                )
+                for case in labels
+            ],
+        )
+        for case, label in labels.items():
+            print(
+                f"{label}: {total / 1e9 / median(case, 'seconds'):.2f} GB/s, CPU "
+                f"{median(case, 'cpu'):.3f} s (medians; {cores} cores)"
+            )
         for case, label in labels.items():
             got = runs[case]
             print(label)

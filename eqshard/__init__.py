@@ -5,6 +5,14 @@ logical axis names, the spec-tree family, shard/gather/constraint/init,
 checkpoints, and the readers and plans. Families of their own live in
 namespaces: `eqshard.t5x` (t5x's partitioner, data layout and hardware meshes)
 and `eqshard.compat` (fjformer's and eformer's odds and ends).
+
+The base modules, which every wing reads: `_typing.py` (type aliases,
+`@typecheck`, `warn`), `_tree.py` (leaves named by path, prefix trees, the
+messages listing paths) and `_tree_utils.py` (the public tree utilities),
+`_keys.py` (typed PRNG keys on host), `_report.py` (what every report shares),
+`_caches.py` (the registry of caches, `clear_caches`) and `_deprecated.py` (old
+names kept for one release). `__main__.py` runs the command (`_cli`). Each wing's
+`__init__.py` names its own modules (`tests/test_architecture.py` checks).
 """
 
 from importlib.metadata import version as _version

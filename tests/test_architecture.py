@@ -7,7 +7,8 @@ module, every name is imported from the module that defines it (packages
 re-export), only `_internals/` reads JAX's moving parts or matches on an
 error's text, no module is over `MAX_MODULE_LINES` lines and no function over
 `MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded),
-and every module is named in its wing's row of CONTRIBUTING.md's module map.
+and every module is named in its wing's `__init__.py` docstring (the map in the
+code) and in its wing's row of CONTRIBUTING.md's module map.
 
 Today's violations are data (`ALLOWED_*` below): the tests pass while they hold
 and fail when a new one appears, or when one listed is gone (then delete its
@@ -19,6 +20,7 @@ import ast
 import dataclasses
 import functools
 import io
+import re
 import tokenize
 from collections.abc import Iterator
 from pathlib import Path
@@ -604,6 +606,46 @@ def test_the_error_text_check_sees_a_new_match():
         "    message = f'{type(error).__name__}: {error}'\n"
     )
     assert error_matches(ast.parse(source)) == [2, 3, 4, 5]
+
+
+def wing_docstring(folder: str) -> str:
+    """The docstring of a wing's `__init__.py` (`""` for the root's base modules,
+    whose map is the root's `__init__.py`), read from its AST."""
+    init = PACKAGE / folder / "__init__.py"
+    return ast.get_docstring(ast.parse(init.read_text())) or ""
+
+
+def named_in(stem: str, text: str) -> bool:
+    """Whether `text` names the module `stem`: `stem.py` in backticks (after a
+    folder, `_internals/jaxpr.py`, or not), or `stem` alone opening a bullet."""
+    name = re.escape(stem)
+    return bool(
+        re.search(rf"`(?:[\w/]+/)?{name}\.py`", text)
+        or re.search(rf"^\s*- `{name}`", text, re.MULTILINE)
+    )
+
+
+def test_every_module_is_named_in_its_wing_docstring():
+    # The wing docstrings are the map in the code: each names every module of
+    # its wing (CONTRIBUTING.md's table, checked above, points at them).
+    missing = []
+    for path in modules().values():
+        folder = str(path.parent.relative_to(PACKAGE)).replace(".", "")
+        if path.name != "__init__.py" and not named_in(
+            path.stem, wing_docstring(folder)
+        ):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"not named in its wing's __init__.py docstring: {missing}"
+
+
+def test_the_docstring_check_sees_an_unnamed_module():
+    # The check itself: a module named only in passing (as a bare word, or as a
+    # function of that name) is not named.
+    text = "`_init.py` builds; see `_internals/jaxpr.py`;\n- `flow`: reads\n_shard"
+    assert named_in("_init", text) and named_in("jaxpr", text)
+    assert named_in("flow", text)
+    assert not named_in("_shard", text) and not named_in("_pieces", text)
+    assert not named_in("init", text)
 
 
 def test_only_the_door_reads_jax_internals():

@@ -13,13 +13,14 @@ data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
 data the trace captured, looked for by `_internals.closures.closed_over`): JAX
 would narrow it to 32 bits while tracing, out of sight.
 
-The compiled program is kept (`_PROGRAMS`, emptied by `clear_cache`) under what
-was traced: the jaxpr with every parameter and nested constant, the shardings,
-JAX's configuration and the route. The
-NumPy data `fn` closes over is an input of the program, not part of it. So
-building again with a new key compiles nothing, and a closure's variable or a
-config object that changed between calls gives another trace, never a stale
-model.
+The trace, its specs and its program are kept (`_BUILT`) under what the trace
+depends on (`_built_key`: `fn` and what it reads, keyed by value by
+`_internals.closures.reads_key`; the arguments; the specs, mesh and rules;
+JAX's trace context), so a warm call traces nothing; the compiled program
+(`_PROGRAMS`) under what was traced: the jaxpr with its parameters and nested
+constants, the shardings, JAX's configuration and the route (both emptied by
+`eqshard.clear_caches`). NumPy data `fn` closes over is an input of the
+program, not part of it. A value `fn` reads that changed is traced again.
 """
 
 import functools as ft
@@ -39,12 +40,19 @@ from jaxtyping import PyTree
 
 from .._caches import register
 from .._internals import jaxpr as jaxprs, routes
-from .._internals.closures import closed_over
+from .._internals.closures import (
+    closed_over,
+    reads_key,
+    trace_context,
+    Unkeyable,
+    value_key,
+)
 from .._internals.program_keys import program_key
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
 from .._move._host import converted, host_private, loss_error, lost_text
 from .._spectree._derive import abstract_tree
+from .._spectree._logical import get_logical_axis_rules
 from .._spectree._spec_args import resolve_specs
 from .._spectree._specs import (
     abstract_mesh_error,
@@ -88,7 +96,43 @@ def sharded_init(
     every array's `NamedSharding`."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
     args, kwargs = _narrowed(args, kwargs, caller=caller)
-    closed, dynamic, shapes, outputs = _trace(fn, args, kwargs)
+    dynamic, static_args = eqx.partition((tuple(args), kwargs), eqx.is_array)
+    flat, in_def = jtu.tree_flatten(dynamic)
+
+    key, keep = _built_key(fn, (static_args, in_def, flat), specs, mesh, caller)
+
+    def make() -> tuple[_Built, list[Any]]:
+        # What the key holds by identity lives as long as it is kept.
+        return _build(fn, args, kwargs, specs=specs, mesh=mesh, caller=caller), keep
+
+    built, _ = make() if key is None else _BUILT.get(key, make)
+    run, program, consts, shapes, assemble = built
+    return run, program, (consts, flat), shapes, assemble
+
+
+# What `_build` returns: `(run, jitted, consts, shapes, assemble)`.
+_Built = tuple[
+    Callable[..., list[jax.Array]],
+    Any,
+    list[Any],
+    PyTree,
+    Callable[[Sequence[jax.Array]], PyTree],
+]
+
+
+def _build(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    specs: Any,
+    mesh: Mesh | None,
+    caller: str,
+) -> _Built:
+    """`sharded_init`'s parts, traced and compiled (or found compiled) for these
+    arguments: the NumPy data `fn` closes over (`consts`) is given to `run` and
+    `jitted` with the arrays among the arguments."""
+    closed, _, shapes, outputs = _trace(fn, args, kwargs)
     lost = _captured_losses(fn, closed)
     if lost:
         raise loss_error(caller, lost, fix=_NARROWED_FIX)
@@ -107,7 +151,7 @@ def sharded_init(
 
     program, plan, consts = _program(closed, shardings)
     run = program if plan is None else plan.run
-    return run, program, (consts, dynamic), shapes, assemble
+    return run, program, consts, shapes, assemble
 
 
 def _readable(array: jax.Array) -> jax.Array:
@@ -356,6 +400,70 @@ _PROGRAMS: Programs[tuple[Any, Plan | None, list[Any]]] = Programs()
 
 register(_PROGRAMS.clear)
 
+# Each build's parts under what its trace depends on (`_built_key`), with the
+# objects that key holds by identity.
+_BUILT: Programs[tuple[_Built, list[Any]]] = Programs()
+register(_BUILT.clear)
+
+
+def _built_key(
+    fn: Callable[..., Any],
+    arguments: tuple[Any, Any, list[Any]],
+    specs: Any,
+    mesh: Mesh | None,
+    caller: str,
+) -> tuple[Hashable | None, list[Any]]:
+    """What a build's trace, specs and program depend on (the module's
+    docstring), or `None` where something cannot be keyed by value (then every
+    call traces); and the objects the key holds by identity."""
+    keep: list[Any] = []
+    value = ft.partial(value_key, array_key=lambda x: _by_identity(x, keep), keep=keep)
+    static_args, in_def, flat = arguments
+    try:
+        key = (
+            reads_key(fn, value, keep),
+            value(static_args),
+            in_def,
+            tuple(map(_array_type, flat)),
+            _specs_key(specs, value, keep),
+            mesh,
+            caller,
+            get_logical_axis_rules(),
+            routes.plain("init"),
+            trace_context(),
+        )
+        hash(key)
+    except (Unkeyable, TypeError):
+        return None, keep
+    return key, keep
+
+
+def _by_identity(array: jax.Array, keep: list[Any]) -> Hashable:
+    """A JAX array that `fn` reads is a constant of its program: by identity (it
+    cannot change), kept alive with the key."""
+    keep.append(array)
+    return id(array)
+
+
+def _array_type(array: Any) -> Hashable:
+    """What a trace reads of an array among the arguments: its type (shape,
+    dtype, weak type, and on Explicit axes its sharding)."""
+    if isinstance(array, np.ndarray | np.generic):
+        return ("numpy", array.shape, array.dtype.str)
+    return jax.typeof(array)
+
+
+def _specs_key(
+    specs: Any, value: Callable[[Any], Hashable], keep: list[Any]
+) -> Hashable:
+    """`specs` by value: a function of the abstract model by what it reads."""
+    if callable(specs) and not isinstance(specs, PartitionSpec | NamedSharding):
+        return ("function", reads_key(specs, value, keep))
+    leaves, treedef = jtu.tree_flatten(
+        specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
+    )
+    return (treedef, tuple(map(value, leaves)))
+
 
 def _program_key(
     closed: ClosedJaxpr, shardings: list[Any]
@@ -384,12 +492,16 @@ def init_sharded(
     spec shards, and a model larger than one device can be made. Everything that
     is not an array (static fields, callables, Python scalars, `None`) comes back
     as eager construction makes it, so an Equinox module comes back as a module
-    of the same type. `fn` is traced on every call (cheap next to compiling), and
-    the compiled program is kept under what was traced: building the model again
-    with a new key compiles nothing, while a value `fn` reads that has changed (a
-    closure's variable, a field of a config object) is traced into a new program,
-    never served stale. NumPy arrays `fn` closes over are inputs of the kept
-    program, read on every call.
+    of the same type. The trace and its program are kept under `fn` and what it
+    reads (its closure's variables, the globals it names, a partial's or bound
+    method's data), the arguments' types and values, the specs and the mesh:
+    building the model again with a new key traces and compiles nothing, while
+    a value `fn` reads that has changed (a closure's variable, a field of a
+    config object) is traced into a new program, never served stale (what
+    cannot be compared by value, such as an object with slots, is traced on
+    every call). NumPy arrays `fn` closes over are inputs of the kept program,
+    read on every call. Static fields of the model are those of the first
+    build of a kept trace, as `eqx.filter_jit` returns its static outputs.
     [`eqshard.clear_caches`][] forgets the kept programs.
 
     The values are those of the jitted constructor,

@@ -2,14 +2,25 @@
 globals its code names, default values, a `functools.partial`'s arguments.
 
 `init_sharded` looks there for the NumPy data its trace captured (to refuse data
-that JAX would narrow with a loss, out of sight). The scan reads
+that JAX would narrow with a loss, out of sight), and `init_sharded` and eager
+`filter_shard_map` key the traces they keep by it (`reads_key`): a value read
+that has changed is traced again, never served stale. The scan reads
 `__closure__`, `__globals__` and code objects; a value it cannot read is skipped
 by the caller (the check cannot run: the build goes on).
 """
 
+import enum
 import functools as ft
+import hashlib
 import inspect
+from collections.abc import Callable, Hashable
 from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax._src import config as jax_config
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 
 # Modules whose functions are not searched for the NumPy data they close over.
@@ -115,3 +126,168 @@ def _names(code: Any) -> set[str]:
         if inspect.iscode(const):
             names |= _names(const)
     return names
+
+
+class Unkeyable(Exception):
+    """A value a function reads cannot be told apart from a changed one by a key
+    (an object without a value of its own, a module of the user's): the caller
+    traces on every call instead of keeping the trace."""
+
+
+def trace_context() -> Hashable:
+    """JAX's state that a trace depends on beyond its function and arguments
+    (its configuration, thread-local contexts included, and the mesh set), as
+    `jax.jit` keys its own cache."""
+    return jax_config.trace_context()
+
+
+def reads_key(
+    fn: Any, value_key: Callable[[Any], Hashable], keep: list[Any]
+) -> Hashable:
+    """A key of everything `fn` reads besides its arguments, as `closed_over`
+    finds it: each function, class and partial met, by identity (kept alive in
+    `keep`); each value read by `value_key`; a callable object by `value_key`
+    too. Raises `Unkeyable` where a value cannot be keyed, or where `fn` reads a
+    module of the user's (whose attributes may change out of sight). Functions
+    of JAX, NumPy, Equinox and eqshard are taken as they are."""
+    parts: list[Hashable] = []
+    seen: set[int] = set()
+    todo: list[Any] = [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        keep.append(obj)
+        callable_kind = (
+            inspect.isfunction(obj)
+            or inspect.isclass(obj)
+            or inspect.ismethod(obj)
+            or isinstance(obj, ft.partial)
+        )
+        if not callable_kind:  # a callable object: its data, then its class
+            parts.append(("value", value_key(obj)))
+            todo.append(type(obj))
+            func = getattr(obj, "__func__", None)  # Equinox's bound methods
+            if inspect.isfunction(func):
+                todo.append(func)
+            continue
+        parts.append(("object", id(obj), getattr(obj, "__code__", None)))
+        if _in_library(obj):
+            continue
+        if inspect.isclass(obj):
+            parts.append(("class", _class_key(obj, value_key, todo)))
+        for name, value in _read_by(obj, todo):
+            if _is_followed(value):
+                todo.append(value)
+            elif inspect.ismodule(value):
+                if not _in_library(value):
+                    raise Unkeyable(f"{name}: a module")
+            else:
+                parts.append((name, value_key(value)))
+    return tuple(parts)
+
+
+def _in_library(obj: Any) -> bool:
+    module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
+    return (module or "").split(".")[0] in _LIBRARIES
+
+
+def _is_followed(value: Any) -> bool:
+    return (
+        inspect.isfunction(value)
+        or inspect.isclass(value)
+        or inspect.ismethod(value)
+        or isinstance(value, ft.partial)
+    )
+
+
+def _class_key(
+    cls: type, value_key: Callable[[Any], Hashable], todo: list[Any]
+) -> Hashable:
+    """A user class's own attributes that are not functions (class constants),
+    by `value_key`; the functions of properties, static and class methods and
+    Equinox's wrapped methods go to `todo`."""
+    parts = []
+    for name, value in vars(cls).items():
+        if name.startswith("__") or inspect.isfunction(value):
+            continue
+        wrapped = [
+            getattr(value, attribute, None)
+            for attribute in ("fget", "fset", "__func__", "method", "__wrapped__")
+        ]
+        wrapped = [f for f in wrapped if inspect.isfunction(f)]
+        if wrapped:  # a property, static or class method, Equinox's methods
+            todo.extend(wrapped)
+        elif name != "_abc_impl":  # (the registry of an abstract base class)
+            parts.append((name, value_key(value)))
+    return tuple(parts)
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+# Immutable values that compare by value (JAX's specs, shardings and meshes hash
+# by value from C++, where `__hash__` reads as `object`'s).
+_VALUES = (
+    PartitionSpec,
+    Sharding,
+    Mesh,
+    AbstractMesh,
+    np.dtype,
+    enum.Enum,
+    frozenset,
+    range,
+    slice,
+)
+
+
+def value_key(
+    value: Any,
+    array_key: Callable[[Any], Hashable],
+    keep: list[Any],
+    *,
+    depth: int = 0,
+) -> Hashable:
+    """A key that differs when `value` does: scalars and strings by value, NumPy
+    data by content, JAX arrays by `array_key`, containers and pytrees (an
+    Equinox module, a NamedTuple) by their structure and leaves, an object
+    that defines its own hash by it, and a plain object by its attributes. A
+    library's function or class is keyed by identity (kept alive in `keep`).
+    Raises `Unkeyable` for anything else (a user's function held in data, an
+    object with slots and no hash of its own), and past 32 levels."""
+    if depth > 32:
+        raise Unkeyable("too deep")
+    again = ft.partial(value_key, array_key=array_key, keep=keep, depth=depth + 1)
+    if isinstance(value, _SCALARS) or isinstance(value, _VALUES):
+        return (type(value), value)
+    if isinstance(value, np.ndarray | np.generic):
+        data = np.ascontiguousarray(value)
+        digest = hashlib.sha256(data.reshape(-1).view(np.uint8).data).hexdigest()
+        return ("numpy", value.dtype.str, value.shape, digest)
+    if isinstance(value, jax.Array):
+        return ("array", array_key(value))
+    if _is_followed(value) or inspect.ismodule(value):
+        if not _in_library(value):
+            raise Unkeyable(f"a function in data: {value!r}")
+        keep.append(value)
+        return ("object", id(value))
+    if isinstance(value, list | tuple) and type(value) in (list, tuple):
+        return (type(value), tuple(map(again, value)))
+    if type(value) is dict:
+        return (dict, tuple((again(k), again(v)) for k, v in value.items()))
+    leaves, treedef = jtu.tree_flatten(value)
+    if not (len(leaves) == 1 and leaves[0] is value):  # a pytree
+        try:
+            hash(treedef)
+        except TypeError:  # a static field that cannot be hashed
+            raise Unkeyable(f"a pytree of {type(value).__name__}") from None
+        return (treedef, tuple(map(again, leaves)))
+    hashes = type(value).__hash__
+    if hashes is not None and hashes is not object.__hash__:
+        try:
+            return (type(value), hash(value), value)
+        except TypeError:
+            raise Unkeyable(type(value).__name__) from None
+    attributes = getattr(value, "__dict__", None)
+    if hashes is object.__hash__ and type(attributes) is dict:
+        return (type(value), again(attributes))
+    raise Unkeyable(type(value).__name__)

@@ -1,6 +1,7 @@
 """What a layout is: spec trees, logical axis names and partition rules.
 
-Every function that takes `specs=` hands it to `_spec_args.resolve_specs`, which
+Every function that takes `specs=` hands it to `resolve_specs`
+(`_spec_args.py`), which
 turns whatever was given (a spec tree or a prefix of one, partition rules, or a
 function of the abstract tree) into one `PartitionSpec` per array leaf:
 
@@ -10,8 +11,9 @@ function of the abstract tree) into one `PartitionSpec` per array leaf:
    builds rule tables (`composite_axis_rules`, t5x's standard ones, the names a
    model declares in its fields).
 2. **Rules.** Regex partition rules are matched against each leaf's path
-   (`_rules.py`), their values a spec, logical names, `stacked` (`_stacked.py`:
-   a spec for one layer of stacked layers), `auto_fsdp` (`_auto.py`: a spec
+   (`_rules.py`, its messages in `_rules_messages.py`), their values a spec,
+   logical names, `stacked` (`_stacked.py`: a spec for one layer of stacked
+   layers), `auto_fsdp` (`_auto.py`: a spec
    picked from the shape) or `host` (`_memory.py`: a layout kept in host
    memory, which a spec tree may hold too, bound to `"pinned_host"` where it
    meets a mesh); `_rules_syntax.py` reads specs and rules written as
@@ -22,6 +24,8 @@ function of the abstract tree) into one `PartitionSpec` per array leaf:
 4. **Derive.** Spec trees for other trees (`_derive.py`: optimizer states and
    gradients that follow the parameters, as `_follow.py` decides; stacked layers;
    another mesh) and abstract trees with their shardings.
+5. **Select.** `_select.py` finds the parameters among a step's arguments (the
+   `params=` selector of `search_layout` and `plan_training`).
 
 Nothing here moves data; the movers and transforms read the specs made here.
 """

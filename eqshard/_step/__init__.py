@@ -2,9 +2,9 @@
 
 How a step is read, in the order of `analyze_step` (`_step.py`):
 
-1. **Compile.** The step is compiled for its arguments, with `fn`'s own
-   shardings and donations, its leaves named by path (`params/b0/w1`), and XLA's
-   warnings captured.
+1. **Compile.** The step is compiled for its arguments (flattened by
+   `_step_args.py`), with `fn`'s own shardings and donations, its leaves named
+   by path (`params/b0/w1`), and XLA's warnings captured.
 2. **Read the text.** `_hlo_text.py` reads XLA's compiled text
    (`compiled.as_text()`) into computations of instructions, shapes flattened
    into slots, and the attributes asked for (called computations, replica
@@ -13,8 +13,12 @@ How a step is read, in the order of `analyze_step` (`_step.py`):
    computation, to the parameter slots it derives from and the root slots it
    reaches through ops that keep identity; `_hlo_flow.py` carries the entry's
    arguments and results down through the calls and attributes each collective
-   (`Program`, `Collective`) to the user's leaves, or to the dot it feeds.
-4. **Report.** Memory, collectives by path and totals go into a `StepReport`
-   (`_step_report.py`: `diff`, the table, JSON), cached per function and
-   argument signature until [`eqshard.clear_caches`][].
+   (`Program`, `Collective`) to the user's leaves, or to the dot it feeds, with
+   loops' trip counts the text does not state read by `_hlo_loops.py` and each
+   backend's spelling of collectives and their overlap by `_hlo_forms.py`.
+4. **Report.** `_step_rows.py` turns that into rows (leaves, collectives, moved
+   inputs, warnings; their records in `_step_records.py`); memory, collectives
+   by path and totals go into a `StepReport` (`_step_report.py`: `diff`, the
+   table, JSON; `_step_json.py` reads it back, every field checked), cached per
+   function and argument signature until `eqshard.clear_caches`.
 """

@@ -24,7 +24,7 @@ How a step is read ([`eqshard.analyze_step`][]):
    device groups (mapped to mesh axes by device ids) and the leaves their data
    comes from or goes to.
 
-The report is cached per function and arguments' signature (`clear_cache`
+The report is cached per function and arguments' signature (`eqshard.clear_caches`
 empties the cache), so a second call compiles nothing and reports the same
 warnings.
 """

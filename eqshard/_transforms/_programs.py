@@ -34,6 +34,14 @@ class Programs(Generic[_T]):
             self._kept[key] = make()
         return self._kept[key]
 
+    def find(self, key: Hashable) -> _T | None:
+        """The program kept under `key`, or `None`."""
+        return self._kept.get(key)
+
+    def forget(self, key: Hashable) -> None:
+        """Forgets the program kept under `key`, if any."""
+        self._kept.pop(key, None)
+
     def clear(self) -> None:
         """Forgets every program kept."""
         self._kept.clear()

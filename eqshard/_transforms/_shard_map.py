@@ -22,13 +22,18 @@ How a call goes:
    content) with the mesh, specs, options, rules and static arguments: a call
    whose trace is one already compiled compiles nothing, eagerly too (an eager
    `jax.shard_map` compiles at every call), and a value `fn` reads that has
-   changed gives another program, never a stale result. So every call traces
-   `fn` once; under `jax.jit` that is once per trace of the enclosing function.
+   changed gives another program, never a stale result. JAX arrays `fn` reads
+   are the program's inputs (by type in the key), so a new one compiles nothing.
+5. **Warm calls.** An eager call is kept too (`_call_key`: what `fn` reads,
+   keyed by value by `_internals.closures.reads_key`, with the specs and the
+   arguments' types): the next call with the same key traces nothing, only
+   dispatches the program. Under `jax.jit`, and where something `fn` reads
+   cannot be keyed by value, each call traces `fn` once.
 """
 
 import functools as ft
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -40,7 +45,8 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._internals.jaxpr import consts_of
+from .._internals.closures import reads_key, trace_context, Unkeyable, value_key
+from .._internals.jaxpr import as_function, consts_of
 from .._internals.program_keys import program_key
 from .._mesh._targets import require_traced_or_runnable
 from .._move._host import host_private
@@ -185,13 +191,13 @@ def _trace(config: _Map, arrays: tuple[Any, ...]) -> tuple[ClosedJaxpr, Any]:
     return closed, eqx.combine(out_shapes, rest["out"])
 
 
-def _make_program(config: _Map, blocks: Any) -> Any:
-    """`jax.jit(run)`: `run(arrays)` maps `fn` over the arguments made of `arrays`
-    (the arguments with `None` for every non-array) and the static part of
-    `config`, and returns the output's arrays (`None` elsewhere); `blocks` are
-    each device's blocks of the outputs (`_trace`), against which `out_specs`
-    are resolved and checked. JAX gets the trees as they are, so its own
-    messages name their paths."""
+def _mapped(config: _Map, blocks: Any) -> Callable[..., Any]:
+    """`run(arrays)`: maps `fn` over the arguments made of `arrays` (the
+    arguments with `None` for every non-array) and the static part of `config`,
+    and returns the output's arrays (`None` elsewhere); `blocks` are each
+    device's blocks of the outputs (`_trace`), against which `out_specs` are
+    resolved and checked. JAX gets the trees as they are, so its own messages
+    name their paths."""
 
     def run(arrays: tuple[Any, ...]) -> Any:
         out_def = jtu.tree_structure(eqx.filter(blocks, is_array))
@@ -207,22 +213,71 @@ def _make_program(config: _Map, blocks: Any) -> Any:
         )
         return mapped(*arrays)
 
-    return jax.jit(run)
+    return run
 
 
-_PROGRAMS: Programs[tuple[Any, list[Any]]] = Programs()
+class _Program(NamedTuple):
+    """A kept program: `jitted(fed, arrays)` returns the output's arrays; `fed`
+    are the JAX arrays `fn` reads (its closure's, its globals'), the constants
+    of the trace at the positions `take`, so that a new array there recompiles
+    nothing. `kept`: whether it may serve another call (every array the program
+    holds was found among the trace's constants)."""
+
+    jitted: Any
+    take: tuple[int, ...]
+    kept: bool
+
+
+def _make_program(
+    config: _Map, blocks: Any, arrays: tuple[Any, ...], sources: list[Any]
+) -> _Program:
+    """The program for `config`, traced once more with its real `out_specs`
+    (`jax.make_jaxpr`); the JAX arrays it holds as constants (what `fn` reads)
+    become inputs, found by identity among `sources`."""
+    closed, out_shape = jax.make_jaxpr(_mapped(config, blocks), return_shape=True)(
+        arrays
+    )
+    out_def = jtu.tree_structure(out_shape)
+    consts = consts_of(closed)
+    where = {id(s): k for k, s in enumerate(sources) if isinstance(s, jax.Array)}
+    fed_at = [
+        i
+        for i, c in enumerate(consts)
+        if isinstance(c, jax.Array) and not isinstance(c, Tracer) and id(c) in where
+    ]
+    unfound = any(
+        isinstance(c, jax.Array) and i not in fed_at for i, c in enumerate(consts)
+    )
+    fixed = [None if i in fed_at else c for i, c in enumerate(consts)]
+
+    def run(fed: list[Any], arrays: tuple[Any, ...]) -> Any:
+        given = iter(fed)
+        values = [next(given) if c is None else c for c in fixed]
+        flat = as_function(closed, values)(*jtu.tree_leaves(arrays))
+        return jtu.tree_unflatten(out_def, flat)
+
+    take = tuple(where[id(consts[i])] for i in fed_at)
+    return _Program(jax.jit(run), take, not unfound)
+
+
+_PROGRAMS: Programs[tuple[_Program, list[Any]]] = Programs()
 register(_PROGRAMS.clear)
 
 
-def _program(config: _Map, closed: ClosedJaxpr, blocks: Any) -> Any:
+def _program(
+    config: _Map, closed: ClosedJaxpr, blocks: Any, arrays: tuple[Any, ...]
+) -> _Program:
     """The program for `config`, whose trace is `closed`: kept under what was
     traced (`program_key`: the jaxpr with the values `fn` read, its closure's and
-    globals' included) and what else the program depends on, so that calling
-    again compiles nothing, and a value `fn` reads that has changed gives another
-    program, never a stale result. A trace that read a traced value (`fn` closing
-    over an array of an enclosing `jit`) gives a program for this call only."""
-    if any(isinstance(c, Tracer) for c in consts_of(closed)):
-        return _make_program(config, blocks)
+    globals' included; the JAX arrays among them by type, as inputs of the
+    program) and what else the program depends on, so that calling again
+    compiles nothing, and a value `fn` reads that has changed gives another
+    program, never a stale result. A trace that read a traced value (`fn`
+    closing over an array of an enclosing `jit`) gives a program for this call
+    only."""
+    consts = consts_of(closed)
+    if any(isinstance(c, Tracer) for c in consts):
+        return _make_program(config, blocks, arrays, consts)
     out_leaves, out_def = jtu.tree_flatten(
         config.out_specs,
         is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames),
@@ -237,14 +292,92 @@ def _program(config: _Map, closed: ClosedJaxpr, blocks: Any) -> Any:
         config.static,
         jtu.tree_structure(blocks),
     )
-    key, keep = program_key(closed, extra)
+    key, keep = program_key(closed, extra, skip=lambda c: isinstance(c, jax.Array))
     try:
         hash(key)
     except TypeError:
         # A leaf of `out_specs` that cannot be hashed (a rule's value, or no spec
         # at all, which the trace reports): a program for this call only.
-        return _make_program(config, blocks)
-    return _PROGRAMS.get(key, lambda: (_make_program(config, blocks), keep))[0]
+        return _make_program(config, blocks, arrays, consts)
+
+    def make() -> tuple[_Program, list[Any]]:
+        return _make_program(config, blocks, arrays, consts), keep
+
+    found = _PROGRAMS.get(key, make)[0]
+    if not found.kept:
+        _PROGRAMS.forget(key)
+    return found
+
+
+# Warm calls: the program and the output's non-array part under what the trace
+# depends on (`_call_key`), traced no more.
+_CALLS: Programs[tuple[tuple[Any, tuple[int, ...], Any], list[Any]]] = Programs()
+register(_CALLS.clear)
+
+
+def _call_key(
+    config: _Map, leaves: list[Any]
+) -> tuple[Hashable | None, list[Any], list[Any]]:
+    """What a call's trace depends on, so that a warm call traces nothing:
+    everything `fn` reads (`reads_key`; JAX arrays by type, as the program's
+    inputs), `config` and the arguments' arrays' types, and JAX's trace context;
+    `None` where something cannot be keyed by value, or under a trace. Also the
+    JAX arrays `fn` reads, in order (the sources of the program's inputs), and
+    the objects the key holds by identity."""
+    keep: list[Any] = []
+    found: list[Any] = []
+
+    def array_key(array: Any) -> Hashable:
+        if isinstance(array, Tracer):
+            raise Unkeyable("a traced array")
+        found.append(array)
+        return jax.typeof(array)
+
+    value = ft.partial(value_key, array_key=array_key, keep=keep)
+    if any(isinstance(leaf, Tracer) for leaf in leaves):
+        return None, found, keep
+    try:
+        out_leaves, out_def = jtu.tree_flatten(
+            config.out_specs,
+            is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames),
+        )
+        key = (
+            reads_key(config.fn, value, keep),
+            config._replace(
+                fn=None, options=None, out_specs=(out_def, tuple(out_leaves))
+            ),
+            tuple(sorted(config.options.items())),
+            tuple(jax.typeof(x) for x in leaves if is_array(x)),
+            trace_context(),
+        )
+        hash(key)
+    except (Unkeyable, TypeError):
+        return None, found, keep
+    return key, found, keep
+
+
+def _called(
+    config: _Map, arrays: tuple[Any, ...], leaves: list[Any]
+) -> tuple[Any, list[Any], Any]:
+    """The program for this call, the JAX arrays `fn` reads that it takes as
+    inputs, and the output's non-array part: kept from an earlier call whose
+    trace depends on the same (`_call_key`), else traced, and kept for the next
+    call where every input is found among what `fn` reads."""
+    key, found, keep = _call_key(config, leaves)
+    kept = None if key is None else _CALLS.find(key)
+    if kept is not None:
+        jitted, take, rest = kept[0]
+        return jitted, [found[k] for k in take], rest
+    closed, blocks = _trace(config, arrays)
+    consts = consts_of(closed)
+    program = _program(config, closed, blocks, arrays)
+    rest = eqx.filter(blocks, is_array, inverse=True)
+    fed = [consts[k] for k in program.take]
+    where = {id(array): k for k, array in enumerate(found)}
+    if key is not None and program.kept and all(id(a) in where for a in fed):
+        take = tuple(where[id(a)] for a in fed)
+        _CALLS.get(key, lambda: ((program.jitted, take, rest), keep))
+    return program.jitted, fed, rest
 
 
 @typecheck
@@ -273,9 +406,10 @@ def filter_shard_map(
     shapes and non-array values (by type and value, as `eqx.filter_jit` holds
     them static) compiles nothing, eagerly too, while a value `fn` reads that has
     changed (a closure's variable, a global, NumPy data changed in place) is
-    read again, as an eager `jax.shard_map` reads it. Each call traces `fn` once
-    (the first twice: once more for the program); for the least overhead per
-    step, call it inside `jax.jit`, which traces once.
+    read again, as an eager `jax.shard_map` reads it. JAX arrays `fn` reads are
+    inputs of the program: a new one compiles nothing. An eager call whose `fn`
+    reads only what can be compared by value traces nothing after the first;
+    otherwise each call traces `fn` once.
 
     **Arguments:**
 
@@ -379,8 +513,7 @@ def filter_shard_map(
             treedef, [leaf if is_array(leaf) else None for leaf in leaves]
         )
         config = _Map(fn, on, specs, out_specs, options, manual, rules, static)
-        closed, blocks = _trace(config, arrays)
-        out = _program(config, closed, blocks)(host_private(arrays))
-        return eqx.combine(out, eqx.filter(blocks, is_array, inverse=True))
+        jitted, fed, rest = _called(config, arrays, leaves)
+        return eqx.combine(jitted(fed, host_private(arrays)), rest)
 
     return mapped
