@@ -84,6 +84,10 @@ from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport
+from ._step._step_time import (
+    StepTime as StepTime,
+    transformer_flops as transformer_flops,
+)
 from ._transforms._constraint import (
     corrected_spec as corrected_spec,
     with_sharding_constraint as with_sharding_constraint,
@@ -110,8 +114,8 @@ __version__ = _version("eqshard")
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
 # `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `LayoutSearch`,
-# `LayoutCandidate`, `AutoFSDP`, `Stacked`, `Host`, `HostKey`) are importable from here
-# too, and documented with their functions.
+# `LayoutCandidate`, `StepTime`, `AutoFSDP`, `Stacked`, `Host`, `HostKey`) are
+# importable from here too, and documented with their functions.
 __all__ = [
     # Meshes.
     "create_mesh",
@@ -176,6 +180,7 @@ __all__ = [
     "filter_jit",
     "analyze_step",
     "search_layout",
+    "transformer_flops",
 ]
 
 

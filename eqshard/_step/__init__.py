@@ -17,4 +17,7 @@ How a step is read, in the order of `analyze_step` (`_step.py`):
 4. **Report.** Memory, collectives by path and totals go into a `StepReport`
    (`_step_report.py`: `diff`, the table, JSON), cached per function and
    argument signature until [`eqshard.clear_caches`][].
+5. **Time.** On a target's chips, `_hlo_cost.py` counts each op's FLOPs and
+   HBM bytes, `_step_links.py` times each collective on its links, and
+   `_step_time.py` makes the `StepTime` of `report.time`.
 """

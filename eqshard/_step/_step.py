@@ -61,6 +61,7 @@ from ._step_rows import (
     moved,
     step_warnings,
 )
+from ._step_time import estimate_time
 
 
 # Reports by function, then by the signature of the arguments.
@@ -379,6 +380,13 @@ def _report(
     )
     moves = zip(call.arrays, arguments, compiled.in_shardings, strict=True)
     paths, out_paths, mesh = call.paths, traced.out_paths, compiled.mesh
+    found = compiled.program.collectives()
+    time, note, rows = estimate_time(
+        compiled.program,
+        found,
+        [collective_row(c, paths, out_paths, mesh) for c in found],
+        _devices(compiled),
+    )
     figures, notes = host_memory(
         memory(compiled.stats, _devices(compiled)),
         arguments + outputs,
@@ -393,11 +401,10 @@ def _report(
         arguments=arguments,
         outputs=outputs,
         memory=figures,
-        collectives=tuple(
-            collective_row(c, paths, out_paths, mesh)
-            for c in compiled.program.collectives()
-        ),
+        collectives=rows,
         moved=tuple(m for args in moves if (m := moved(*args)) is not None),
         warnings=step_warnings(compiled.log, compiled.program, paths, out_paths)
         + notes,
+        time=time,
+        time_note=note,
     )
