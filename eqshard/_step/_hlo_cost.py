@@ -8,7 +8,9 @@ What is counted (`op_costs`):
 - **FLOPs**: a `dot` (or a cuBLAS/cuDNN gemm custom-call) does
   `2 * prod(result dims) * prod(lhs contracting dims)`; a `convolution` (TPU
   writes most dots as one, `dim_labels=bf_io->bf`) `2 * prod(result dims) *
-  prod(rhs dims) / rhs output features`. Each is counted where it runs: inside
+  prod(rhs dims) / rhs output features`, the window's taps that meet the
+  padded and dilated input counted (TPU writes batched matmuls as
+  convolutions whose window spans the batch). Each is counted where it runs: inside
   the fusion that holds it, at that fusion's runs. Elementwise work,
   reductions and transcendental functions are not counted: they are the
   memory-bound ops' bytes below. Each dot is keyed by its operands' type
@@ -28,6 +30,8 @@ import dataclasses
 import functools
 import math
 import re
+
+import numpy as np
 
 from ._hlo_graph import DONES, KINDS, STARTS
 from ._hlo_text import callees, Computation, Instruction, Module
@@ -130,7 +134,7 @@ class _Reader:
 
     def _convolution_inner(
         self, computation: Computation, instruction: Instruction
-    ) -> int:
+    ) -> float:
         """Multiplies per result element: the kernel's size per output
         feature."""
         if len(instruction.operands) < 2:
@@ -142,7 +146,16 @@ class _Reader:
         o = kernel.find("o")
         if not rhs or o < 0 or o >= len(rhs) or rhs[o] == 0:
             return 0
-        return math.prod(rhs) // rhs[o]
+        inner = math.prod(rhs) / rhs[o]
+        sizes = _window_field(instruction, "size")
+        if math.prod(sizes) <= 1:
+            return inner
+        # A padded or dilated input (TPU writes batched matmuls so: their
+        # batch dimensions as a window over a padded or dilated input) meets
+        # only some of the window's taps: count them.
+        lhs = self._dims(computation, instruction.operands[0])
+        taps = _taps(instruction, labels, lhs, sizes)
+        return inner / math.prod(sizes) * taps
 
     @functools.cache  # noqa: B019 - one reader per program, dropped with it
     def computation_flops(self, name: str) -> tuple[tuple[str, float], ...]:
@@ -199,6 +212,51 @@ class _Reader:
     def _bytes(self, computation: Computation, name: str) -> int:
         found = self.operand(computation, name)
         return 0 if found is None else sum(slot.nbytes for slot in found.slots)
+
+
+def _window_field(instruction: Instruction, name: str) -> list[int]:
+    """The numbers of one field of a convolution's `window={size=3x3 ...}`
+    (a `pad=1_1x0_0` gives its low sides)."""
+    window = instruction.attrs.get("window", "")
+    found = re.search(rf"(?:^|[\s{{]){name}=([\d_x-]+)", window)
+    if found is None:
+        return []
+    return [int(n.split("_")[0]) for n in found[1].split("x")]
+
+
+def _taps(
+    instruction: Instruction, labels: str, lhs: tuple[int, ...], sizes: list[int]
+) -> float:
+    """The mean number of the window's taps per output element that meet the
+    (dilated, padded) input, over all outputs: per window dimension, each
+    output's taps counted (few outputs and taps: batch dimensions)."""
+    n = len(sizes)
+    ones = [1] * n
+    stride = _window_field(instruction, "stride") or ones
+    pad = _window_field(instruction, "pad") or [0] * n
+    dilate = _window_field(instruction, "lhs_dilate") or ones
+    spread = _window_field(instruction, "rhs_dilate") or ones
+    inputs, _, outputs = labels.partition("->")
+    inputs = inputs.split("_")[0]
+    result = instruction.slots[0].dims
+    taps = 1.0
+    for k in range(n):
+        where, out = inputs.find(str(k)), outputs.find(str(k))
+        if where < 0 or out < 0 or where >= len(lhs) or out >= len(result):
+            return float(math.prod(sizes))
+        length = (lhs[where] - 1) * dilate[k] + 1
+        m = result[out]
+        if m * sizes[k] > 1 << 20:
+            taps *= min(sizes[k], -(-sizes[k] // dilate[k]))
+            continue
+        index = (
+            np.arange(m)[:, None] * stride[k]
+            + np.arange(sizes[k])[None, :] * spread[k]
+            - pad[k]
+        )
+        real = (index >= 0) & (index < length) & (index % dilate[k] == 0)
+        taps *= float(real.sum()) / m
+    return taps
 
 
 def _precision(instruction: Instruction) -> str:
