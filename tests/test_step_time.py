@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqshard
 from eqshard._mesh._chips import CHIPS
 from eqshard._step._hlo_flow import Program
+from eqshard._step._step_options import step_options
 from eqshard._step._step_report import StepReport
 from eqshard._step._step_rows import collective_row, memory
 from eqshard._step._step_time import estimate_time
@@ -255,3 +256,64 @@ def test_a_bf16_matmul_chain_runs_at_the_chips_peak():
     assert time.compute_s == pytest.approx(at_peak)
     assert at_peak <= time.step_s <= 1.1 * at_peak
     assert dataclasses.asdict(time)["chip"] == "H100 SXM"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Client:
+    runtime_type: str = "compile_only_runtime"
+
+
+@dataclasses.dataclass(frozen=True)
+class _TargetTpu:
+    """A TPU target's device, as `is_compile_only` tells one."""
+
+    platform: str = "tpu"
+    client: _Client = _Client()
+
+
+def test_tpu_targets_compile_with_the_async_collective_options(monkeypatch):
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    names = {
+        "xla_tpu_enable_async_collective_fusion",
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
+        "xla_tpu_enable_async_collective_fusion_multiple_steps",
+        "xla_tpu_overlap_compute_collective_tc",
+        "xla_enable_async_all_gather",
+        "xla_enable_async_collective_permute",
+    }
+    target = [_TargetTpu()]
+    assert step_options(target, None) == dict.fromkeys(names, True)
+    mine = step_options(target, {"xla_enable_async_all_gather": False, "x": 1})
+    assert mine == {
+        **dict.fromkeys(names, True),
+        "xla_enable_async_all_gather": False,
+        "x": 1,
+    }
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false")
+    assert step_options(target, None) == dict.fromkeys(
+        names - {"xla_enable_async_all_gather"}, True
+    )
+    # Elsewhere (a GPU target, CPU devices) the options are the user's.
+    gpu = [_TargetTpu(platform="gpu")]
+    assert step_options(gpu, None) is None
+    assert step_options([HostDevice(0, 0)], {"x": 1}) == {"x": 1}
+
+
+_BATCHED = """HloModule m
+
+ENTRY %main (p0: bf16[8,32,1], p1: bf16[4,16,32,1]) -> bf16[8,4,16] {
+  %p0 = bf16[8,32,1]{2,1,0} parameter(0)
+  %p1 = bf16[4,16,32,1]{3,2,1,0} parameter(1)
+  ROOT %c = bf16[8,4,16]{2,1,0} convolution(%p0, %p1), \
+window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+}
+"""
+
+
+def test_a_convolution_over_a_padded_input_counts_the_taps_that_meet_it():
+    # TPU's batched matmul: 4 heads as a window of 4 over an input of 1, padded
+    # by 3 each side; each output meets one tap: 32 products per output.
+    devices = [TpuDevice(0, 0, (0, 0, 0), 0, "TPU v5 lite")]
+    time = _report(_BATCHED, devices).time
+    assert time is not None
+    assert time.flops == 2 * (8 * 4 * 16) * 32

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
+from eqshard._step._step_options import TPU_ASYNC_OPTIONS
 
 
 _GiB = 1 << 30
@@ -115,7 +116,10 @@ def test_tpu_report_decides_by_xla_peak_and_the_chips_memory():
     mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
     w, x = _abstract(mesh)
     report = eqshard.analyze_step(_step, w, x, compiler_options={})
-    compiled = jax.jit(_step).lower(w, x).compile().memory_analysis()
+    # A TPU target compiles with the async-collective options by default.
+    options = dict(TPU_ASYNC_OPTIONS)
+    assert report.compiler_options == tuple((k, "True") for k in sorted(options))
+    compiled = jax.jit(_step).lower(w, x).compile(options).memory_analysis()
     assert compiled is not None
     assert report.memory.peak_bytes == compiled.peak_memory_in_bytes
     assert report.memory.platform == "tpu"
@@ -135,7 +139,7 @@ def test_fits_without_a_budget_names_the_argument():
     with pytest.raises(ValueError, match=r"StepMemory.fits: device_memory is None"):
         report.memory.fits()
     data = json.loads(report.to_json())
-    assert data["format"] == 2
+    assert data["format"] == 3
     # A format-1 report (before this release) reads, with the new fields' defaults.
     for field in ("host_argument_bytes", "host_output_bytes", "host_temp_bytes"):
         del data["memory"][field]
@@ -144,7 +148,7 @@ def test_fits_without_a_budget_names_the_argument():
     data["format"] = 1
     old = eqshard.StepReport.from_json(json.dumps(data))
     assert old.memory == report.memory and old.versions == ()
-    data["format"] = 2
+    data["format"] = 3
     with pytest.raises(ValueError, match=r"at 'memory/platform': expected a string"):
         eqshard.StepReport.from_json(json.dumps(data))
 

@@ -4,7 +4,8 @@ How a step is read, in the order of `analyze_step` (`_step.py`):
 
 1. **Compile.** The step is compiled for its arguments, with `fn`'s own
    shardings and donations, its leaves named by path (`params/b0/w1`), and XLA's
-   warnings captured.
+   warnings captured; on a TPU target with the async-collective options
+   production runs set (`_step_options.py`).
 2. **Read the text.** `_hlo_text.py` reads XLA's compiled text
    (`compiled.as_text()`) into computations of instructions, shapes flattened
    into slots, and the attributes asked for (called computations, replica
