@@ -331,8 +331,8 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
     )  # fmt: skip
     assert len(search.candidates) == 3
     assert search.device_memory == int(84942979072 * 0.75)
-    exposed = []
-    for candidate in search.candidates:  # ranked by what the schedule exposes
+    seconds = []
+    for candidate in search.candidates:  # ranked by a step's seconds
         assert candidate.report.memory.platform == "gpu" and candidate.fits
         rows = candidate.report.collectives
         assert candidate.cost == sum(r.link_bytes * r.count for r in rows)
@@ -340,5 +340,13 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
         assert candidate.exposed_cost == candidate.cost - sum(
             r.link_bytes * r.count for r in hidden
         )
-        exposed.append((candidate.exposed_cost, candidate.cost))
-    assert exposed == sorted(exposed)
+        time = candidate.report.time
+        assert time is not None and candidate.step_s == time.step_s
+        seconds.append(time.step_s)
+    assert seconds == sorted(seconds)
+    assert search.best is search.candidates[0]
+    assert "ranked by a step's estimated seconds" in str(search)
+    with pytest.raises(ValueError, match="`bandwidth` is for meshes of this"):
+        eqshard.search_layout(
+            step, shapes, x, mesh=mesh, bandwidth={"dp": 0.5}, progress=False
+        )
