@@ -346,7 +346,7 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
     assert seconds == sorted(seconds)
     assert search.best is search.candidates[0]
     assert "ranked by a step's estimated seconds" in str(search)
-    with pytest.raises(ValueError, match="`bandwidth` is for meshes of this"):
+    with pytest.raises(ValueError, match="`bandwidth` is refused on a target"):
         eqshard.search_layout(
             step, shapes, x, mesh=mesh, bandwidth={"dp": 0.5}, progress=False
         )

@@ -221,10 +221,8 @@ def _bandwidth(
     first = next(iter(mesh.devices.flat))
     if bandwidth and is_compile_only(first):
         raise search_error(
-            f"`bandwidth` is for meshes of this machine's devices; the mesh "
-            f"{dict(mesh.shape)} is a target's ({first.device_kind}), whose "
-            "chips' links time each layout's collectives (report.time): drop "
-            "`bandwidth`."
+            f"`bandwidth` is refused on a target's mesh ({first.device_kind}): its "
+            "chips' links time each layout's collectives (report.time). Drop it."
         )
     for axis, value in (bandwidth or {}).items():
         if axis not in weights:
@@ -405,7 +403,7 @@ def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
         compiled,
         key=lambda c: (
             not c.fits,
-            (c.step_s or 0.0) if c.fits and timed else 0.0,
+            (c.step_s or 0.0) * (c.fits and timed),
             c.exposed_cost if c.fits else c.memory.peak_bytes,
             c.cost,
             c.memory.peak_bytes,
@@ -472,11 +470,10 @@ def search_layout(
     ([`eqshard.create_mesh`][]'s `target=`, such as `"h100:8x8"` or
     `"v5p-1024"`) each candidate is compiled by that hardware's compiler,
     judged against its peak, and the layouts that fit are ranked by a step's
-    estimated seconds on its chips (`LayoutCandidate.step_s`, from
-    `report.time`), the fastest first; on this machine's devices, which have
-    no time estimate, by the communication the schedule leaves exposed (not
-    overlapped with computation) first, then by all of it. A layout the TPU
-    compiler refuses for lack of memory is listed in `skipped`.
+    estimated seconds on its chips (`LayoutCandidate.step_s`), fastest first
+    (on this machine's devices, which have no time, by the communication the
+    schedule leaves exposed, then by all of it). A layout the TPU compiler
+    refuses for lack of memory is listed in `skipped`.
 
     **Arguments:**
 
@@ -498,8 +495,7 @@ def search_layout(
     - `builtin`: whether to add the built-in strategies.
     - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each; ints or
       floats), such as `{"dcn": 0.1}`: a collective's bytes count divided by the
-      bandwidth of the slowest axis it crosses. Refused on a target mesh,
-      whose chips' links decide.
+      bandwidth of the slowest axis it crosses (refused on a target mesh).
     - `max_candidates`: compile at most this many layouts (yours first).
     - `time_budget`: start no compile after this many seconds (the result is
       then not repeatable).
