@@ -64,7 +64,7 @@ class StepReport(Report):
     - `versions`: `(package, version)` of JAX, jaxlib and the target's compiler
       (`libtpu`, `jax-cuda12-plugin`) the step was compiled with.
     - `compiler_options`: the XLA options it was compiled with, as text.
-    - `time`: a [`StepTime`][eqshard._step._step_time.StepTime], how long a
+    - `time`: a [`StepTime`][eqshard.StepTime], how long a
       step takes on the chips it was compiled for (a target mesh), estimated
       from the program; `None` where it cannot be, `time_note` saying why (on
       CPU, a chip without figures, unknown links).

@@ -189,7 +189,7 @@ def transformer_flops(
 ) -> float:
     """The usual count of a decoder transformer's training FLOPs for one step,
     all devices together: MFU's numerator
-    ([`StepTime.mfu`][eqshard._step._step_time.StepTime.mfu]).
+    ([`StepTime.mfu`][eqshard.StepTime.mfu]).
 
     `6 * params` per token (the forward's `2 * params` and the backward's
     twice that), plus the attention's scores and values, `12 * layers * dim *
