@@ -1,8 +1,9 @@
 """`StepReport.time` against published step times of public training runs.
 
 Each run is reproduced as an Equinox/JAX step of about the same work
-(`benchmarks/models.py`'s `scan_step`: a scan-stacked decoder, bf16, each layer
-rematerialised, FSDP x TP by `scan_rules()`), compiled for the run's TPU slice
+(`benchmarks/models.py`'s `scan_step` layer: a scan-stacked decoder, bf16,
+each layer rematerialised, FSDP x TP by `scan_rules()`, the activations kept
+split by batch), compiled for the run's TPU slice
 on this CPU machine (deviceless, `eqshard.create_mesh(target=...)`), and its
 estimated `step_s` is compared with the run's measured step time, derived from
 its published MFU: `transformer_flops / (MFU * peak * chips)`.
@@ -47,7 +48,13 @@ import jax
 import jax.numpy as jnp
 from _timing import add_json_option, as_table, write_json
 from jax.sharding import NamedSharding, PartitionSpec as P
-from models import scan_params, scan_rules, scan_step, scan_tokens, ScanConfig
+from models import (
+    _layer as scan_layer,
+    scan_params,
+    scan_rules,
+    scan_tokens,
+    ScanConfig,
+)
 
 import eqshard
 
@@ -88,6 +95,32 @@ RUNS = (
 )
 
 
+def fsdp_step(mesh: jax.sharding.Mesh) -> object:
+    """`models.scan_step` with its activations kept split by batch over
+    `fsdp` at each layer, so that the weights are gathered (FSDP) and the batch
+    is not computed on every device (left to itself, XLA replicates the
+    activations over `fsdp` for `scan_rules()`' layout)."""
+    batch = NamedSharding(mesh, P("fsdp"))
+
+    def layer(h, w):
+        return scan_layer(jax.lax.with_sharding_constraint(h, batch), w)
+
+    def step(params, tokens):
+        def loss(p):
+            h = p["embed"][tokens]
+            h, _ = jax.lax.scan(jax.checkpoint(layer), h, p["blocks"])
+            logits = (h @ p["head"]).astype(jnp.float32)[:, :-1]
+            logp = jax.nn.log_softmax(logits)
+            gold = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)
+            return -jnp.mean(gold)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        new = jax.tree.map(lambda p, g: p - 1e-4 * g.astype(p.dtype), params, grads)
+        return new, value
+
+    return jax.jit(step, donate_argnums=0)
+
+
 def estimate(run: Run) -> tuple[eqshard.StepReport, float]:
     """The run's step compiled for its slice, and the compile's seconds."""
     mesh = eqshard.create_mesh(run.mesh, target=run.target)
@@ -99,7 +132,7 @@ def estimate(run: Run) -> tuple[eqshard.StepReport, float]:
         sharding=NamedSharding(mesh, P("fsdp")),
     )
     start = time.perf_counter()
-    report = eqshard.analyze_step(jax.jit(scan_step, donate_argnums=0), params, tokens)
+    report = eqshard.analyze_step(fsdp_step(mesh), params, tokens)
     return report, time.perf_counter() - start
 
 
