@@ -5,8 +5,9 @@
 steps, and the bit-exact round trip through gather and shard), the plans
 (`_fit.py`: `--size`, `--model` loading a user's model, `--fit`'s proposed
 rules), the time of the built-in model's step on a target (`_estimate.py`:
-`--size` with `--target`, `--batch`, `--seq`), or a user's training step (`_step.py`: `--step`, its batch placed and its
-`StepReport` printed, or with `--fit` a `search_layout`). It reads eqshard's
+`--size` with `--target`, `--batch`, `--seq`), or a user's training step
+(`_step.py`: `--step`, its batch placed and its `StepReport` printed, or with
+`--fit` a `search_layout`). It reads eqshard's
 public functions only; nothing in eqshard imports it but `__main__.py`.
 """
 
