@@ -14,7 +14,12 @@ exits 0.
 2. **The compiled peak against the device's.** The step runs once on the GPU;
    `report.memory.peak_bytes` is compared with the device's
    `memory_stats()["peak_bytes_in_use"]`.
-3. **Data movement on the GPU.** `shard`, `gather`, `init_sharded` and
+3. **The estimate against the device's time.** `report.time.step_s` of the
+   same 1-GPU step, compiled deviceless for eqshard's spec of the GPU (and on
+   the device itself), against the median of `--runs` timed steps on the GPU
+   (after two warm-up steps); the closing note gives the ratio estimate /
+   measured (the bar: between 0.95 and 2).
+4. **Data movement on the GPU.** `shard`, `gather`, `init_sharded` and
    `restore` against the hand-written route (`jax.device_put`,
    `jax.device_get`, `jax.jit(..., out_shardings=...)`, orbax's
    `StandardCheckpointer` with a target built by hand), interleaved, `--runs`
@@ -47,6 +52,78 @@ def _print_report(name: str, report) -> None:
         print(f"    {row}")
 
 
+def _shipped(kind: str) -> str | None:
+    """eqshard's target name for the GPU of `device_kind` `kind`, if any."""
+    import eqshard
+
+    for name in ("h100", "h200", "a100-40g", "a100-80g", "b200"):
+        one = eqshard.create_mesh((1,), ("x",), target=f"{name}:1x1")
+        if one.devices.flat[0].device_kind == kind:
+            return name
+    return None
+
+
+def estimate_check(config, runs: int) -> list[tuple[str, str]]:
+    """Part 3: the estimated seconds of a 1-GPU step against its median time
+    on the GPU; returns (what, finding) rows."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from models import scan_params, scan_rules, scan_step, scan_tokens
+
+    import eqshard
+
+    specs = eqshard.match_partition_rules(scan_rules(), scan_params(config))
+    step = jax.jit(scan_step, donate_argnums=0)
+
+    def report(mesh):
+        params = eqshard.abstract(scan_params(config), specs, mesh)
+        tokens = jax.ShapeDtypeStruct(
+            scan_tokens(config).shape, jnp.int32, sharding=NamedSharding(mesh, P())
+        )
+        return eqshard.analyze_step(step, params, tokens)
+
+    device_mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    estimates = {"on the device": report(device_mesh)}
+    shipped = _shipped(jax.devices()[0].device_kind)
+    if shipped is not None:
+        target = eqshard.create_mesh((1, 1), ("fsdp", "tp"), target=f"{shipped}:1x1")
+        estimates[f"deviceless ({shipped!r} spec)"] = report(target)
+    placed = eqshard.abstract(scan_params(config), specs, device_mesh)
+    shardings = jax.tree.map(lambda s: s.sharding, placed)
+    params = jax.jit(
+        lambda key: jax.tree.map(
+            lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
+            scan_params(config),
+        ),
+        out_shardings=shardings,
+    )(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), scan_tokens(config).shape, 0, 100)
+    times = []
+    for i in range(runs + 2):
+        start = time.perf_counter()
+        params, loss = step(params, tokens)
+        jax.block_until_ready((params, loss))
+        if i >= 2:  # two warm-up steps (the first compiles)
+            times.append(time.perf_counter() - start)
+    measured = statistics.median(times)
+    findings = [("measured step (median, s)", f"{measured:.4g}")]
+    for name, found in estimates.items():
+        if found.time is None:
+            findings.append((f"estimate {name}", f"none: {found.time_note}"))
+            continue
+        print(f"estimate {name}: {found.time.summary()}")
+        findings.append((f"estimate {name} (s)", f"{found.time.step_s:.4g}"))
+        findings.append(
+            (f"estimate {name} / measured", f"{found.time.step_s / measured:.2f}")
+        )
+    return findings
+
+
 def compare(config, runs: int) -> list[tuple[str, str]]:
     """Part 1 and 2: returns (what, finding) rows."""
     import jax
@@ -59,11 +136,7 @@ def compare(config, runs: int) -> list[tuple[str, str]]:
     import eqshard
 
     kind = jax.devices()[0].device_kind
-    shipped = None  # eqshard's name for this GPU, if it ships its spec
-    for name in ("h100", "h200", "a100-40g", "a100-80g", "b200"):
-        one = eqshard.create_mesh((1,), ("x",), target=f"{name}:1x1")
-        if one.devices.flat[0].device_kind == kind:
-            shipped = name
+    shipped = _shipped(kind)  # eqshard's name for this GPU, if it ships its spec
     # The real GPU's own target config: what JAX's deviceless test uses.
     from jax._src.lib import xla_client
 
@@ -148,7 +221,7 @@ def compare(config, runs: int) -> list[tuple[str, str]]:
 
 
 def movement(runs: int) -> list:
-    """Part 3: (case, eqshard Times, hand-written Times) rows."""
+    """Part 4: (case, eqshard Times, hand-written Times) rows."""
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -255,6 +328,14 @@ def main() -> int:
         for what, finding in findings:
             print(f"{what}: {finding}")
         tables["compare"] = as_table(("check", "finding"), findings)
+    try:
+        findings = estimate_check(config, args.runs)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    else:
+        for what, finding in findings:
+            print(f"{what}: {finding}")
+        tables["estimate"] = as_table(("check", "finding"), findings)
     try:
         tables["movement"] = table(movement(args.runs), unit="ms")
     except Exception:  # noqa: BLE001

@@ -97,6 +97,10 @@ from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport
+from ._step._step_time import (
+    StepTime as StepTime,
+    transformer_flops as transformer_flops,
+)
 from ._transforms._attention import dot_product_attention as dot_product_attention
 from ._transforms._attention_module import (
     ContextParallelAttention as ContextParallelAttention,
@@ -135,9 +139,9 @@ __version__ = _version("eqshard")
 # What a user calls. The classes these return (`ShardingReport`, `ShardingRow`,
 # `ShardingProblem`, `RulesReport`, `RulesReportRow`, `TrainingPlan`,
 # `LayoutReport`, `LayoutMismatch`, `LayoutError`, `StepReport`, `LayoutSearch`,
-# `LayoutCandidate`, `ShardPlan`, `ShardPlanRow`, `AutoFSDP`, `Stacked`, `Host`,
-# `HostKey`) are importable from here
-# too, and documented with their functions.
+# `LayoutCandidate`, `StepTime`, `ShardPlan`, `ShardPlanRow`, `AutoFSDP`, `Stacked`,
+# `Host`, `HostKey`) are importable from here too, and documented with their
+# functions.
 __all__ = [
     # Meshes.
     "create_mesh",
@@ -209,6 +213,7 @@ __all__ = [
     "filter_jit",
     "analyze_step",
     "search_layout",
+    "transformer_flops",
 ]
 
 

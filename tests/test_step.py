@@ -511,7 +511,7 @@ def _edited(text, path, value):
         (
             lambda text: _edited(text, ("format",), True),
             "'format'",
-            "a format version 1 or 2",
+            "a format version 1 or 2 or 3",
         ),
         (
             lambda text: _edited(text, ("arguments", 0, "typo"), 1),

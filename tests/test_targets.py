@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from probes import RUN_TIMEOUT
 
 import eqshard
+from eqshard._step._step_options import TPU_ASYNC_OPTIONS
 
 
 _GiB = 1 << 30
@@ -144,7 +145,10 @@ def test_tpu_report_decides_by_xla_peak_and_the_chips_memory():
     mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), target="v5e:2x4")
     w, x = _abstract(mesh)
     report = eqshard.analyze_step(_step, w, x, compiler_options={})
-    compiled = jax.jit(_step).lower(w, x).compile().memory_analysis()
+    # A TPU target compiles with the async-collective options by default.
+    options = dict(TPU_ASYNC_OPTIONS)
+    assert report.compiler_options == tuple((k, "True") for k in sorted(options))
+    compiled = jax.jit(_step).lower(w, x).compile(options).memory_analysis()
     assert compiled is not None
     assert report.memory.peak_bytes == compiled.peak_memory_in_bytes
     assert report.memory.platform == "tpu"
@@ -179,7 +183,7 @@ def test_fits_without_a_budget_names_the_argument():
     with pytest.raises(ValueError, match=r"StepMemory.fits: device_memory is None"):
         report.memory.fits()
     data = json.loads(report.to_json())
-    assert data["format"] == 2
+    assert data["format"] == 3
     # A format-1 report (before this release) reads, with the new fields' defaults.
     for field in ("host_argument_bytes", "host_output_bytes", "host_temp_bytes"):
         del data["memory"][field]
@@ -188,7 +192,7 @@ def test_fits_without_a_budget_names_the_argument():
     data["format"] = 1
     old = eqshard.StepReport.from_json(json.dumps(data))
     assert old.memory == report.memory and old.versions == ()
-    data["format"] = 2
+    data["format"] = 3
     with pytest.raises(ValueError, match=r"at 'memory/platform': expected a string"):
         eqshard.StepReport.from_json(json.dumps(data))
 
@@ -392,8 +396,8 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
     )  # fmt: skip
     assert len(search.candidates) == 3
     assert search.device_memory == int(84942979072 * 0.75)
-    exposed = []
-    for candidate in search.candidates:  # ranked by what the schedule exposes
+    seconds = []
+    for candidate in search.candidates:  # ranked by a step's seconds
         assert candidate.report.memory.platform == "gpu" and candidate.fits
         rows = candidate.report.collectives
         assert candidate.cost == sum(r.link_bytes * r.count for r in rows)
@@ -401,8 +405,16 @@ def test_the_tools_that_take_abstract_trees_work_on_a_target_mesh():
         assert candidate.exposed_cost == candidate.cost - sum(
             r.link_bytes * r.count for r in hidden
         )
-        exposed.append((candidate.exposed_cost, candidate.cost))
-    assert exposed == sorted(exposed)
+        time = candidate.report.time
+        assert time is not None and candidate.step_s == time.step_s
+        seconds.append(time.step_s)
+    assert seconds == sorted(seconds)
+    assert search.best is search.candidates[0]
+    assert "ranked by a step's estimated seconds" in str(search)
+    with pytest.raises(ValueError, match="`bandwidth` is refused on a target"):
+        eqshard.search_layout(
+            step, shapes, x, mesh=mesh, bandwidth={"dp": 0.5}, progress=False
+        )
 
 
 def test_arguments_on_a_target_mesh_and_this_machines_are_named():

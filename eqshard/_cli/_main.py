@@ -43,6 +43,7 @@ from ._demo import (
     train,
     Transformer,
 )
+from ._estimate import add_estimate_options, check_estimate_options, run_estimate
 from ._fit import (
     OPTIMIZERS,
     PlanOptions,
@@ -155,6 +156,7 @@ def _what_options(parser: argparse.ArgumentParser) -> None:
             "instead of running the demo; implies --plan-only"
         ),
     )
+    add_estimate_options(parser)
     parser.add_argument(
         "--model",
         metavar="MODULE:CALLABLE",
@@ -437,6 +439,8 @@ def run(
     print(f"eqshard {eqshard.__version__} {where}, mesh {mesh_repr(mesh)}")
     if options is not None and args.step is not None:
         return run_step(args, setup, options)
+    if size is not None and args.batch is not None:
+        return run_estimate(args, size, mesh)
     if options is not None and args.model is not None:
         shapes, specs = show_model(args, setup)
         return training_memory(shapes, specs, setup, options)
@@ -557,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--model plans your model, --size the built-in one: give one"
             )
         _check_step_options(args)
+        check_estimate_options(args)
         if args.rules is None:
             user_rules, origin = None, "built-in"
         else:

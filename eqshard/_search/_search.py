@@ -39,7 +39,7 @@ from jaxtyping import PyTree
 
 from .._internals.errors import is_sharding_type_error
 from .._mesh._current import require_mesh
-from .._mesh._targets import device_memory as target_memory
+from .._mesh._targets import device_memory as target_memory, is_compile_only
 from .._report import format_bytes, parse_bytes
 from .._spectree._rules import match_partition_rules
 from .._spectree._select import check_parameters, select
@@ -218,6 +218,12 @@ def _bandwidth(
     bandwidth: Mapping[str, Int | float | np.floating] | None, mesh: Mesh
 ) -> dict[str, float]:
     weights = {str(axis): 1.0 for axis in mesh.axis_names}
+    first = next(iter(mesh.devices.flat))
+    if bandwidth and is_compile_only(first):
+        raise search_error(
+            f"`bandwidth` is refused on a target's mesh ({first.device_kind}): its "
+            "chips' links time each layout's collectives (report.time). Drop it."
+        )
     for axis, value in (bandwidth or {}).items():
         if axis not in weights:
             raise search_error(
@@ -388,14 +394,16 @@ def _cannot_fit(floor: int, budget: int) -> str:
 
 
 def _ranked(compiled: list[LayoutCandidate]) -> list[LayoutCandidate]:
-    """The layouts that fit first, least exposed communication first, then
-    least in all; then the others, smallest first; ties in the order they were
-    compiled."""
+    """The layouts that fit first, fastest first where all have a time (a
+    target), else least exposed communication first, then least in all; then
+    the others, smallest first; ties in the order they were compiled."""
     order = {id(c): i for i, c in enumerate(compiled)}
+    timed = all(c.step_s is not None for c in compiled)
     return sorted(
         compiled,
         key=lambda c: (
             not c.fits,
+            (c.step_s or 0.0) * (c.fits and timed),
             c.exposed_cost if c.fits else c.memory.peak_bytes,
             c.cost,
             c.memory.peak_bytes,
@@ -461,10 +469,11 @@ def search_layout(
     does not forecast GPU or TPU time. On a target mesh
     ([`eqshard.create_mesh`][]'s `target=`, such as `"h100:8x8"` or
     `"v5p-1024"`) each candidate is compiled by that hardware's compiler,
-    judged against its peak, and the layouts that fit are ranked by the
-    communication the schedule leaves exposed (not overlapped with
-    computation) first, then by all of it; a layout the TPU compiler refuses
-    for lack of memory is listed in `skipped`.
+    judged against its peak, and the layouts that fit are ranked by a step's
+    estimated seconds on its chips (`LayoutCandidate.step_s`), fastest first
+    (on this machine's devices, which have no time, by the communication the
+    schedule leaves exposed, then by all of it). A layout the TPU compiler
+    refuses for lack of memory is listed in `skipped`.
 
     **Arguments:**
 
@@ -486,7 +495,7 @@ def search_layout(
     - `builtin`: whether to add the built-in strategies.
     - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each; ints or
       floats), such as `{"dcn": 0.1}`: a collective's bytes count divided by the
-      bandwidth of the slowest axis it crosses.
+      bandwidth of the slowest axis it crosses (refused on a target mesh).
     - `max_candidates`: compile at most this many layouts (yours first).
     - `time_budget`: start no compile after this many seconds (the result is
       then not repeatable).

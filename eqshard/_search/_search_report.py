@@ -50,6 +50,12 @@ class LayoutCandidate:
       with computation (collectives whose `overlapped` is False, or not known):
       what the ranking orders by first. On CPU, whose collectives are all
       synchronous, it is `cost`; on TPU and GPU targets the schedule decides.
+
+    On a target mesh, `step_s` (the estimated seconds of a step,
+    `report.time.step_s`) ranks the layouts that fit, and `mfu` is the
+    program's FLOPs per step over those seconds at the chips' peak (it counts
+    recomputed FLOPs: for the model's MFU, give
+    [`eqshard.transformer_flops`][] to `report.time.mfu`).
     """
 
     name: str
@@ -71,6 +77,19 @@ class LayoutCandidate:
     def total_bytes(self) -> int:
         """The collectives' bytes per device per step (`bytes * count`)."""
         return self.report.total_bytes
+
+    @property
+    def step_s(self) -> float | None:
+        """The step's estimated seconds on the target (`None` on CPU)."""
+        time = self.report.time
+        return None if time is None else time.step_s
+
+    @property
+    def mfu(self) -> float | None:
+        """The program's FLOPs over `step_s` at the chips' peak (`None` on
+        CPU)."""
+        time = self.report.time
+        return None if time is None else time.mfu(time.flops * time.devices)
 
     @property
     def headroom(self) -> int:
@@ -134,6 +153,7 @@ class LayoutCandidate:
             "total_bytes": self.total_bytes,
             "cost": self.cost,
             "exposed_cost": self.exposed_cost,
+            "step_s": self.step_s,
             "bytes_by_axes": self.report.bytes_by_axes,
         }
 
@@ -141,7 +161,8 @@ class LayoutCandidate:
 @dataclasses.dataclass(frozen=True, repr=False)
 class LayoutSearch(Report):
     """The layouts [`eqshard.search_layout`][] compiled: those that fit, ranked
-    by communication, then those that do not, by peak memory.
+    by a step's estimated seconds on a target mesh (by communication on CPU),
+    then those that do not, by peak memory.
 
     `str(result)` is the ranking and the best layout's rules (or, when nothing
     fits, the smallest peak and how far over budget it is); `result.show()`
@@ -197,9 +218,10 @@ class LayoutSearch(Report):
         ]
         best, smallest = self.best, self.smallest_peak
         if best is not None:
+            seconds = "" if best.step_s is None else f", step {best.step_s:.4g} s"
             lines.append(
                 f"best: {best.name}, peak {format_bytes(best.memory.peak_bytes)}, "
-                f"communication {format_bytes(best.total_bytes)} per step"
+                f"communication {format_bytes(best.total_bytes)} per step{seconds}"
             )
         elif smallest is not None:
             lines.append(
@@ -208,6 +230,15 @@ class LayoutSearch(Report):
                 f"{format_bytes(-smallest.headroom)} over the budget. Add devices, "
                 "lower the batch per device, or remat activations."
             )
+        timed = bool(self.candidates) and all(
+            c.step_s is not None for c in self.candidates
+        )
+        lines.append(
+            "ranked by a step's estimated seconds on the target's chips"
+            if timed
+            else "ranked by the communication left exposed, in bytes (no time "
+            "estimate without a target: compile for one, create_mesh(target=...))"
+        )
         return "\n".join(lines)
 
     def _rows(self) -> list[tuple[str, ...]]:
@@ -223,6 +254,8 @@ class LayoutSearch(Report):
                     else f"over by {format_bytes(-c.headroom)}",
                     format_bytes(c.total_bytes),
                     format_bytes(round(c.cost)),
+                    "-" if c.step_s is None else f"{c.step_s:.4g} s",
+                    "-" if c.mfu is None else f"{c.mfu:.1%}",
                 )
             )
         return rows
@@ -304,4 +337,13 @@ class LayoutSearch(Report):
 
 
 _UNPAIRED_SHOWN = 8  # names in the text; all of them in `unpaired` and the JSON
-_COLUMNS = ("rank", "layout", "peak", "headroom", "communication", "cost")
+_COLUMNS = (
+    "rank",
+    "layout",
+    "peak",
+    "headroom",
+    "communication",
+    "cost",
+    "step",
+    "mfu",
+)

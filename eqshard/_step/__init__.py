@@ -4,7 +4,8 @@ How a step is read, in the order of `analyze_step` (`_step.py`):
 
 1. **Compile.** The step is compiled for its arguments (flattened by
    `_step_args.py`), with `fn`'s own shardings and donations, its leaves named
-   by path (`params/b0/w1`), and XLA's warnings captured.
+   by path (`params/b0/w1`), and XLA's warnings captured; on a TPU target with
+   the async-collective options production runs set (`_step_options.py`).
 2. **Read the text.** `_hlo_text.py` reads XLA's compiled text
    (`compiled.as_text()`) into computations of instructions, shapes flattened
    into slots, and the attributes asked for (called computations, replica
@@ -21,4 +22,7 @@ How a step is read, in the order of `analyze_step` (`_step.py`):
    by path and totals go into a `StepReport` (`_step_report.py`: `diff`, the
    table, JSON; `_step_json.py` reads it back, every field checked), cached per
    function and argument signature until `eqshard.clear_caches`.
+5. **Time.** On a target's chips, `_hlo_cost.py` counts each op's FLOPs and
+   HBM bytes, `_step_links.py` times each collective on its links, and
+   `_step_time.py` makes the `StepTime` of `report.time`.
 """

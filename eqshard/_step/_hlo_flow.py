@@ -338,6 +338,11 @@ class Program:
     def entry(self) -> Computation:
         return self.module.computations[self.module.entry]
 
+    def runs(self) -> dict[str, int]:
+        """Runs per step of each computation the entry runs (a loop body: its
+        trip count, once where that is unknown), callers first."""
+        return {name: self._runs[name].count for name in self._order}
+
     def num_arguments(self) -> int:
         return len(self._graphs[self.module.entry].params)
 

@@ -51,6 +51,7 @@ from .._typing import typecheck, warn
 from ._hlo_flow import Program
 from ._hlo_text import text_error
 from ._step_args import Arguments, arguments, CALLER, on_devices, placed_as_asked
+from ._step_options import step_options
 from ._step_records import OutOfMemory
 from ._step_report import StepReport
 from ._step_rows import (
@@ -62,6 +63,7 @@ from ._step_rows import (
     moved,
     step_warnings,
 )
+from ._step_time import estimate_time
 
 
 # Reports by function, then by the signature of the arguments.
@@ -99,7 +101,10 @@ def analyze_step(
     compiler, here, and the report reads its program: collectives inside
     fusions and async pairs, loop trip counts, whether the schedule overlaps
     each collective with computation, and the peak as that backend holds it;
-    `report.memory.fits()` then compares with the target's device memory.
+    `report.memory.fits()` then compares with the target's device memory,
+    and `report.time` estimates how long a step takes on its chips (a
+    [`StepTime`][eqshard.StepTime]: FLOPs, HBM bytes and collectives timed
+    from the program, MFU; `None` on CPU, `report.time_note` saying why).
 
     **Arguments:**
 
@@ -112,7 +117,14 @@ def analyze_step(
       leaves standard error alone; `report.warnings` is then empty.
     - `compiler_options`: XLA options to compile with (as
       `jax.jit(...).lower(...).compile(compiler_options=...)` takes them),
-      recorded in the report.
+      recorded in the report. On a TPU target the step is compiled, by
+      default, with the async-collective options production runs set
+      (`xla_tpu_enable_async_collective_fusion` and its `_fuse_all_gather`
+      and `_multiple_steps`, `xla_tpu_overlap_compute_collective_tc`,
+      `xla_enable_async_all_gather`, `xla_enable_async_collective_permute`,
+      all true), so the schedule read is the one users run; these options
+      override them key by key, and an option named in `LIBTPU_INIT_ARGS` is
+      left to it. `report.compiler_options` lists what was used.
 
     **Returns:**
 
@@ -250,6 +262,13 @@ def _analyze(
     capture_warnings: bool = True,
 ) -> StepReport:
     traced = _trace(fn, call)
+    planned = [
+        device
+        for struct in traced.parameters[:1]
+        if struct.sharding is not None
+        for device in struct.sharding.device_set
+    ]
+    compiler_options = step_options(planned, compiler_options)
     compiled = _compile(traced, compiler_options, capture_warnings)
     report = _report(fn, call, traced, compiled)
     devices = _devices(compiled)
@@ -380,6 +399,13 @@ def _report(
     )
     moves = zip(call.arrays, arguments, compiled.in_shardings, strict=True)
     paths, out_paths, mesh = call.paths, traced.out_paths, compiled.mesh
+    found = compiled.program.collectives()
+    time, note, rows = estimate_time(
+        compiled.program,
+        found,
+        [collective_row(c, paths, out_paths, mesh) for c in found],
+        _devices(compiled),
+    )
     figures, notes = host_memory(
         memory(compiled.stats, _devices(compiled)),
         arguments + outputs,
@@ -394,11 +420,10 @@ def _report(
         arguments=arguments,
         outputs=outputs,
         memory=figures,
-        collectives=tuple(
-            collective_row(c, paths, out_paths, mesh)
-            for c in compiled.program.collectives()
-        ),
+        collectives=rows,
         moved=tuple(m for args in moves if (m := moved(*args)) is not None),
         warnings=step_warnings(compiled.log, compiled.program, paths, out_paths)
         + notes,
+        time=time,
+        time_note=note,
     )

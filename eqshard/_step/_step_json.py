@@ -14,11 +14,12 @@ import typing
 from typing import Any
 
 
-FORMAT = 2  # the version of `to_json`'s format
+FORMAT = 3  # the version of `to_json`'s format
 # Earlier formats still read: their reports lack fields added since, which
 # take their defaults (format 1: the host bytes, platform and device memory,
-# versions and compiler options, whether a collective overlaps).
-_READABLE = (1, 2)
+# versions and compiler options, whether a collective overlaps; format 2: the
+# step's time and each collective's seconds).
+_READABLE = (1, 2, 3)
 
 MISSING: Any = object()  # a field not in the document
 UNSHOWN: Any = object()  # a problem with the text, not with a value
@@ -94,6 +95,11 @@ class _Reader:
             return self.value(optional, value, path, least=least)
         if typing.get_origin(hint) is tuple:
             return self.items(hint, value, path)
+        if hint is float and type(value) in (int, float):
+            if value < 0:
+                self.problems.append(Problem(path, "a number of at least 0", value))
+                return None
+            return float(value)
         # `type(...) is`: JSON's `true` is no integer here, nor `1` a bool.
         if type(value) is not hint:
             self.problems.append(Problem(path, _expected(hint), value))
@@ -175,7 +181,12 @@ def _expected(hint: Any) -> str:
         return f"an object ({typing.cast(type, hint).__name__})"
     if typing.get_origin(hint) is tuple:
         return "a list"
-    return {str: "a string", int: "an integer", bool: "true or false"}[hint]
+    return {
+        str: "a string",
+        int: "an integer",
+        bool: "true or false",
+        float: "a number",
+    }[hint]
 
 
 def _got(value: Any) -> str:

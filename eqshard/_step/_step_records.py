@@ -61,6 +61,10 @@ class CollectiveRow:
     `ragged-all-to-all`'s `bytes` is its output buffer, an upper bound of what
     it receives. A `kernel` row is a Pallas/Mosaic custom-call, without bytes:
     what it communicates is not in the program's text.
+
+    `seconds` is how long one run takes on the target's links (`None` where
+    the report has no `time`: on CPU, or for a kernel), as
+    [`StepReport.time`][eqshard.StepReport] estimates it.
     """
 
     name: str
@@ -74,6 +78,7 @@ class CollectiveRow:
     conditional: bool = False
     unknown_trip_count: bool = False
     overlapped: bool | None = None
+    seconds: float | None = None
 
     @property
     def shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:

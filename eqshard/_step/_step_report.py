@@ -30,6 +30,7 @@ from ._step_records import (
     StepWarning,
     UNATTRIBUTED,
 )
+from ._step_time import StepTime
 
 
 _TOP = 20  # collectives (and moved inputs) that `str(report)` lists
@@ -63,6 +64,10 @@ class StepReport(Report):
     - `versions`: `(package, version)` of JAX, jaxlib and the target's compiler
       (`libtpu`, `jax-cuda12-plugin`) the step was compiled with.
     - `compiler_options`: the XLA options it was compiled with, as text.
+    - `time`: a [`StepTime`][eqshard.StepTime], how long a
+      step takes on the chips it was compiled for (a target mesh), estimated
+      from the program; `None` where it cannot be, `time_note` saying why (on
+      CPU, a chip without figures, unknown links).
     """
 
     function: str
@@ -75,6 +80,8 @@ class StepReport(Report):
     warnings: tuple[StepWarning, ...] = ()
     versions: tuple[tuple[str, str], ...] = ()
     compiler_options: tuple[tuple[str, str], ...] = ()
+    time: StepTime | None = None
+    time_note: str = ""
 
     @property
     def device_memory(self) -> int | None:
@@ -264,6 +271,10 @@ class StepReport(Report):
                 for k, v in self.bytes_by_axes.items()
             )
             lines.append(f"by mesh axes: {axes}")
+        if self.time is not None:
+            lines.append(self.time.summary())
+        elif self.time_note and m.platform != "cpu":
+            lines.append(f"no time estimate: {self.time_note}")
         return "\n".join(lines)
 
     @staticmethod
