@@ -240,10 +240,10 @@ def _loop(run: Callable[..., Any], plan: Plan, specs: Any) -> Callable[..., Any]
         zero = jtu.tree_map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), shapes)
         init = (first, vary(xs), vary(jnp.zeros_like(xs)), zero)
         steps = jnp.arange(items + stages - 1)
-        if plan.gather == "per_repeat":
+        if plan.gather == "per_repeat" and repeats > 2:
             carry = _per_repeat(step, params, specs, init, plan)
-        else:
-            held = _gather(params, specs) if plan.gather == "once" else params
+        else:  # with R <= 2, two chunks per repeat are the stage: "once"
+            held = params if plan.gather == "per_step" else _gather(params, specs)
             carry = jax.lax.scan(ft.partial(step, held, None), init, steps)[0]
         _, _, out, total = carry
         psum = ft.partial(jax.lax.psum, axis_name=axis)
@@ -409,7 +409,8 @@ def pipeline(
       one chunk gathered; `"once"` before the loop, holding the stage's
       `R·K` layers gathered through the forward and backward passes (one
       gather); `"per_repeat"` per circular repeat, holding two chunks
-      (`2·K` layers) gathered, `2R - 1` gathers of a chunk.
+      (`2·K` layers) gathered, `2R` gathers of a chunk (for R <= 2 that is
+      the stage: it gathers as `"once"` does).
     - `fsdp_axes`: the data axes; by default those splitting `x`'s batch.
     - `stack_specs`: the stack's PartitionSpecs (a tree of the stack's
       structure, or one spec); by default read from the arrays (placed, or
