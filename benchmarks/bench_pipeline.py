@@ -25,7 +25,8 @@ A second table: the GPT-style blocks on `pp2 x fsdp4`, circular R=4, with
 `pipeline(fsdp_gather=...)` `"per_step"`, `"once"` and `"per_repeat"`: the
 all-gathered bytes per device per step, their ratio to `"per_step"`'s beside
 the expected one (a chunk gathered at each of the `R·M + S - 1` steps of both
-loops, against the stage's R chunks once, or 2 chunks per repeat), and the
+loops, against the stage's R chunks once, or 2 chunks per repeat in each loop),
+and the
 compiled peak and temporary bytes.
 
 For each: the compiled peak bytes per device (`report.memory.peak_bytes`), the
@@ -238,9 +239,9 @@ def measure_gather(args, gather, per_step_bytes=None):
     gathered = sum(c.total_bytes for c in report.collectives if c.kind == "all-gather")
     # "per_step" gathers a chunk (K layers) at each of the R·M + S - 1 steps of
     # the forward loop and of the backward loop; "once" the R chunks once,
-    # "per_repeat" 2 chunks per window of M steps, R windows.
+    # "per_repeat" 2 chunks per window of M steps, R windows, in each loop.
     steps = 2 * (4 * args.microbatches + 2 - 1)
-    expected = {"per_step": 1.0, "once": 4 / steps, "per_repeat": 8 / steps}[gather]
+    expected = {"per_step": 1.0, "once": 4 / steps, "per_repeat": 16 / steps}[gather]
     ratio = gathered / per_step_bytes if per_step_bytes else 1.0
     row = [
         gather,

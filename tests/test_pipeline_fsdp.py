@@ -51,7 +51,7 @@ def gathered_bytes(report):
 
 @pytest.mark.slow
 def test_once_and_per_repeat_equal_per_step_with_fewer_gathers():
-    """pp2 x fsdp4, circular R=4, M=2 (9 loop steps), in a jitted step on Auto
+    """pp2 x fsdp4, circular R=4, M=4 (17 loop steps), in a jitted step on Auto
     axes (the data axes and specs named): the same loss and gradients as the
     default, and at most half its all-gathered bytes (read from the compiled
     step); the expected values are the default's, itself checked against
@@ -68,7 +68,7 @@ def test_once_and_per_repeat_equal_per_step_with_fewer_gathers():
 
             def loss(stack, x, gather: Gather = gather):
                 y = eqshard.pipeline(
-                    layer, stack, x, microbatches=2, schedule="circular",
+                    layer, stack, x, microbatches=4, schedule="circular",
                     repeats=4, staged=True, fsdp_gather=gather,
                     fsdp_axes=("fsdp",), stack_specs=SPEC,
                 )  # fmt: skip

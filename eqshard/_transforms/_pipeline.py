@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
@@ -68,9 +67,6 @@ from ._pipeline_checks import (
     SCHEDULES,
 )
 from ._stage_view import stage_view
-
-
-_GATHERED = "eqshard_pipeline_gathered"  # fsdp_gather's weights, rematerialised
 
 
 # Options `pipeline` validates itself, with eqshard's one-line errors: type
@@ -192,7 +188,7 @@ def _gather(params: Any, specs: list[PartitionSpec | None]) -> Any:
         )
         for a, spec in zip(leaves, specs, strict=True)
     ]
-    return checkpoint_name(jtu.tree_unflatten(tdef, leaves), _GATHERED)
+    return jtu.tree_unflatten(tdef, leaves)
 
 
 def _loop(run: Callable[..., Any], plan: Plan, specs: Any) -> Callable[..., Any]:
@@ -215,7 +211,7 @@ def _loop(run: Callable[..., Any], plan: Plan, specs: Any) -> Callable[..., Any]
         bufs = [vary(a) if eqx.is_inexact_array(a) else a for a in bufs]
         first = vary(jnp.zeros_like(xs[0]))
 
-        def step(held: Any, w: Any, carry: Any, t: Any) -> tuple[Any, None]:
+        def step(held: Any, w0: Any, carry: Any, t: Any) -> tuple[Any, None]:
             recv, inbox, out, total = carry
             if repeats > 1:  # what stage S-1 finished at step t - 1, round the ring
                 done = t - stages
@@ -224,8 +220,8 @@ def _loop(run: Callable[..., Any], plan: Plan, specs: Any) -> Callable[..., Any]
             j = t - s
             jc = jnp.clip(j, 0, items - 1)
             r, m = jc // m_count, jc % m_count
-            # `held` holds all R chunks, or per repeat chunks w - 1 and w.
-            slot = r if w is None else jnp.clip(r - w + 1, 0, 1)
+            # `held` holds all R chunks, or per repeat chunks `w0` and `w0 + 1`.
+            slot = r if w0 is None else jnp.clip(r - w0, 0, 1)
             h_in = jnp.where(s == 0, _index(inbox, m), recv)
             h, aux = run(held, key, bufs, h_in, (r, s, slot), m)
             valid = (j >= 0) & (j < items)
@@ -261,20 +257,19 @@ def _per_repeat(
     """The loop in windows of M steps, window `w` gathering chunks `w - 1` and
     `w` (what the stages work on in it: stage `s` finishes chunk `w - 1` in its
     first `s` steps); the last window runs the S - 1 steps after it too. Each
-    window is rematerialised with its gathered chunks marked not to be saved."""
+    window is rematerialised: the backward pass gathers its chunks again
+    rather than keep every window's."""
     m_count, repeats = plan.microbatches, plan.repeats
 
     def window(carry: Any, w: Any, length: int) -> tuple[Any, None]:
-        pair = jnp.stack([jnp.maximum(w - 1, 0), w])
-        held = _gather(jtu.tree_map(lambda a: jnp.take(a, pair, axis=0), params), specs)
+        start = jnp.maximum(w - 1, 0)  # chunks `start` and `start + 1`
+        pair = jtu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, 2), params)
         steps = w * m_count + jnp.arange(length)
-        return jax.lax.scan(ft.partial(step, held, w), carry, steps)[0], None
+        body = ft.partial(step, _gather(pair, specs), start)
+        return jax.lax.scan(body, carry, steps)[0], None
 
-    policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
-    inner = jax.checkpoint(ft.partial(window, length=m_count), policy=policy)
-    last = jax.checkpoint(
-        ft.partial(window, length=m_count + plan.stages - 1), policy=policy
-    )
+    inner = jax.checkpoint(ft.partial(window, length=m_count))
+    last = jax.checkpoint(ft.partial(window, length=m_count + plan.stages - 1))
     carry = jax.lax.scan(inner, init, jnp.arange(repeats - 1))[0]
     return last(carry, jnp.asarray(repeats - 1))[0]
 
@@ -409,8 +404,9 @@ def pipeline(
       one chunk gathered; `"once"` before the loop, holding the stage's
       `R·K` layers gathered through the forward and backward passes (one
       gather); `"per_repeat"` per circular repeat, holding two chunks
-      (`2·K` layers) gathered, `2R` gathers of a chunk (for R <= 2 that is
-      the stage: it gathers as `"once"` does).
+      (`2·K` layers) gathered, `2R` gathers of a chunk in the forward pass
+      and `2R` in the backward (for R <= 2 two chunks are the stage: it
+      gathers as `"once"` does).
     - `fsdp_axes`: the data axes; by default those splitting `x`'s batch.
     - `stack_specs`: the stack's PartitionSpecs (a tree of the stack's
       structure, or one spec); by default read from the arrays (placed, or
