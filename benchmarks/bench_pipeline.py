@@ -21,6 +21,14 @@ compiled by `eqshard.analyze_step`. Layouts, each with the matrices split over
    microbatches), unpipelined (`fsdp4 x tp2`, the scan run per microbatch so
    the aux is the same) and pipelined (`pp2 x fsdp2 x tp2`, circular).
 
+A second table: the GPT-style blocks on `pp2 x fsdp4`, circular R=4, with
+`pipeline(fsdp_gather=...)` `"per_step"`, `"once"` and `"per_repeat"`: the
+all-gathered bytes per device per step, their ratio to `"per_step"`'s beside
+the expected one (a chunk gathered at each of the `R·M + S - 1` steps of both
+loops, against the stage's R chunks once, or 2 chunks per repeat in each loop),
+and the
+compiled peak and temporary bytes.
+
 For each: the compiled peak bytes per device (`report.memory.peak_bytes`), the
 collective bytes per device per step in all and over 'pp', the stage-to-stage
 permutes' runs per step, and the bubble computed from them, `(S-1)/runs` (the
@@ -194,6 +202,58 @@ def measure(args, name, sizes, names, schedule, repeats, moe=False):
     ]
 
 
+def measure_gather(args, gather, per_step_bytes=None):
+    """The gradient step of the blocks on `pp2 x fsdp4`, circular R=4, with the
+    stage weights gathered over 'fsdp' as `gather` says, and its row."""
+    mesh = jax.make_mesh((2, 4), ("pp", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    keys = jax.random.split(jax.random.key(0), args.layers)
+    stack = eqx.filter_eval_shape(
+        eqx.filter_vmap(lambda k: Block(args.dim, args.dim // 64, key=k)), keys
+    )
+    stack = eqshard.stage_view(stack, stages=2, repeats=4)
+    stack = eqshard.abstract(stack, rules("pp", ("pp", "fsdp")), mesh)
+    x = eqshard.abstract(
+        jax.ShapeDtypeStruct((args.batch, args.seq, args.dim), jnp.float32),
+        P("fsdp"),
+        mesh,
+    )
+    is_struct = lambda a: isinstance(a, jax.ShapeDtypeStruct)  # noqa: E731
+    dyn, static = eqx.partition(stack, is_struct)
+    # In a jitted step on Auto axes the layouts are not visible: name them.
+    specs = jax.tree.map(lambda a: a.sharding.spec, dyn)
+
+    @jax.jit
+    def grad_step(dyn, x):
+        def loss(d):
+            y = eqshard.pipeline(
+                layer, eqx.combine(d, static), x, microbatches=args.microbatches,
+                schedule="circular", repeats=4, staged=True, fsdp_gather=gather,
+                fsdp_axes=("fsdp",), stack_specs=specs,
+            )  # fmt: skip
+            return jnp.mean(y**2)
+
+        return jax.grad(loss)(dyn)
+
+    with jax.set_mesh(mesh):
+        report = eqshard.analyze_step(grad_step, dyn, x, capture_warnings=False)
+    gathered = sum(c.total_bytes for c in report.collectives if c.kind == "all-gather")
+    # "per_step" gathers a chunk (K layers) at each of the R·M + S - 1 steps of
+    # the forward loop and of the backward loop; "once" the R chunks once,
+    # "per_repeat" 2 chunks per window of M steps, R windows, in each loop.
+    steps = 2 * (4 * args.microbatches + 2 - 1)
+    expected = {"per_step": 1.0, "once": 4 / steps, "per_repeat": 16 / steps}[gather]
+    ratio = gathered / per_step_bytes if per_step_bytes else 1.0
+    row = [
+        gather,
+        f"{gathered / 2**20:.3f}",
+        f"{ratio:.3f}",
+        f"{expected:.3f}",
+        f"{report.memory.peak_bytes / 2**20:.2f}",
+        f"{report.memory.temp_bytes / 2**20:.2f}",
+    ]
+    return row, gathered
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -226,8 +286,30 @@ def main() -> None:
         f"seq {args.seq}, batch {args.batch}, {args.microbatches} microbatches), "
         "compiled for 8 CPU devices"
     )
+    gather_rows, per_step = [], None
+    for gather in ("per_step", "once", "per_repeat"):
+        row, gathered = measure_gather(args, gather, per_step)
+        per_step = per_step or gathered
+        gather_rows.append(row)
+    gather_columns = [
+        "fsdp_gather", "all-gather MiB/device/step", "vs per_step",
+        "expected", "peak MiB/device", "temp MiB/device",
+    ]  # fmt: skip
+    print()
+    for row in [gather_columns, *gather_rows]:
+        print("  ".join(str(c).ljust(26 if i == 1 else 16) for i, c in enumerate(row)))
+    gather_title = (
+        f"the same blocks on pp2 x fsdp4, circular R=4, {args.microbatches} "
+        "microbatches, stage weights gathered over 'fsdp' per loop step, once, "
+        "or per repeat; compiled for 8 CPU devices"
+    )
     write_json(
-        __file__, {"layouts": as_table(columns, rows, title=title)}, path=args.json
+        __file__,
+        {
+            "layouts": as_table(columns, rows, title=title),
+            "fsdp_gather": as_table(gather_columns, gather_rows, title=gather_title),
+        },
+        path=args.json,
     )
 
 

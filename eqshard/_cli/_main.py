@@ -249,8 +249,10 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
         help=(
             "plan for eqshard.pipeline: microbatches=M,activation=ROWSxDxD... (one "
             "microbatch's activation) and optionally dtype=, spec=AXIS (its rows' "
-            "axes, joined by +), axis= (pp), schedule= (gpipe, circular), repeats=; "
-            "the plan adds the stage inputs and buffers the schedule keeps"
+            "axes, joined by +), axis= (pp), schedule= (gpipe, circular), repeats=, "
+            "fsdp_gather= (per_step, once, per_repeat) with layers=L,layer_bytes=N "
+            "(one layer's weights gathered on a device); the plan adds the stage "
+            "inputs and buffers the schedule keeps, and the weights it gathers"
         ),
     )
     parser.add_argument(

@@ -481,7 +481,11 @@ def plan_training(
       what the backward loop holds in flight, `R·M + 1` (`plan.pipeline`:
       within 10 % of the compiled step's temporaries where activations
       dominate); the parameters and optimizer state are per stage as
-      their specs say (`eqshard.stacked(spec, stages="pp")`).
+      their specs say (`eqshard.stacked(spec, stages="pp")`). With
+      `"fsdp_gather"` (`pipeline`'s option), `"layers"` (L) and
+      `"layer_bytes"` (one layer's weights on a device once gathered over the
+      data axes), it adds the weights that option holds gathered: K = L/(R·S)
+      layers for `"per_step"`, R·K for `"once"`, 2·K for `"per_repeat"`.
     - `offload_copy`: the fraction of the arrays kept in host memory
       ([`eqshard.host`][]) that the step holds on the device at once: its
       update needs a device copy of what it updates, so `1.0` (the default)

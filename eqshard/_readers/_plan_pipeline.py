@@ -26,10 +26,27 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import mesh_repr
 from .._report import format_bytes
-from .._transforms._pipeline_checks import count, schedule_counts, SCHEDULES
+from .._transforms._pipeline_checks import count, GATHERS, schedule_counts, SCHEDULES
 
 
-_KEYS = ("microbatches", "activation", "axis", "schedule", "repeats", "activation_spec")
+_KEYS = (
+    "microbatches",
+    "activation",
+    "axis",
+    "schedule",
+    "repeats",
+    "activation_spec",
+    "fsdp_gather",
+    "layers",
+    "layer_bytes",
+)
+# The chunks of K layers each `fsdp_gather` holds gathered: one, the stage's
+# R, or two (at most R).
+_HELD = {
+    "per_step": lambda r: 1,
+    "once": lambda r: r,
+    "per_repeat": lambda r: min(2, r),
+}
 
 
 def _pipeline_error(what: str, fix: str) -> ValueError:
@@ -46,7 +63,10 @@ class PipelineBuffers:
     a device; `kept`, the stage inputs kept for the backward pass
     (`steps · activation_bytes`); `buffers`, the inputs' and outputs' buffers
     (`2 · M · activation_bytes`); `in_flight`, what the backward loop holds
-    besides (`(R·M + 1) · activation_bytes`).
+    besides (`(R·M + 1) · activation_bytes`); `fsdp_gather` and `gathered`,
+    the stage weights it holds gathered over the data axes (`layer_bytes`
+    times K layers for `"per_step"`, R·K for `"once"`, 2·K for
+    `"per_repeat"`; 0 when `layer_bytes` is not given).
     """
 
     axis: str
@@ -59,11 +79,13 @@ class PipelineBuffers:
     kept: int
     buffers: int
     in_flight: int
+    fsdp_gather: str = "per_step"
+    gathered: int = 0
 
     @property
     def total(self) -> int:
         """The bytes on each device."""
-        return self.kept + self.buffers + self.in_flight
+        return self.kept + self.buffers + self.in_flight + self.gathered
 
     @property
     def bubble(self) -> float:
@@ -76,7 +98,12 @@ class PipelineBuffers:
             f"  {'pipeline':<16} {format_bytes(self.total):>10}   ({self.schedule} "
             f"over {self.axis!r}: {self.steps} steps, bubble {self.bubble:.1%}; "
             f"stage inputs kept {format_bytes(self.kept)}, buffers "
-            f"{format_bytes(self.buffers)}, in flight {format_bytes(self.in_flight)})"
+            f"{format_bytes(self.buffers)}, in flight {format_bytes(self.in_flight)}"
+            + (
+                f", weights gathered {self.fsdp_gather} {format_bytes(self.gathered)})"
+                if self.gathered
+                else ")"
+            )
         )
 
 
@@ -142,6 +169,7 @@ def pipeline_buffers(
         )
     a = _per_device(shape, spec, mesh) * np.dtype(activation.dtype).itemsize
     steps = repeats * m + stages - 1
+    gather, gathered = _gathered(pipeline, stages, repeats)
     return PipelineBuffers(
         axis,
         stages,
@@ -153,7 +181,31 @@ def pipeline_buffers(
         steps * a,
         2 * m * a,
         (repeats * m + 1) * a,
+        gather,
+        gathered,
     )
+
+
+def _gathered(
+    pipeline: Mapping[str, Any], stages: int, repeats: int
+) -> tuple[str, int]:
+    """`fsdp_gather` and the bytes of stage weights it holds gathered."""
+    gather = pipeline.get("fsdp_gather", "per_step")
+    if gather not in GATHERS:
+        raise _pipeline_error(
+            f"has fsdp_gather={gather!r}", "use 'per_step', 'once' or 'per_repeat'."
+        )
+    if "layer_bytes" not in pipeline:
+        return gather, 0
+    layers = count(pipeline.get("layers", 0), "layers", _pipeline_error)
+    size = count(pipeline["layer_bytes"], "layer_bytes", _pipeline_error)
+    if layers % (stages * repeats) or not layers:
+        raise _pipeline_error(
+            f"has layers={layers} with layer_bytes",
+            f"give the stack's layer count L, a multiple of S·R = {stages * repeats}.",
+        )
+    chunk = layers // (stages * repeats)
+    return gather, _HELD[gather](repeats) * chunk * size
 
 
 def pipeline_from_text(text: str, dtypes: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,18 +220,19 @@ def pipeline_from_text(text: str, dtypes: Mapping[str, Any]) -> dict[str, Any]:
         f"--pipeline {text!r}: write microbatches=M,activation=ROWSxD (one "
         "microbatch's activation), "
         "optionally dtype=, spec=AXIS (joined by +), axis=, schedule=, repeats=, "
-        "e.g. microbatches=8,activation=4x1024,dtype=bfloat16,spec=dp"
+        "fsdp_gather= with layers=L,layer_bytes=N (one layer's weights gathered "
+        "on a device), e.g. microbatches=8,activation=4x1024,dtype=bfloat16,spec=dp"
     )
     known = {"microbatches", "activation", "dtype", "spec", "axis", "schedule"}
-    if set(fields) - known - {"repeats"} or not {"microbatches", "activation"} <= set(
-        fields
-    ):
+    known |= {"repeats", "fsdp_gather", "layers", "layer_bytes"}
+    if set(fields) - known or not {"microbatches", "activation"} <= set(fields):
         raise usage
     try:
         shape = tuple(int(n) for n in fields["activation"].split("x"))
         plan: dict[str, Any] = {
             "microbatches": int(fields["microbatches"]),
             "repeats": int(fields.get("repeats", "1")),
+            **{k: int(fields[k]) for k in ("layers", "layer_bytes") if k in fields},
             "activation": jax.ShapeDtypeStruct(
                 shape, dtypes[fields.get("dtype", "float32").lower()]
             ),
@@ -191,5 +244,7 @@ def pipeline_from_text(text: str, dtypes: Mapping[str, Any]) -> dict[str, Any]:
         plan["activation_spec"] = PartitionSpec(
             tuple(axes) if len(axes) > 1 else axes[0]
         )
-    plan.update({k: fields[k] for k in ("axis", "schedule") if k in fields})
+    plan.update(
+        {k: fields[k] for k in ("axis", "schedule", "fsdp_gather") if k in fields}
+    )
     return plan

@@ -21,7 +21,11 @@ How a call goes:
    ring, kept until needed), and the last stage keeps the last chunk's outputs.
    Each step's chunk is `jax.checkpoint`-ed: the backward pass keeps each step's
    stage input and recomputes the rest. With `has_aux`, each stage sums its
-   valid steps' aux; the sums are added over `axis` and divided by M.
+   valid steps' aux; the sums are added over `axis` and divided by M. The
+   stage weights split over data axes are all-gathered where the loop uses
+   them (`fsdp_gather="per_step"`), or before it (`"once"`: a sharding
+   constraint to their spec without the data axes), or per window of M steps
+   (`"per_repeat"`, `_per_repeat`).
 4. **Return.** By default the last stage's outputs are summed over `axis` (an
    all-reduce of the whole result) so every stage holds them; `output="last"`
    returns each stage's buffer instead, stacked `(S, B, ...)` over `axis`, of
@@ -38,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import require_mesh
@@ -53,6 +57,8 @@ from ._pipeline_checks import (
     check_mesh,
     choice,
     count,
+    gather_specs,
+    GATHERS,
     input_error,
     layer_output_error,
     layers_of,
@@ -70,8 +76,9 @@ if TYPE_CHECKING:
     Count = int | np.integer
     Schedule = Literal["gpipe", "circular"]
     Output = Literal["all", "last"]
+    Gather = Literal["per_step", "once", "per_repeat"]
 else:
-    Count = Schedule = Output = Any
+    Count = Schedule = Output = Gather = Any
 
 
 def _split(a: Any, m: int) -> Any:
@@ -141,8 +148,9 @@ def _chunk(
     arg_def, batched, arg_static = args
     call = _layer_call(layer, static, plan.has_aux)
 
-    def run(params: Any, key: Any, bufs: Any, h: Any, r: Any, s: Any, m: Any) -> Any:
-        chunk = jtu.tree_map(lambda a: _index(a, r), params)
+    def run(params: Any, key: Any, bufs: Any, h: Any, at: Any, m: Any) -> Any:
+        (r, s, slot) = at  # repeat, stage, and r's index in `params`
+        chunk = jtu.tree_map(lambda a: _index(a, slot), params)
         leaves = [_index(a, m) if b else a for a, b in zip(bufs, batched, strict=True)]
         args_m = eqx.combine(jtu.tree_unflatten(arg_def, leaves), arg_static)
         first = (r * plan.stages + s) * plan.chunk
@@ -168,7 +176,23 @@ def _chunk(
     return jax.checkpoint(run)
 
 
-def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
+def _gather(params: Any, specs: list[PartitionSpec | None]) -> Any:
+    """Each stage's `(n, K, ...)` weights laid out without the data axes (an
+    all-gather over them), for `fsdp_gather`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    leaves, tdef = jtu.tree_flatten(params)
+    leaves = [
+        a
+        if spec is None
+        else jax.lax.with_sharding_constraint(
+            a, NamedSharding(mesh, PartitionSpec(None, None, *spec))
+        )
+        for a, spec in zip(leaves, specs, strict=True)
+    ]
+    return jtu.tree_unflatten(tdef, leaves)
+
+
+def _loop(run: Callable[..., Any], plan: Plan, specs: Any) -> Callable[..., Any]:
     """The body of the map: the schedule's steps on one stage."""
     stages, repeats, m_count, axis = (
         plan.stages,
@@ -188,7 +212,7 @@ def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
         bufs = [vary(a) if eqx.is_inexact_array(a) else a for a in bufs]
         first = vary(jnp.zeros_like(xs[0]))
 
-        def step(carry: Any, t: Any) -> tuple[Any, None]:
+        def step(held: Any, w0: Any, carry: Any, t: Any) -> tuple[Any, None]:
             recv, inbox, out, total = carry
             if repeats > 1:  # what stage S-1 finished at step t - 1, round the ring
                 done = t - stages
@@ -197,9 +221,10 @@ def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
             j = t - s
             jc = jnp.clip(j, 0, items - 1)
             r, m = jc // m_count, jc % m_count
-            h, aux = run(
-                params, key, bufs, jnp.where(s == 0, _index(inbox, m), recv), r, s, m
-            )
+            # `held` holds all R chunks, or per repeat chunks `w0` and `w0 + 1`.
+            slot = r if w0 is None else jnp.clip(r - w0, 0, 1)
+            h_in = jnp.where(s == 0, _index(inbox, m), recv)
+            h, aux = run(held, key, bufs, h_in, (r, s, slot), m)
             valid = (j >= 0) & (j < items)
             total = jtu.tree_map(
                 lambda t, a: t + jnp.where(valid, a, 0).astype(t.dtype), total, aux
@@ -208,11 +233,16 @@ def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
             out = _put(out, m, h, last)
             return (jax.lax.ppermute(h, axis, perm), inbox, out, total), None
 
-        shapes = jax.eval_shape(lambda: run(params, key, bufs, first, 0, s, 0)[1])
+        shapes = jax.eval_shape(lambda: run(params, key, bufs, first, (0, s, 0), 0)[1])
         zero = jtu.tree_map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), shapes)
         init = (first, vary(xs), vary(jnp.zeros_like(xs)), zero)
         steps = jnp.arange(items + stages - 1)
-        _, _, out, total = jax.lax.scan(step, init, steps)[0]
+        if plan.gather == "per_repeat" and repeats > 2:
+            carry = _per_repeat(step, params, specs, init, plan)
+        else:  # with R <= 2, two chunks per repeat are the stage: "once"
+            held = params if plan.gather == "per_step" else _gather(params, specs)
+            carry = jax.lax.scan(ft.partial(step, held, None), init, steps)[0]
+        _, _, out, total = carry
         psum = ft.partial(jax.lax.psum, axis_name=axis)
         aux = jtu.tree_map(lambda a: _wide(a, psum) / m_count, total)
         if plan.output == "last":
@@ -222,6 +252,29 @@ def _loop(run: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
     return body
 
 
+def _per_repeat(
+    step: Callable[..., Any], params: Any, specs: Any, init: Any, plan: Plan
+) -> Any:
+    """The loop in windows of M steps, window `w` gathering chunks `w - 1` and
+    `w` (what the stages work on in it: stage `s` finishes chunk `w - 1` in its
+    first `s` steps); the last window runs the S - 1 steps after it too. Each
+    window is rematerialised: the backward pass gathers its chunks again
+    rather than keep every window's."""
+    m_count, repeats = plan.microbatches, plan.repeats
+
+    def window(carry: Any, w: Any, length: int) -> tuple[Any, None]:
+        start = jnp.maximum(w - 1, 0)  # chunks `start` and `start + 1`
+        pair = jtu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, 2), params)
+        steps = w * m_count + jnp.arange(length)
+        body = ft.partial(step, _gather(pair, specs), start)
+        return jax.lax.scan(body, carry, steps)[0], None
+
+    inner = jax.checkpoint(ft.partial(window, length=m_count))
+    last = jax.checkpoint(ft.partial(window, length=m_count + plan.stages - 1))
+    carry = jax.lax.scan(inner, init, jnp.arange(repeats - 1))[0]
+    return last(carry, jnp.asarray(repeats - 1))[0]
+
+
 def _staged_run(
     layer: Callable[..., Any],
     static: Any,
@@ -229,8 +282,10 @@ def _staged_run(
     args: tuple[Any, tuple[bool, ...], Any],
     mesh: Mesh | AbstractMesh | None,
     staged: bool,
+    specs: list[PartitionSpec | None] | None,
 ) -> Callable[..., Any]:
-    """The whole pipeline on global arrays: lay out, map, put back together."""
+    """The whole pipeline on global arrays: lay out, map, put back together;
+    `specs` what `fsdp_gather` gathers each leaf to."""
     counts = {"stages": plan.stages, "repeats": plan.repeats}
 
     def go(dyn: Any, key: Any, x: Any, leaves: list[Any]) -> Any:
@@ -241,7 +296,7 @@ def _staged_run(
         ]
         on = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
         mapped = jax.shard_map(
-            _loop(_chunk(layer, static, plan, args), plan),
+            _loop(_chunk(layer, static, plan, args), plan, specs),
             mesh=on,
             in_specs=(
                 PartitionSpec(None, plan.axis),
@@ -284,6 +339,9 @@ def pipeline(
     key: Any = None,
     output: Output = "all",
     staged: bool = False,
+    fsdp_gather: Gather = "per_step",
+    fsdp_axes: str | tuple[str, ...] | None = None,
+    stack_specs: Any = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Any:
     """Runs layers stacked on a leading axis as pipeline stages over the mesh axis
@@ -341,6 +399,20 @@ def pipeline(
       `(S, B, ...)` over `axis`, where `[-1]` is the result and the others zero,
       for a loss computed where the result is.
     - `staged`: `stack` is already `stage_view(stack, stages=S, repeats=R)`.
+    - `fsdp_gather`: where the stage weights are split over data axes (FSDP
+      inside a stage), when they are all-gathered over them: `"per_step"`
+      (default) at every loop step, `R·M + S - 1` gathers of a chunk, holding
+      one chunk gathered; `"once"` before the loop, holding the stage's
+      `R·K` layers gathered through the forward and backward passes (one
+      gather); `"per_repeat"` per circular repeat, holding two chunks
+      (`2·K` layers) gathered, `2R` gathers of a chunk in the forward pass
+      and `2R` in the backward (for R <= 2 two chunks are the stage: it
+      gathers as `"once"` does).
+    - `fsdp_axes`: the data axes; by default those splitting `x`'s batch.
+    - `stack_specs`: the stack's PartitionSpecs (a tree of the stack's
+      structure, or one spec); by default read from the arrays (placed, or
+      typed on Explicit axes). In a jitted step on Auto axes neither is
+      visible: name both.
     - `mesh`: defaults to the mesh set with `jax.set_mesh`.
 
     **Returns:**
@@ -357,8 +429,10 @@ def pipeline(
     the mesh or already manual, if `layer` returns another shape or dtype (or
     aux that is not floating-point arrays), if an argument with the batch's
     leading size is not in `batched_args`, or if a count or option is not one
-    (`schedule="1f1b"` is not offered: it needs the loss inside the schedule);
-    a warning if GPipe has fewer microbatches than stages.
+    (`schedule="1f1b"` is not offered: it needs the loss inside the schedule),
+    or if `fsdp_gather` needs layouts it cannot see; a warning if GPipe has
+    fewer microbatches than stages, or if `fsdp_gather` finds no stage weight
+    split over a data axis (naming them; nothing is gathered).
 
     !!! Example
 
@@ -381,6 +455,7 @@ def pipeline(
     )
     choice(schedule, SCHEDULES, "schedule")
     choice(output, OUTPUTS, "output")
+    choice(fsdp_gather, GATHERS, "fsdp_gather")
     on = require_mesh(mesh, caller="pipeline")
     require_traced_or_runnable("pipeline", on, (x, stack), abstract=True)
     stages = check_mesh(on, axis)
@@ -403,8 +478,14 @@ def pipeline(
         layers // (stages * repeats),
         output,
         has_aux,
+        fsdp_gather,
     )
     check_layout(dyn, plan, staged)
+    specs = (
+        None
+        if fsdp_gather == "per_step"
+        else gather_specs(dyn, x, plan, staged, (fsdp_axes, stack_specs))
+    )
     batched = tuple(batched_leaves(args, batched_args, batch))
     arg_arrays, arg_static = eqx.partition(args, eqx.is_array)
     arrays, arrays_def = jtu.tree_flatten(arg_arrays)
@@ -417,6 +498,7 @@ def pipeline(
         (arrays_def, batched, arg_static),
         None if explicit else on,
         staged,
+        specs,
     )
     if not explicit:
         return go(dyn, key, x, arrays)

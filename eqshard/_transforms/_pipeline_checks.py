@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import mesh_repr
 from .._tree import path_str, paths_text
@@ -282,6 +282,7 @@ class Plan(NamedTuple):
     chunk: int  # K = L / (R·S) layers per chunk
     output: str
     has_aux: bool
+    gather: str = "per_step"  # fsdp_gather
 
 
 def check_layout(dyn: Any, plan: Plan, staged: bool) -> None:
@@ -312,3 +313,104 @@ def check_layout(dyn: Any, plan: Plan, staged: bool) -> None:
             "not laid out as the stages hold them, so each call moves them "
             f"between devices first; {how}."
         )
+
+
+GATHERS = ("per_step", "once", "per_repeat")
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _known_spec(leaf: Any, need: str, name: str, fix: str) -> PartitionSpec:
+    layout = array_layout(leaf)
+    if isinstance(layout, str):
+        raise input_error(f"fsdp_gather needs {need}, but {name} {layout}", fix)
+    return layout[0]
+
+
+def _data_axes(x: Any, fsdp_axes: Any, axis: str) -> tuple[str, ...]:
+    """The data axes: `fsdp_axes`, or those splitting `x`'s batch."""
+    if fsdp_axes is None:
+        spec = _known_spec(
+            x,
+            "the data axes (those splitting `x`'s batch)",
+            "`x`",
+            "name them, e.g. `fsdp_axes=('fsdp',)`.",
+        )
+        return tuple(a for a in _entry_axes(spec[0] if spec else None) if a != axis)
+    axes = (fsdp_axes,) if isinstance(fsdp_axes, str) else tuple(fsdp_axes)
+    if not all(isinstance(a, str) for a in axes) or axis in axes:
+        raise input_error(
+            f"`fsdp_axes` is {fsdp_axes!r}",
+            f"name the data axes as mesh axis names other than the stage axis "
+            f"{axis!r}, e.g. ('fsdp',).",
+        )
+    return axes
+
+
+def gather_specs(
+    dyn: Any, x: Any, plan: Plan, staged: bool, named: tuple[Any, Any]
+) -> list[PartitionSpec | None]:
+    """Per array leaf of the stack, the spec of its dimensions after the layer
+    axes with the data axes (and the stage axis) dropped, what `fsdp_gather`
+    gathers it to; `None` for a leaf not split over a data axis (warned)."""
+    fsdp_axes, stack_specs = named
+    data = set(_data_axes(x, fsdp_axes, plan.axis))
+    leaves = jtu.tree_leaves_with_path(dyn)
+    if stack_specs is None:
+        fix = (
+            "pass the stack's specs, e.g. `stack_specs=` the tree of "
+            "PartitionSpecs given to jit's in_shardings."
+        )
+        specs = [
+            _known_spec(
+                leaf, "the stack's layout", f"the leaf at '{path_str(path)}'", fix
+            )
+            for path, leaf in leaves
+        ]
+    else:
+        specs = [
+            s
+            for s in jtu.tree_leaves(
+                stack_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
+            )
+            if isinstance(s, PartitionSpec)
+        ]
+        if isinstance(stack_specs, PartitionSpec):
+            specs = specs * len(leaves)
+        if len(specs) != len(leaves):
+            raise input_error(
+                f"`stack_specs` has {len(specs)} specs for the stack's "
+                f"{len(leaves)} arrays",
+                "give one PartitionSpec per array leaf of the stack, as a tree "
+                "of the stack's structure.",
+            )
+    lead = 3 if staged else 1
+    out: list[PartitionSpec | None] = []
+    unsplit = []
+    for (path, leaf), spec in zip(leaves, specs, strict=True):
+        spec = (*spec, *(None,) * (jnp.ndim(leaf) - len(spec)))[lead:]
+        kept = [
+            tuple(a for a in _entry_axes(e) if a not in data and a != plan.axis)
+            for e in spec
+        ]
+        split = any(set(_entry_axes(e)) & data for e in spec)
+        if not split:
+            unsplit.append(path)
+        out.append(
+            PartitionSpec(*(k[0] if len(k) == 1 else (k or None) for k in kept))
+            if split
+            else None
+        )
+    if plan.gather != "per_step" and len(unsplit) == len(leaves):
+        warn(
+            f"eqshard.{_CALLER}: fsdp_gather={plan.gather!r}, but the stack's "
+            f"arrays at {paths_text(unsplit)} are not split over a data axis "
+            f"({sorted(data) or 'none found'}), so there is nothing to gather and "
+            "the stage weights are used as they are; drop fsdp_gather, or lay "
+            "the weights out over the data axes (FSDP)."
+        )
+    return out
