@@ -71,9 +71,14 @@ def test_default_run_prints_the_plan(default_run):
     out = default_run.stdout
     assert default_run.returncode == 0, default_run.stderr
     assert "on 8 virtual CPU devices, mesh {'dp': 2, 'tp': 4}" in out
-    assert re.search(r"^path +shape +dtype +spec +size +per device$", out, re.M)
+    # The 2 blocks' arrays share rows, sizes per array.
+    header = (
+        r"^path \(xN: N arrays alike\) +shape +dtype +spec +size each +per device each$"
+    )
+    assert re.search(header, out, re.M)
     # q projection (64, 64) float32: 16 KiB, split 4 ways over tp.
-    q = _row(out, "blocks/0/attn/q/weight")
+    q = _row(out, "blocks/*/attn/q/weight")
+    assert q.split()[1] == "x2"
     assert str(P("tp")) in q and re.search(r"16\.0 KiB +4\.0 KiB$", q)
     # LayerNorm weights are replicated: 64 float32 on every device.
     assert re.search(r"P\(\) +256 B +256 B +replicated$", _row(out, "norm/weight"))
@@ -139,19 +144,22 @@ def test_default_run_reports_its_training_step(default_run):
 
 
 @pytest.mark.parametrize(
-    "mesh, shape, q_per_device",
+    "mesh, shape, q_per_device, table",
     [
-        ("dp:2,tp:4", "{'dp': 2, 'tp': 4}", r"4\.0 KiB"),
-        ("tp:2,dp:4", "{'tp': 2, 'dp': 4}", r"8\.0 KiB"),
+        ("dp:2,tp:4", "{'dp': 2, 'tp': 4}", r"4\.0 KiB", False),
+        ("tp:2,dp:4", "{'tp': 2, 'dp': 4}", r"8\.0 KiB", True),
     ],
 )
-def test_plan_only_with_mesh(mesh, shape, q_per_device):
-    result = _run("--plan-only", "--mesh", mesh)
+def test_plan_only_with_mesh(mesh, shape, q_per_device, table):
+    result = _run("--plan-only", "--mesh", mesh, *(["--table"] if table else []))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"mesh {shape}" in out and "eqx.filter_eval_shape" in out
-    q = _row(out, "blocks/0/attn/q/weight")
-    assert re.search(rf"16\.0 KiB +{q_per_device}$", q)  # 16 KiB over tp
+    # --table lists every array; without it the 2 blocks share rows.
+    for block in ("0", "1") if table else ("*",):
+        q = _row(out, f"blocks/{block}/attn/q/weight")
+        assert re.search(rf"16\.0 KiB +{q_per_device}$", q)  # 16 KiB over tp
+    assert ("blocks/*/" in out) is not table and (" x2 " in out) is not table
     # Nothing moved: no training, no round trip.
     assert "train [" not in result.stderr and "verified" not in out
 
@@ -159,8 +167,15 @@ def test_plan_only_with_mesh(mesh, shape, q_per_device):
 def test_size_plans_an_abstract_model():
     result = _run("--size", "1B", "--plan-only")
     assert result.returncode == 0, result.stderr
-    assert abs(_total_parameters(result.stdout) - 10**9) <= 0.1 * 10**9
-    assert "abstract" in result.stdout and "train [" not in result.stderr
+    out = result.stdout
+    assert abs(_total_parameters(out) - 10**9) <= 0.1 * 10**9
+    assert "abstract" in out and "train [" not in result.stderr
+    # A row per kind of array, not per layer: `blocks/*/...  xN`, N the layers.
+    layers = int(re.search(r"^model: (\d+) blocks", out, re.M)[1])
+    assert _row(out, "blocks/*/attn/q/weight").split()[1] == f"x{layers}"
+    assert len(re.findall(rf"^blocks/\*/\S+ +x{layers} ", out, re.M)) == 16
+    assert "blocks/0/" not in out.split("training memory")[0]
+    assert len(out.splitlines()) < 60
 
 
 def test_rules_file(tmp_path):
@@ -179,9 +194,9 @@ def test_rules_file(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "over the 4 devices of mesh {'fsdp': 2, 'tp': 2}" in out
-    assert str(P(None, "tp")) in _row(out, "blocks/1/attn/v/weight")
+    assert str(P(None, "tp")) in _row(out, "blocks/*/attn/v/weight")
     # (256, 64) float32 = 64 KiB, split over tp and fsdp: 16 KiB per device.
-    up = _row(out, "blocks/0/mlp/up/weight")
+    up = _row(out, "blocks/*/mlp/up/weight")
     assert str(P(("tp", "fsdp"))) in up and re.search(r"64\.0 KiB +16\.0 KiB$", up)
     assert re.search(
         r"P\(\) +64\.0 KiB +64\.0 KiB +replicated$", _row(out, "embed/weight")

@@ -195,16 +195,20 @@ def _check_plan(report: eqshard.ShardingReport) -> None:
         )
 
 
-def show_plan(tree: PyTree, config: Config, setup: Setup) -> PyTree:
+def show_plan(
+    tree: PyTree, config: Config, setup: Setup, *, full: bool = False
+) -> PyTree:
     """Matches the rules, prints the plan of `tree` (concrete or abstract), and
-    returns the specs. A plan that cannot apply is a usage error."""
+    returns the specs. A plan that cannot apply is a usage error. The table groups
+    repeated layers' arrays (`blocks/*/attn/q/weight  x80`); `full` (`--table`)
+    lists every array."""
     mesh, rules, timer = setup.mesh, setup.rules, setup.timer
     specs = _matched(tree, setup)
     report, seconds = timed(
         lambda: eqshard.analyze_sharding_strategy(tree, specs, mesh)
     )
     timer("plan", seconds, "analyze_sharding_strategy")
-    print(report.table())
+    print(report.table(group=not full))
     print()
     print(
         f"model: {config.layers} blocks, dim {config.dim}, {config.heads} heads, "
@@ -470,7 +474,7 @@ def show_model(args: argparse.Namespace, setup: Setup) -> tuple[PyTree, PyTree]:
     specs = _matched(shapes, setup)
     report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
     if args.table:
-        print(report.table())
+        print(report.table(group=False))
         print()
     print(
         f"model {args.model}: {report.total_parameters:,} parameters in "

@@ -267,7 +267,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table",
         action="store_true",
-        help="with --model, also print the plan's table of every array",
+        help="full tables: every array (repeated layers share a row otherwise)",
     )
 
 
@@ -454,13 +454,13 @@ def run(
         )
         print(f"abstract model built with eqx.filter_eval_shape in {seconds:.2f} s")
         print()
-        specs = show_plan(shapes, config, setup)
+        specs = show_plan(shapes, config, setup, full=args.table)
         return training_memory(shapes, specs, setup, options)
 
     shapes, seconds = timed(lambda: eqx.filter_eval_shape(Transformer, config, key=key))
     timer("abstract model", seconds, "eqx.filter_eval_shape")
     print()
-    specs = show_plan(shapes, config, setup)
+    specs = show_plan(shapes, config, setup, full=args.table)
     print()
 
     # Built under `jit` straight into the shardings, with its optimizer state

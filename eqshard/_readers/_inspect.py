@@ -35,6 +35,7 @@ from .._typing import (
     PyTreeDef,
     typecheck,
 )
+from ._group import group_rows
 
 
 # ---------------------------------------------------------------------------------
@@ -357,6 +358,9 @@ def _row_cells(row: ShardingRow) -> tuple[str, ...]:
 
 
 _RIGHT = (False, False, False, False, True, True, False)
+# A row may stand for N arrays alike ("xN"): its sizes are each array's.
+_GROUPED_HEADERS = ("path (xN: N arrays alike)", "shape", "dtype", "spec",
+                    "size each", "per device each", "")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -364,10 +368,12 @@ class ShardingReport(Report):
     """What a sharding plan puts on each device: made by
     [`eqshard.analyze_sharding_strategy`][].
 
-    `str(report)` (or `report.table()`) is a text table with one line per array and
-    a totals line; `report.show()` prints it as a coloured `rich` table when
-    `rich` is installed; `report.to_json()` is a byte-stable `str`. For a bar
-    per device, and the gradients and optimizer state of training, see
+    `str(report)` (or `report.table()`) is a text table with a line per array, the
+    arrays of repeated layers laid out alike sharing one (`blocks/*/attn/q/weight
+    x80`; `report.table(group=False)` lists every array), and a totals line;
+    `report.show()` prints it as a coloured `rich` table when `rich` is installed;
+    `report.to_json()` is a byte-stable `str`. For a bar per device, and the
+    gradients and optimizer state of training, see
     [`eqshard.plan_training`][] (`gradients=False` and no optimizer plans the
     arrays alone).
 
@@ -467,11 +473,27 @@ class ShardingReport(Report):
             )
         )
 
-    def table(self) -> str:
+    def _cells(self, group: bool) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """The headers and rows of the table, grouped or one per array."""
+        cells = [_row_cells(row) for row in self.rows]
+        if not group:
+            return _HEADERS, cells
+        groups = group_rows([c[0] for c in cells], [c[1:] for c in cells])
+        if len(groups) == len(cells):
+            return _HEADERS, cells
+        rows = []
+        for label, members in groups:
+            count = f"  x{len(members)}" if len(members) > 1 else ""
+            rows.append((label + count, *cells[members[0]][1:]))
+        return _GROUPED_HEADERS, rows
+
+    def table(self, *, group: bool = True) -> str:
         """The report as an aligned text table, with a totals line and the problems
-        below it."""
-        rows = [_row_cells(row) for row in self.rows]
-        lines = text_table(_HEADERS, rows, _RIGHT)
+        below it. With `group` (the default), the arrays of repeated layers that are
+        laid out alike share a row, `blocks/*/attn/q/weight x80` (sizes are each
+        array's); `group=False` lists every array."""
+        headers, rows = self._cells(group)
+        lines = text_table(headers, rows, _RIGHT)
         lines.insert(1, "-" * len(lines[0]))
         lines.append(self._totals())
         if self.problems:
@@ -501,7 +523,8 @@ class ShardingReport(Report):
         from rich.text import Text
 
         table = Table(title="eqshard sharding plan", caption=self._totals())
-        for header, right in zip(_HEADERS, _RIGHT, strict=True):
+        headers, rows = self._cells(group=True)
+        for header, right in zip(headers, _RIGHT, strict=True):
             table.add_column(header, justify="right" if right else "left")
         styles = {
             "invalid": "red",
@@ -509,8 +532,8 @@ class ShardingReport(Report):
             "unplaced": "dim",
             "single device": "red",
         }
-        for row in self.rows:
-            table.add_row(*_row_cells(row), style=styles.get(_flag(row)))
+        for cells in rows:  # the flag is the last cell
+            table.add_row(*cells, style=styles.get(cells[-1]))
         if not self.problems:
             return [table]
         message = spec_error_message(
