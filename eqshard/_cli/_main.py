@@ -44,6 +44,7 @@ from ._demo import (
     Transformer,
 )
 from ._fit import (
+    add_context_option,
     OPTIMIZERS,
     PlanOptions,
     PROG,
@@ -251,6 +252,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
             "the plan adds the stage inputs and buffers the schedule keeps"
         ),
     )
+    add_context_option(parser)
     parser.add_argument(
         "--save-rules",
         metavar="FILE",
@@ -424,6 +426,7 @@ def run(
     planning = args.plan_only or size is not None or args.model is not None
     planning = planning or args.step is not None
     planning = planning or args.fit or args.device_memory is not None
+    planning = planning or args.context is not None
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform
