@@ -473,7 +473,8 @@ def plan_training(
       layer's attention buffers (`plan.context`: float32 scores, `T/n x T/n`
       blocks for the ring, `T/n x T` for all-gather, all of `T x T` for `N/n`
       heads for Ulysses, and the keys and values gathered or in flight;
-      within 10 % of the compiled attention's temporaries at `T >= 2048`),
+      within 10 % of XLA:CPU's temporaries at `T >= 2048`; a GPU's compiler
+      may hold fewer: check with [`eqshard.analyze_step`][] on its target),
       and the kept activations with their sequence split over the axis.
 
     Arrays kept in host memory between steps count apart, in
