@@ -18,8 +18,9 @@ many score-sized arrays at its peak (training: the backward pass's score
 gradients beside the recomputed probabilities), within 10 % at `T >= 2048`
 (tests/test_attention_tools.py). XLA:GPU's programs for 8 H100s (deviceless, a
 Llama-3-8B-shaped step: benchmarks/bench_context.py) agree for the ring (2 %)
-and hold fewer for all-gather (the plan is 30 % over). Training adds the query's float32 gradient
-accumulators (8 query-sized arrays for the ring, one for the others). Only one
+and hold fewer for all-gather (the plan is 30 % over). Training adds the query's
+float32 gradient accumulators (8 query-sized arrays for the ring, one for the
+others). Only one
 layer's attention is live at a time, so this counts once; the activations the
 layers keep for the backward pass (`activation`, one per layer with
 rematerialisation) have their sequence split over the axis as well.
