@@ -20,10 +20,9 @@ gradients beside the recomputed probabilities), within 10 % at `T >= 2048`
 Llama-3-8B-shaped step: benchmarks/bench_context.py) agree for the ring (2 %)
 and hold fewer for all-gather (the plan is 30 % over). Training adds the query's
 float32 gradient accumulators (8 query-sized arrays for the ring, one for the
-others). Only one
-layer's attention is live at a time, so this counts once; the activations the
-layers keep for the backward pass (`activation`, one per layer with
-rematerialisation) have their sequence split over the axis as well.
+others). Only one layer's attention is live at a time, so this counts once; the
+activations the layers keep for the backward pass (`activation`, one per layer
+with rematerialisation) have their sequence split over the axis as well.
 """
 
 import dataclasses
