@@ -45,6 +45,7 @@ from ._demo import (
 )
 from ._estimate import add_estimate_options, check_estimate_options, run_estimate
 from ._fit import (
+    add_context_option,
     OPTIMIZERS,
     PlanOptions,
     PROG,
@@ -255,6 +256,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
             "inputs and buffers the schedule keeps, and the weights it gathers"
         ),
     )
+    add_context_option(parser)
     parser.add_argument(
         "--save-rules",
         metavar="FILE",
@@ -428,6 +430,7 @@ def run(
     planning = args.plan_only or size is not None or args.model is not None
     planning = planning or args.step is not None
     planning = planning or args.fit or args.device_memory is not None
+    planning = planning or args.context is not None
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform

@@ -9,18 +9,14 @@ budget, and a per-device picture.
 """
 
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._caches import register
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory as device_memory_of
 from .._report import format_bytes, parse_bytes, Report
@@ -31,7 +27,6 @@ from .._tree import (
     grouped_paths,
     is_array,
     PathGroup,
-    placed_dtype,
 )
 from .._typing import (
     check_choice,
@@ -40,8 +35,10 @@ from .._typing import (
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._plan_context import context_buffers, ContextBuffers
 from ._plan_pipeline import pipeline_buffers, PipelineBuffers
 from ._plan_state import (
+    abstracter,
     check_optimizer,
     given_state_pairs,
     host_bytes,
@@ -49,46 +46,6 @@ from ._plan_state import (
     trained_mask,
 )
 from ._strategy import analyze_pairs
-
-
-def _placed(dtype: Any) -> Any:
-    """The dtype an array of `dtype` is on devices: as [`eqshard.shard`][] places
-    NumPy data (32-bit for 64-bit while `jax_enable_x64` is off); typed PRNG keys
-    as they are."""
-    if jnp.issubdtype(dtype, jax.dtypes.extended):
-        return dtype
-    return placed_dtype(np.dtype(dtype))
-
-
-@functools.cache
-def _placed_as(own: Any, dtype: Any) -> Any:
-    """The dtype an array of dtype `own` is placed in when asked for `dtype`:
-    `dtype` for a float array if given, else its own."""
-    if dtype is None or not jnp.issubdtype(own, jnp.inexact):
-        dtype = own
-    return _placed(dtype)
-
-
-register(_placed_as.cache_clear)
-
-
-def _abstracter() -> Callable[[Any, Any], Any]:
-    """`abstract(leaf, dtype)`: `leaf` as a `ShapeDtypeStruct` in the dtype it
-    would be placed in (`dtype` if it is a float array and `dtype` is given, else
-    its own); one struct for each shape and dtype (a model repeats a few, layer
-    after layer)."""
-    made: dict[tuple[tuple[int, ...], Any], jax.ShapeDtypeStruct] = {}
-
-    def abstract(leaf: Any, dtype: Any) -> Any:
-        if not is_array(leaf):
-            return leaf
-        key = (tuple(leaf.shape), _placed_as(leaf.dtype, dtype))
-        struct = made.get(key)
-        if struct is None:
-            struct = made[key] = jax.ShapeDtypeStruct(*key)
-        return struct
-
-    return abstract
 
 
 # ---------------------------------------------------------------------------------
@@ -143,6 +100,9 @@ class TrainingPlan(Report):
     - `copy_bytes_per_device`: of `bytes_per_device`, the device copy of the
       offloaded arrays that the update needs (`offload_copy` of
       [`eqshard.plan_training`][]).
+    - `context`: what context-parallel attention holds on each device
+      (`ContextBuffers`: `scores`, `keys_values`, `accumulators`,
+      `activations`, `total`), or `None`.
     """
 
     mesh: Mesh | AbstractMesh
@@ -154,6 +114,7 @@ class TrainingPlan(Report):
     pipeline: PipelineBuffers | None = None
     host_bytes_per_device: tuple[int, ...] = ()
     copy_bytes_per_device: tuple[int, ...] = ()
+    context: ContextBuffers | None = None
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -252,6 +213,8 @@ class TrainingPlan(Report):
             )
         if self.pipeline is not None:
             lines.append(self.pipeline.line())
+        if self.context is not None:
+            lines.append(self.context.line())
         total = format_bytes(self.max_bytes_per_device)
         line = f"  {'total':<16} {total:>10}"
         headroom = self.headroom
@@ -269,8 +232,9 @@ class TrainingPlan(Report):
                 f"  {'in host memory':<16} {host:>10}   (offloaded between steps; "
                 f"the total counts the update's device copy, {copy})"
             )
+        other = "other " if self.context is not None else ""
         lines.append(
-            "  (activations, temporaries and the compiled program come on top)"
+            f"  ({other}activations, temporaries and the compiled program come on top)"
         )
         if self.problems:
             lines.append(
@@ -375,15 +339,30 @@ class TrainingPlan(Report):
 def _total(
     params: ShardingReport,
     reports: tuple[ShardingReport | None, ...],
-    buffers: PipelineBuffers | None,
+    buffers: tuple[PipelineBuffers | ContextBuffers | None, ...],
 ) -> tuple[int, ...]:
-    """The bytes on each device: the parts' and a pipeline's buffers."""
+    """The bytes on each device: the parts', a pipeline's and an attention's."""
     total = np.asarray(params.bytes_per_device, dtype=np.int64)
-    total += 0 if buffers is None else buffers.total
+    total += sum(0 if b is None else b.total for b in buffers)
     for report in reports:
         if report is not None:
             total += np.asarray(report.bytes_per_device, dtype=np.int64)
     return tuple(total.tolist())
+
+
+def _buffers(
+    pipeline: Mapping[str, Any] | None,
+    context: Mapping[str, Any] | None,
+    mesh: Mesh | AbstractMesh,
+    gradients: bool,
+) -> tuple[PipelineBuffers | None, ContextBuffers | None]:
+    """What a pipeline schedule and context-parallel attention keep, if asked."""
+    return (
+        None if pipeline is None else pipeline_buffers(pipeline, mesh),
+        None
+        if context is None
+        else context_buffers(context, mesh, gradients=gradients),
+    )
 
 
 @typecheck
@@ -404,6 +383,7 @@ def plan_training(
     on_invalid: OnInvalid = "ignore",
     pipeline: Mapping[str, Any] | None = None,
     offload_copy: float = 1.0,
+    context: Mapping[str, Any] | None = None,
 ) -> TrainingPlan:
     """Plans the memory of training: parameters, gradients and optimizer state on
     each device, against a per-device budget, without allocating anything.
@@ -491,6 +471,18 @@ def plan_training(
       update needs a device copy of what it updates, so `1.0` (the default)
       counts all of it. The compiled step's figures
       ([`eqshard.analyze_step`][]) say what XLA made of it.
+    - `context`: for attention with the sequence split over a mesh axis
+      ([`eqshard.dot_product_attention`][]): `{"query": its global [B, T, N, H]
+      jax.ShapeDtypeStruct, "kv_heads": K (default N), "axis": "cp",
+      "strategy": "ring", "batch_axes": the batch's axes (default the mesh's
+      dp, fsdp, data), "activation": one layer's kept [B, T, D] activation,
+      "layers": how many are kept (1)}`. The plan adds on every device one
+      layer's attention buffers (`plan.context`: float32 scores, `T/n x T/n`
+      blocks for the ring, `T/n x T` for all-gather, all of `T x T` for `N/n`
+      heads for Ulysses, and the keys and values gathered or in flight;
+      within 10 % of XLA:CPU's temporaries at `T >= 2048`; a GPU's compiler
+      may hold fewer: check with [`eqshard.analyze_step`][] on its target),
+      and the kept activations with their sequence split over the axis.
 
     Arrays kept in host memory between steps count apart, in
     `plan.host_bytes_per_device`; with partition rules as `specs`, the rules
@@ -543,7 +535,7 @@ def plan_training(
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
     trained = trained_mask(trainable, params, caller)
-    _abstract = _abstracter()
+    _abstract = abstracter()
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
@@ -575,7 +567,7 @@ def plan_training(
             )
         state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
         parts.append((state_leaves, state_specs))
-    buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
+    buffers = _buffers(pipeline, context, mesh, gradients)
     total = _total(param_report, (grad_report, state_report), buffers)
     host = host_bytes(parts, mesh, caller)
     copy = np.round(host * float(offload_copy)).astype(np.int64)
@@ -589,7 +581,8 @@ def plan_training(
         opt_state=state_report,
         bytes_per_device=total,
         device_memory=budget,
-        pipeline=buffers,
+        pipeline=buffers[0],
         host_bytes_per_device=tuple(host.tolist()),
         copy_bytes_per_device=tuple(copy.tolist()),
+        context=buffers[1],
     )
