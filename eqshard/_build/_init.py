@@ -51,14 +51,14 @@ from .._internals.program_keys import program_key
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
 from .._move._host import converted, host_private, loss_error, lost_text
-from .._spectree._derive import abstract_tree
-from .._spectree._logical import get_logical_axis_rules
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     abstract_mesh_error,
     check_placeable,
     check_spec_on_mesh,
 )
+from .._spectree._derive import abstract_tree
+from .._spectree._logical import get_logical_axis_rules
+from .._spectree._resolve import resolve_specs
 from .._transforms._programs import Programs
 from .._tree import is_array, path_str, paths_text
 from .._typing import KeyPath, typecheck

@@ -22,11 +22,11 @@ from .._keys import is_key
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
 from .._move._multiprocess import check_timeout, fail_together, meet
 from .._move._threads import in_cpu_memory
-from .._spectree._derive import abstract_tree
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_placeable,
     check_spec_on_mesh,
 )
+from .._spectree._derive import abstract_tree
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._blocks import read_blocks
 from ._disk import (
@@ -38,14 +38,14 @@ from ._disk import (
     SaveInProgressError,
     unreadable_error,
 )
-from ._restore_target import needs_arguments, restore_target
+from ._restore_like import like_and_specs, needs_arguments
 from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
     check_against,
     import_optional,
     named_arrays,
-    restore_targets,
+    target_structs,
 )
 from ._views import into_views, layer_views
 
@@ -385,7 +385,7 @@ def _compared(
         target = abstract_tree(like, specs, mesh, caller=caller, check=check)
         placed = jtu.tree_leaves(target)
     casts = leaf_casts(dtype, like, caller=caller)
-    targets = restore_targets(named, placed, casts, caller)
+    targets = target_structs(named, placed, casts, caller)
     try:  # the checkpoint's description, compared with the targets
         saved, held = saved_arrays(ocp, path, caller)
         # Stacked layers saved in another view (`_views.py`): read as saved.
@@ -524,7 +524,7 @@ def restore(
     check_timeout(caller, timeout)
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     fix = _like_fix(like)
-    like, specs = restore_target(
+    like, specs = like_and_specs(
         like, specs, mesh, on_invalid=on_invalid, caller=caller
     )
     ocp = import_optional("orbax.checkpoint", "orbax", caller)

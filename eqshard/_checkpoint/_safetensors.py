@@ -64,7 +64,7 @@ from .._move._multiprocess import (
     wait_for_processes,
 )
 from .._spectree._derive import abstract_tree
-from .._spectree._spec_args import resolve_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
 from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES
@@ -73,8 +73,8 @@ from ._targets import (
     check_against,
     import_optional,
     named_arrays,
-    restore_targets,
     stored_like,
+    target_structs,
 )
 
 
@@ -164,7 +164,7 @@ def _load_tree(
         else jtu.tree_leaves(abstract_tree(like, specs, mesh, caller=caller))
     )
     casts = leaf_casts(dtype, like, caller=caller)
-    targets = restore_targets(named, placed, casts, caller)
+    targets = target_structs(named, placed, casts, caller)
     found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     sources: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
     labels: dict[str, str] = {}

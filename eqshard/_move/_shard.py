@@ -51,13 +51,13 @@ from jaxtyping import PyTree
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
-from .._spectree._memory import Host
-from .._spectree._spec_args import resolve_like, resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     bad_spec_leaf_message,
     is_spec_leaf,
     named_sharding,
 )
+from .._spectree._memory import Host
+from .._spectree._resolve import resolve_like, resolve_specs
 from .._tree import (
     listing,
 )

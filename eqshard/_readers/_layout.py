@@ -23,9 +23,9 @@ from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import Report
+from .._spectree._check_spec import check_spec, entry_axes, leaf_specs
 from .._spectree._memory import Host, memory_of
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import check_spec, entry_axes, leaf_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import DELETED, grouped_paths, is_array, is_deleted, path_str
 from .._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
 

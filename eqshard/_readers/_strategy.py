@@ -18,15 +18,15 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_literals
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
 from .._mesh._targets import pads_to_tiles, tpu_padded_bytes
-from .._spectree._memory import Host, HOST_MEMORY
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_leaf,
     entry_axes,
     leaf_specs,
     ShardingProblem,
     spec_error_message,
 )
+from .._spectree._memory import Host, HOST_MEMORY
+from .._spectree._resolve import resolve_specs
 from .._tree import is_array, path_str, placed_dtype
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck, warn
 from ._inspect import is_single_device, own_shardings, ShardingReport, ShardingRow

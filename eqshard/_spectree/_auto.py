@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import current_mesh
 from .._typing import Int, typecheck
-from ._specs import entry_axes, spec_entry
+from ._check_spec import entry_axes, spec_entry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,11 +27,7 @@ from .._typing import (
     typecheck,
     warn,
 )
-from ._follow import follow_spec, is_placeholder, replicated_like
-from ._logical import AxisNames
-from ._memory import Host, in_memory, memory_of
-from ._spec_args import resolve_like, resolve_specs
-from ._specs import (
+from ._check_spec import (
     bad_spec_leaf_message,
     check_leaves,
     check_spec,
@@ -44,6 +40,10 @@ from ._specs import (
     spec_error_message,
     SpecCheck,
 )
+from ._follow import follow_spec, is_placeholder, replicated_like
+from ._logical import AxisNames
+from ._memory import Host, in_memory, memory_of
+from ._resolve import resolve_like, resolve_specs
 
 
 # `derive_specs`' choices for `memory_kind`, checked by itself (as `_typing`'s

@@ -40,11 +40,11 @@ from .._typing import (
     warn,
 )
 from ._auto import AutoFSDP
+from ._check_spec import check_spec
 from ._follow import followers_of_items, item_follower_spec, ItemFollower
 from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
 from ._memory import Host, in_memory
 from ._rules_messages import bad_leaves_message, bad_regex_message, show, unused_message
-from ._specs import check_spec
 from ._stacked import Stacked
 
 

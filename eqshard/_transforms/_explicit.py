@@ -35,8 +35,8 @@ from jaxtyping import PyTree
 from .._internals.closures import direct_reads
 from .._internals.errors import is_mixed_meshes, is_sharding_type_error
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import leaf_specs
+from .._spectree._check_spec import leaf_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import path_str
 from .._typing import KeyPath, typecheck
 from ._constraint import with_sharding_constraint

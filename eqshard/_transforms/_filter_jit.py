@@ -20,14 +20,14 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
-from .._spectree._memory import Host
-from .._spectree._spec_args import is_partition_rules, resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     bad_spec_leaf_message,
     is_spec_leaf,
     leaf_specs,
     named_sharding,
 )
+from .._spectree._memory import Host
+from .._spectree._resolve import is_partition_rules, resolve_specs
 from .._tree import path_str
 from .._typing import check_choice, KeyPath, typecheck
 from ._jit import Front, JitFunction

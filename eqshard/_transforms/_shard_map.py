@@ -50,14 +50,14 @@ from .._internals.jaxpr import as_function, consts_of
 from .._internals.program_keys import program_key
 from .._mesh._targets import require_traced_or_runnable
 from .._move._host import host_private
+from .._spectree._check_spec import (
+    is_spec_leaf,
+)
 from .._spectree._logical import (
     AxisNames,
     get_logical_axis_rules,
     LogicalRules,
     normalize_rules,
-)
-from .._spectree._specs import (
-    is_spec_leaf,
 )
 from .._tree import abstract_leaf_error, is_array, paths_text
 from .._typing import AxisRulesArg, KeyPath, typecheck

@@ -17,13 +17,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
-from .._spectree._logical import (
-    AxisNames,
-    LogicalRules,
-)
-from .._spectree._memory import refuse_host
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_leaves,
     check_spec,
     entry_axes,
@@ -31,6 +25,12 @@ from .._spectree._specs import (
     leaf_specs,
     spec_error_message,
 )
+from .._spectree._logical import (
+    AxisNames,
+    LogicalRules,
+)
+from .._spectree._memory import refuse_host
+from .._spectree._resolve import resolve_specs
 from .._tree import is_array, listing, path_str, paths_text
 from .._typing import KeyPath
 
