@@ -23,6 +23,7 @@ constants, the shardings, JAX's configuration and the route (both emptied by
 program, not part of it. A value `fn` reads that changed is traced again.
 """
 
+import dataclasses
 import functools as ft
 import hashlib
 import typing
@@ -68,6 +69,34 @@ from ._init_pieces import Plan, plan
 _CALLER = "init_sharded"
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedInit:
+    """The parts of [`eqshard.init_sharded`][] for one call (`sharded_init`).
+
+    - `run(*inputs)`: the model's arrays in their shardings, a flat list, from
+      the program in pieces where pieces repeat (`_init_pieces.py`); else it is
+      `jitted` (the plain route, also taken with `EQSHARD_PLAIN_ROUTES=init` and
+      when the program cannot be read: `_pieces`).
+    - `jitted(*inputs)`: the same from the whole program (`jitted.lower(*inputs)`
+      is the program, for memory analysis).
+    - `consts`, `arrays`: the NumPy data `fn` closes over and the arrays among
+      its arguments (none in the record `_BUILT` keeps); `inputs` is both.
+    - `shapes`: the abstract model, every array with its `NamedSharding`.
+    - `assemble(arrays)`: the model with those arrays in it.
+    """
+
+    run: Callable[..., list[jax.Array]]
+    jitted: Any
+    consts: list[Any]
+    shapes: PyTree
+    assemble: Callable[[Sequence[jax.Array]], PyTree]
+    arrays: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def inputs(self) -> tuple[list[Any], list[Any]]:
+        return self.consts, self.arrays
+
+
 def sharded_init(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -76,24 +105,9 @@ def sharded_init(
     specs: Any,
     mesh: Mesh | AbstractMesh | None,
     caller: str = _CALLER,
-) -> tuple[
-    Callable[..., list[jax.Array]],
-    Any,
-    tuple[Any, ...],
-    PyTree,
-    Callable[[Sequence[jax.Array]], PyTree],
-]:
-    """The parts of [`eqshard.init_sharded`][]: `(run, jitted, inputs, shapes,
-    assemble)`.
-
-    `run(*inputs)` returns the model's arrays in their shardings, as a flat list,
-    from the program in pieces where pieces repeat (see `_init_pieces.py`), else
-    it is `jitted`: the plain route, also taken with `EQSHARD_PLAIN_ROUTES=init`
-    and when the program cannot be read (`_pieces`);
-    `jitted(*inputs)` returns them from the whole program (its `.lower(*inputs)`
-    is the program, for memory analysis);
-    `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
-    every array's `NamedSharding`."""
+) -> ShardedInit:
+    """The parts of [`eqshard.init_sharded`][] for `fn(*args, **kwargs)`, traced
+    and compiled once per what the trace depends on (`_built_key`)."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
     args, kwargs = _narrowed(args, kwargs, caller=caller)
     dynamic, static_args = eqx.partition((tuple(args), kwargs), eqx.is_array)
@@ -101,23 +115,12 @@ def sharded_init(
 
     key, keep = _built_key(fn, (static_args, in_def, flat), specs, mesh, caller)
 
-    def make() -> tuple[_Built, list[Any]]:
+    def make() -> tuple[ShardedInit, list[Any]]:
         # What the key holds by identity lives as long as it is kept.
         return _build(fn, args, kwargs, specs=specs, mesh=mesh, caller=caller), keep
 
     built, _ = make() if key is None else _BUILT.get(key, make)
-    run, program, consts, shapes, assemble = built
-    return run, program, (consts, flat), shapes, assemble
-
-
-# What `_build` returns: `(run, jitted, consts, shapes, assemble)`.
-_Built = tuple[
-    Callable[..., list[jax.Array]],
-    Any,
-    list[Any],
-    PyTree,
-    Callable[[Sequence[jax.Array]], PyTree],
-]
+    return dataclasses.replace(built, arrays=flat)
 
 
 def _build(
@@ -128,10 +131,9 @@ def _build(
     specs: Any,
     mesh: Mesh | None,
     caller: str,
-) -> _Built:
+) -> ShardedInit:
     """`sharded_init`'s parts, traced and compiled (or found compiled) for these
-    arguments: the NumPy data `fn` closes over (`consts`) is given to `run` and
-    `jitted` with the arrays among the arguments."""
+    arguments, without the arrays among them."""
     closed, _, shapes, outputs = _trace(fn, args, kwargs)
     lost = _captured_losses(fn, closed)
     if lost:
@@ -151,7 +153,7 @@ def _build(
 
     program, plan, consts = _program(closed, shardings)
     run = program if plan is None else plan.run
-    return run, program, consts, shapes, assemble
+    return ShardedInit(run, program, consts, shapes, assemble)
 
 
 def _readable(array: jax.Array) -> jax.Array:
@@ -402,7 +404,7 @@ register(_PROGRAMS.clear)
 
 # Each build's parts under what its trace depends on (`_built_key`), with the
 # objects that key holds by identity.
-_BUILT: Programs[tuple[_Built, list[Any]]] = Programs()
+_BUILT: Programs[tuple[ShardedInit, list[Any]]] = Programs()
 register(_BUILT.clear)
 
 
@@ -587,11 +589,9 @@ def init_sharded(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    run, _, inputs, shapes, assemble = sharded_init(
-        fn, args, kwargs, specs=specs, mesh=mesh
-    )
-    for leaf in jtu.tree_leaves(shapes):
+    parts = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
+    for leaf in jtu.tree_leaves(parts.shapes):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             require_runnable("init_sharded", leaf.sharding.mesh)
             break
-    return assemble(run(*host_private(inputs)))
+    return parts.assemble(parts.run(*host_private(parts.inputs)))
