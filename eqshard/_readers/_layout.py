@@ -18,11 +18,12 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import Report
+from .._spectree._carried import explicit_axes, type_sharding
 from .._spectree._check_spec import check_spec, entry_axes, leaf_specs
 from .._spectree._memory import Host, memory_of
 from .._spectree._resolve import resolve_specs
@@ -66,15 +67,10 @@ def _typed_sharding(leaf: Tracer) -> tuple[NamedSharding, frozenset[str]] | None
     """The sharding in a tracer's type and the mesh axes it speaks for (the
     Explicit ones), or `None` if its type carries no layout (Auto and Manual axes:
     it reads all-`None` whatever XLA will choose)."""
-    sharding = jax.typeof(leaf).sharding
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    sharding = type_sharding(leaf)
+    if sharding is None or sharding.mesh.empty:
         return None
-    mesh = sharding.mesh
-    typed = frozenset(
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-    )
+    typed = explicit_axes(sharding.mesh)
     return (sharding, typed) if typed else None
 
 

@@ -27,5 +27,8 @@ function of the abstract tree) into one `PartitionSpec` per array leaf:
 5. **Select.** `_select.py` finds the parameters among a step's arguments (the
    `params=` selector of `search_layout` and `plan_training`).
 
-Nothing here moves data; the movers and transforms read the specs made here.
+The layout an array already carries (a placed array's `NamedSharding`, a traced
+array's type's along Explicit axes) has one reader, `_carried.py`, which every
+wing asks. Nothing here moves data; the movers and transforms read the specs
+made here.
 """

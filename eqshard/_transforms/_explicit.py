@@ -35,6 +35,7 @@ from jaxtyping import PyTree
 from .._internals.closures import direct_reads
 from .._internals.errors import is_mixed_meshes, is_sharding_type_error
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
+from .._spectree._carried import explicit_axes, type_sharding
 from .._spectree._check_spec import leaf_specs
 from .._spectree._resolve import resolve_specs
 from .._tree import path_str
@@ -113,21 +114,16 @@ def _closed_over_error(
 
 def _typed_on(x: Any, auto: frozenset[str]) -> bool:
     """Whether `x`'s type places it on a mesh with Explicit axes among `auto`."""
-    try:
-        mesh = jax.typeof(x).sharding.mesh
-    except Exception:  # no sharding in its type
-        return False
-    return any(
-        a in auto and t == AxisType.Explicit
-        for a, t in zip(mesh.axis_names, mesh.axis_types)
-    )
+    sharding = type_sharding(x)
+    return sharding is not None and bool(explicit_axes(sharding.mesh) & auto)
 
 
 def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
     """The spec in `x`'s type without the axes in `auto` (which become Auto, where
     a type names no axis)."""
     entries = []
-    for entry in jax.typeof(x).sharding.spec:
+    sharding = type_sharding(x)
+    for entry in () if sharding is None else sharding.spec:
         axes = entry if isinstance(entry, tuple) else (entry,)
         kept = tuple(a for a in axes if a is not None and a not in auto)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)

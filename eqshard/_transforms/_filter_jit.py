@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
+from .._spectree._carried import placed_sharding
 from .._spectree._check_spec import (
     bad_spec_leaf_message,
     is_spec_leaf,
@@ -66,12 +67,10 @@ def _is_out_entry(x: Any) -> bool:
 def _own_layout(leaf: Any) -> NamedSharding | None:
     """The `NamedSharding` an argument is placed with, if any: a committed array's
     or an abstract one's; `None` for host data, uncommitted and traced arrays."""
-    if isinstance(leaf, Tracer):
-        return None
-    if isinstance(leaf, jax.Array) and not leaf.committed:
-        return None
-    sharding = getattr(leaf, "sharding", None)
-    return sharding if isinstance(sharding, NamedSharding) else None
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+        if not leaf.committed:
+            return None
+    return placed_sharding(leaf)
 
 
 class _Specs:

@@ -17,6 +17,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
+from .._spectree._carried import explicit_axes, placed_sharding, type_sharding
 from .._spectree._check_spec import (
     check_leaves,
     check_spec,
@@ -194,17 +195,21 @@ def array_layout(leaf: Any) -> tuple[PartitionSpec, Mesh | AbstractMesh] | str:
     """The spec and mesh an array carries, or why it carries none: a placed array's
     `NamedSharding`, a traced array's type on Explicit axes."""
     if isinstance(leaf, Tracer):
-        sharding = jax.typeof(leaf).sharding
-        types = set(sharding.mesh.axis_types)
-        if sharding.mesh.empty or types != {AxisType.Explicit}:
+        sharding = type_sharding(leaf)
+        if (
+            sharding is None
+            or sharding.mesh.empty
+            or explicit_axes(sharding.mesh) != frozenset(sharding.mesh.axis_names)
+        ):
             return (
                 "is traced on Auto axes, where its type carries no layout (the "
                 "compiler chooses one)"
             )
         return sharding.spec, sharding.mesh
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        return sharding.spec, sharding.mesh
+    placed = placed_sharding(leaf)
+    if placed is not None:
+        return placed.spec, placed.mesh
+    sharding = getattr(leaf, "sharding", None)  # for the message alone
     if sharding is None:
         return "is a NumPy array, on no mesh"
     return f"has a {type(sharding).__name__}, not a NamedSharding on a mesh"
