@@ -11,7 +11,6 @@ import functools as ft
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
@@ -345,7 +344,9 @@ def _check_explicit(
     for i, spec in enumerate(specs):
         if spec is None:
             continue
-        typed, ndim = jax.typeof(leaves[i]).sharding, leaves[i].ndim
+        typed, ndim = type_sharding(leaves[i]), leaves[i].ndim
+        if typed is None:  # no JAX type: nothing to compare
+            continue
         if _placement(typed.spec, ndim) != _placement(spec, ndim):
             explicit = set(typed.mesh.axis_types) == {AxisType.Explicit}
             differ.append((i, typed.spec if explicit else None, spec))
