@@ -68,6 +68,7 @@ from ._search._search_report import (
     LayoutSearch as LayoutSearch,
 )
 from ._spectree._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
+from ._spectree._check_spec import ShardingProblem as ShardingProblem
 from ._spectree._derive import (
     abstract as abstract,
     derive_specs as derive_specs,
@@ -93,7 +94,6 @@ from ._spectree._rules_report import (
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
-from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
 from ._step._step import analyze_step as analyze_step
 from ._step._step_report import StepReport as StepReport

@@ -20,9 +20,9 @@ from jaxtyping import PyTree
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory as device_memory_of
 from .._report import format_bytes, parse_bytes, Report
+from .._spectree._check_spec import leaf_specs, ShardingProblem, spec_error_message
+from .._spectree._resolve import is_partition_rules, resolve_specs
 from .._spectree._select import split_state
-from .._spectree._spec_args import is_partition_rules, resolve_specs
-from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import (
     grouped_paths,
     is_array,

@@ -20,10 +20,10 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
+from .._spectree._check_spec import leaf_specs
 from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._memory import Host, HOST_MEMORY, in_memory, is_host_memory
 from .._spectree._rules import compile_rules, rules_to_specs
-from .._spectree._specs import leaf_specs
 from .._tree import broadcast_prefix, is_array, path_name, path_str, placed_dtype
 from .._typing import KeyPath
 from ._strategy import analyze_pairs
