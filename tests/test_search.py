@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from probes import Compiles
 
 import eqshard
-from eqshard._cli._main import parse_rules
+from eqshard._cli._rules_file import parse_rules
 from eqshard._spectree._select import select
 
 

@@ -365,6 +365,22 @@ def _buffers(
     )
 
 
+def _state(
+    given_state: Any,
+    optimizer: Any,
+    facts: tuple[Any, ...],
+    rules: Any,
+    abstract: Any,
+    state_dtype: Any,
+    mesh: Any,
+) -> tuple[list[Any], Any]:
+    """The optimizer state's leaves and specs: the state given beside the
+    parameters, else the one `optimizer.init` would build."""
+    if given_state is not None:
+        return given_state_pairs(given_state, facts, abstract, state_dtype)
+    return optimizer_state(optimizer, facts, rules, abstract, state_dtype, mesh)
+
+
 @typecheck
 def plan_training(
     tree: PyTree,
@@ -557,16 +573,11 @@ def plan_training(
     state_report = None
     if given_state is not None or optimizer is not None:
         facts = (jtu.tree_structure(params), abstract, trained, pairs)
-        if given_state is not None:
-            state_leaves, state_specs = given_state_pairs(
-                given_state, facts, _abstract, state_dtype
-            )
-        else:
-            state_leaves, state_specs = optimizer_state(
-                optimizer, facts, rules, _abstract, state_dtype, mesh
-            )
-        state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
-        parts.append((state_leaves, state_specs))
+        state = _state(
+            given_state, optimizer, facts, rules, _abstract, state_dtype, mesh
+        )
+        state_report = analyze_pairs(*state, mesh, caller=caller)
+        parts.append(state)
     buffers = _buffers(pipeline, context, mesh, gradients)
     total = _total(param_report, (grad_report, state_report), buffers)
     host = host_bytes(parts, mesh, caller)
