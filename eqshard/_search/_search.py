@@ -4,7 +4,7 @@ the communication XLA put in.
 
 How a search goes:
 
-1. **The step** (`_search_step.py`): its arguments sorted (the parameters, the
+1. **The step** (`_compile.py`): its arguments sorted (the parameters, the
    states that follow them, the batch that keeps its layout), its data axes
    (those that split the batch), and one trace: how each parameter is used and
    what the step returns.
@@ -43,8 +43,8 @@ from .._mesh._targets import device_memory as target_memory, is_compile_only
 from .._report import format_bytes, parse_bytes
 from .._spectree._rules import match_partition_rules
 from .._spectree._select import check_parameters, select
-from .._step._step_records import OutOfMemory
-from .._step._step_report import StepReport
+from .._step._records import OutOfMemory
+from .._step._report import StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
 from ._candidates import (
@@ -56,8 +56,8 @@ from ._candidates import (
     tensor_pairs,
     unpaired,
 )
-from ._search_report import LayoutCandidate, LayoutSearch
-from ._search_step import CALLER, function_name, search_error, Step
+from ._compile import CALLER, function_name, search_error, Step
+from ._report import LayoutCandidate, LayoutSearch
 
 
 def _abstract_mesh_error(mesh: AbstractMesh) -> ValueError:

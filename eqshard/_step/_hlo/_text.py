@@ -14,7 +14,7 @@ code (the innermost frame outside eqshard's own files, so that the collectives
 of `dot_product_attention` or `pipeline` are named by the line that called
 them). The text is XLA's, not a stable API: a line this module does not
 understand raises `HloTextError`, naming the JAX version and the line, rather
-than giving a wrong report. `_hlo_flow` follows the data through what is read.
+than giving a wrong report. `_flow` follows the data through what is read.
 """
 
 import dataclasses
