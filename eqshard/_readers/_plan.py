@@ -401,141 +401,62 @@ def plan_training(
     offload_copy: float = 1.0,
     context: Mapping[str, Any] | None = None,
 ) -> TrainingPlan:
-    """Plans the memory of training: parameters, gradients and optimizer state on
-    each device, against a per-device budget, without allocating anything.
+    """Plans the memory of training per device (parameters, gradients, optimizer
+    state, pipeline and attention buffers) against a budget, allocating nothing.
 
-    The parameters are the arrays of `tree` (concrete or abstract:
-    `eqx.filter_eval_shape(Model, ..., key=key)` plans a 70B model on a laptop),
-    placed by `specs` as in [`eqshard.analyze_sharding_strategy`][], or where they
-    are if `specs` is `None`. Given a whole training state, such as `(model,
-    opt_state)`, `params` picks the parameters as [`eqshard.search_layout`][]'s
-    `params` does: the rest of `tree` is then planned as the optimizer state
-    (each array that follows a parameter with its spec, the others replicated),
-    instead of `optimizer.init`'s. Gradients are one per trained floating-point
-    parameter (see `trainable`), with its spec. The optimizer state is
-    `jax.eval_shape(optimizer.init, ...)` of the trained floating-point
-    parameters (so optax's own dtypes and shapes, e.g. Adafactor's
-    factored moments, count), and each of its arrays follows the parameter it
-    belongs to: the same spec for the same shape, the spec without the reduced
-    dimension for a factored moment, replicated for step counts and other
-    scalars. Activations, temporaries and the compiled program are not counted:
-    leave headroom for them. Every array counts in the dtype it would be placed in,
-    as [`eqshard.shard`][] places it: float64 and int64 (data or dtypes asked for)
-    are 32-bit while `jax_enable_x64` is off.
-
-    A spec that cannot apply is reported as
-    [`eqshard.analyze_sharding_strategy`][] reports it: listed in `plan.problems`
-    and in the summary, and counted with the nearest spec that applies; such a
-    plan is not the one asked for, so `plan.fits` is `False`.
-    `on_invalid="warn"` also warns, and `on_invalid="raise"` raises instead.
+    `tree` may be abstract (`eqx.filter_eval_shape(Model, ..., key=key)` plans a
+    70B model on a laptop). Activations, temporaries and the program are not
+    counted: [`eqshard.analyze_step`][] gives the compiled step's figures.
+    [What `plan_training` counts](../how-to/will-it-fit.md#what-plan_training-counts)
+    tells each part.
 
     **Arguments:**
 
-    - `tree`: the parameters, any pytree such as an Equinox model; or a whole
-      training state with `params`. Concrete or abstract.
-    - `specs`: a spec tree for the parameters or a prefix of one, partition
-      rules, or a function of the abstract parameters (see
-      [the spec-tree family](specs.md)); or `None` to read the shardings the
-      arrays have.
-    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have;
-      defaults to the mesh set by `jax.set_mesh`, then to the mesh of the
-      `NamedSharding`s.
-    - `params`: in a whole state `tree`, which part is the parameters: an index
-      (`0` for `(model, opt_state)`), or a function of `tree` returning a
-      subtree of it (`lambda state: state[0]`). `None` (the default): all of
-      `tree`.
-    - `optimizer`: an optax `GradientTransformation` (anything with `.init`), or
-      `None` for no optimizer state (or the one in `tree`, with `params`).
-    - `param_dtype`: the dtype of the floating-point parameters (e.g.
-      `jnp.bfloat16`); by default their own.
-    - `state_dtype`: the dtype of the optimizer state's floating-point arrays
-      (e.g. `jnp.float32` moments with bf16 parameters); by default what
-      `optimizer.init` makes of the parameters.
-    - `grad_dtype`: the dtype of the gradients; by default the parameters'.
+    - `tree`: the parameters (any pytree), or a whole state with `params`.
+    - `specs`: a spec tree or prefix, partition rules, a function of the abstract
+      parameters, or `None` for the arrays' own shardings.
+    - `mesh`: a `Mesh` (a target's too) or an `AbstractMesh`; defaults to
+      `jax.set_mesh`'s, then to the arrays'.
+    - `params`: in a whole state, the parameters: an index or a selector, as
+      [`eqshard.search_layout`][]'s; the rest is planned as optimizer state.
+    - `optimizer`: an optax `GradientTransformation`, or `None`.
+    - `param_dtype`, `state_dtype`, `grad_dtype`: dtypes to plan in; by default
+      the parameters' own and what `optimizer.init` makes.
     - `gradients`: whether to count gradients.
-    - `device_memory`: the memory of one device, in bytes or as a string such as
-      `"80GiB"`; the plan then says whether it fits and by how much. On a
-      target's mesh (`create_mesh(target=...)`) by default the target's, as
-      [`eqshard.analyze_step`][] takes it.
-    - `trainable`: which arrays are trained, as the `filter_spec` of
-      `eqx.partition`: a bool, a callable of a leaf returning a bool, or a tree of
-      them (a prefix of `params`). The floating-point arrays it selects get
-      gradients and optimizer state; the rest (frozen layers, the initial values
-      of `eqx.nn.StateIndex` caches) are planned as parameters only. `True` (the
-      default) trains every floating-point array. A callable is given each leaf
-      as it is in `params`: for an abstract tree, a `jax.ShapeDtypeStruct`
-      (which `eqx.is_inexact_array` is `False` for).
-    - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
-      reports them, `"warn"` reports them and warns, `"raise"` raises.
-    - `pipeline`: for a model run by [`eqshard.pipeline`][], its schedule:
-      `{"microbatches": M, "activation": one microbatch's activation (a
-      jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
-      over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
-      "repeats": 1}`. The plan adds on every device the stage inputs the loop
-      keeps for the backward pass, `(R·M + S - 1)` microbatch activations,
-      its buffers of the microbatches' inputs and outputs, `2·M` of them, and
-      what the backward loop holds in flight, `R·M + 1` (`plan.pipeline`:
-      within 10 % of the compiled step's temporaries where activations
-      dominate); the parameters and optimizer state are per stage as
-      their specs say (`eqshard.stacked(spec, stages="pp")`). With
-      `"fsdp_gather"` (`pipeline`'s option), `"layers"` (L) and
-      `"layer_bytes"` (one layer's weights on a device once gathered over the
-      data axes), it adds the weights that option holds gathered: K = L/(R·S)
-      layers for `"per_step"`, R·K for `"once"`, 2·K for `"per_repeat"`.
-    - `offload_copy`: the fraction of the arrays kept in host memory
-      ([`eqshard.host`][]) that the step holds on the device at once: its
-      update needs a device copy of what it updates, so `1.0` (the default)
-      counts all of it. The compiled step's figures
-      ([`eqshard.analyze_step`][]) say what XLA made of it.
-    - `context`: for attention with the sequence split over a mesh axis
-      ([`eqshard.dot_product_attention`][]): `{"query": its global [B, T, N, H]
-      jax.ShapeDtypeStruct, "kv_heads": K (default N), "axis": "cp",
-      "strategy": "ring", "batch_axes": the batch's axes (default the mesh's
-      dp, fsdp, data), "activation": one layer's kept [B, T, D] activation,
-      "layers": how many are kept (1)}`. The plan adds on every device one
-      layer's attention buffers (`plan.context`: float32 scores, `T/n x T/n`
-      blocks for the ring, `T/n x T` for all-gather, all of `T x T` for `N/n`
-      heads for Ulysses, and the keys and values gathered or in flight;
-      within 10 % of XLA:CPU's temporaries at `T >= 2048`; a GPU's compiler
-      may hold fewer: check with [`eqshard.analyze_step`][] on its target),
-      and the kept activations with their sequence split over the axis.
-
-    Arrays kept in host memory between steps count apart, in
-    `plan.host_bytes_per_device`; with partition rules as `specs`, the rules
-    are matched against the parameters and the optimizer state built together,
-    as [`eqshard.init_sharded`][] matches them, so a host rule such as
-    `("(mu|nu)/", eqshard.host())` offloads the moments in the plan too.
+    - `trainable`: which arrays are trained (`eqx.partition`'s `filter_spec`).
+    - `device_memory`: the budget (`"80GiB"` or bytes); on a target's mesh, the
+      target's by default.
+    - `on_invalid`: `"ignore"`, `"warn"` or `"raise"` for specs that cannot apply.
+    - `pipeline`: [`eqshard.pipeline`][]'s schedule (`microbatches`,
+      `activation`, `activation_spec`, `axis`, `schedule`, `repeats`, and
+      `fsdp_gather` with `layers` and `layer_bytes`).
+    - `offload_copy`: the share of host-memory arrays the step holds on device.
+    - `context`: [`eqshard.dot_product_attention`][]'s split (`query`,
+      `kv_heads`, `axis`, `strategy`, `batch_axes`, `activation`, `layers`).
 
     **Returns:**
 
-    A [`eqshard.TrainingPlan`][]: `plan.bytes_per_device`, `plan.fits`,
-    `plan.headroom`, and `print(plan)` for the summary and per-device view.
+    A [`eqshard.TrainingPlan`][]: `bytes_per_device`, `fits`, `headroom`, and
+    `print(plan)` for the summary and per-device view.
 
     **Raises:**
 
-    - `ValueError` as [`eqshard.analyze_sharding_strategy`][] does (with
-      `on_invalid="raise"`, naming every parameter whose spec cannot apply), or for
-      a `device_memory` that is not an amount of memory.
-    - `ValueError` for a `params` that selects nothing, or a state whose items
-      follow one another (the message gives the `params` to use), or given with
-      `optimizer`.
+    - `ValueError` for a spec that cannot apply (with `on_invalid="raise"`), a
+      budget that is no amount of memory, a `params` that selects nothing, or a
+      `pipeline` or `context` that [`eqshard.pipeline`][] or
+      [`eqshard.dot_product_attention`][] would refuse.
     - `TypeError` if `optimizer` has no `.init` method.
 
     !!! Example
 
         ```python
-        import optax
-
         shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
-        specs = eqshard.match_partition_rules(rules, shapes)
         mesh = jax.sharding.AbstractMesh((64,), ("fsdp",))
         plan = eqshard.plan_training(
-            shapes, specs, mesh, optimizer=optax.adamw(1e-4),
-            param_dtype=jnp.bfloat16, state_dtype=jnp.float32,
-            device_memory="80GiB",
+            shapes, rules, mesh, optimizer=optax.adamw(1e-4),
+            param_dtype=jnp.bfloat16, device_memory="80GiB",
         )
         print(plan)  # per part, the total against 80 GiB, a bar per device
-        plan.fits, plan.headroom
         ```
     """
     caller = "plan_training"
