@@ -62,12 +62,13 @@ from ._readers._plan import plan_training as plan_training, TrainingPlan as Trai
 from ._readers._strategy import (
     analyze_sharding_strategy as analyze_sharding_strategy,
 )
-from ._search._search import search_layout as search_layout
-from ._search._search_report import (
+from ._search._report import (
     LayoutCandidate as LayoutCandidate,
     LayoutSearch as LayoutSearch,
 )
+from ._search._search import search_layout as search_layout
 from ._spectree._auto import auto_fsdp as auto_fsdp, AutoFSDP as AutoFSDP
+from ._spectree._check_spec import ShardingProblem as ShardingProblem
 from ._spectree._derive import (
     abstract as abstract,
     derive_specs as derive_specs,
@@ -93,11 +94,10 @@ from ._spectree._rules_report import (
     RulesReport as RulesReport,
     RulesReportRow as RulesReportRow,
 )
-from ._spectree._specs import ShardingProblem as ShardingProblem
 from ._spectree._stacked import Stacked as Stacked, stacked as stacked
+from ._step._report import StepReport as StepReport
 from ._step._step import analyze_step as analyze_step
-from ._step._step_report import StepReport as StepReport
-from ._step._step_time import (
+from ._step._time import (
     StepTime as StepTime,
     transformer_flops as transformer_flops,
 )

@@ -354,7 +354,7 @@ def defined(module: str) -> set[str]:
     """The names `module` binds itself at its top level (functions, classes,
     assignments; also under a top-level `if` or `try`), not those it imports."""
     names = set()
-    nodes = list(_tree(module).body)
+    nodes: list[ast.AST] = list(_tree(module).body)
     while nodes:
         node = nodes.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqshard
 from eqshard import _caches
 from eqshard._build import _init
-from eqshard._spectree import _specs
+from eqshard._spectree import _check_spec
 from eqshard._step import _step
 from eqshard._transforms import _shard_map
 from eqshard._transforms._programs import Programs
@@ -70,14 +70,14 @@ def test_clear_caches_empties_each_kind_and_results_stay_right(mesh):
     assert len(_shard_map._PROGRAMS) > 0
     assert len(_init._PROGRAMS) > 0
     assert len(_step._REPORTS) > 0
-    assert _specs._fits.cache_info().currsize > 0
+    assert _check_spec._fits.cache_info().currsize > 0
 
     eqshard.clear_caches()
 
     assert len(_shard_map._PROGRAMS) == 0
     assert len(_init._PROGRAMS) == 0
     assert len(_step._REPORTS) == 0
-    assert _specs._fits.cache_info().currsize == 0
+    assert _check_spec._fits.cache_info().currsize == 0
 
     again, rebuilt, report_again = fill()
     np.testing.assert_array_equal(again, 2 * np.arange(16.0, dtype=np.float32))

@@ -25,7 +25,7 @@ from eqshard._search._candidates import (
     tensor_pairs,
     unpaired,
 )
-from eqshard._spectree._specs import entry_axes
+from eqshard._spectree._check_spec import entry_axes
 
 
 def _uses(fn, params, *rest):

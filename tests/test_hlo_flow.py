@@ -1,4 +1,4 @@
-# Following the data of XLA's compiled programs (eqshard/_hlo_flow.py), checked
+# Following the data of XLA's compiled programs (eqshard/_step/_hlo/_flow.py), checked
 # on programs compiled here for the 8 virtual CPU devices: trip counts and
 # conditionals against the program's structure, data flow against what each
 # program does.
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqshard._step._hlo_flow import Program
+from eqshard._step._hlo._flow import Program
 
 
 def _compile(fn, *structs, out=None) -> str:

@@ -1,7 +1,7 @@
-# Reading XLA's compiled text (eqshard/_hlo_text.py), checked on programs compiled
-# here for the 8 virtual CPU devices: the groups of each spelling against the
-# devices that share mesh coordinates, sizes against the arrays' own. A line the
-# reader does not understand must raise, naming JAX's version and the line.
+# Reading XLA's compiled text (eqshard/_step/_hlo/_text.py), checked on programs
+# compiled here for the 8 virtual CPU devices: the groups of each spelling against
+# the devices that share mesh coordinates, sizes against the arrays' own. A line
+# the reader does not understand must raise, naming JAX's version and the line.
 
 import re
 from collections.abc import Callable
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqshard._step._hlo_flow import Program
-from eqshard._step._hlo_text import (
+from eqshard._step._hlo._flow import Program
+from eqshard._step._hlo._text import (
     HloTextError,
     parse,
     parse_instruction,

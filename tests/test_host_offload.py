@@ -232,15 +232,15 @@ def test_layouts_inside_a_program_refuse_host_memory(mesh):
 
 
 def test_rules_file_writes_and_reads_host():
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
     from eqshard._search._candidates import rules_text
 
     shapes = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
     text = rules_text(shapes, {"w": eqshard.host(P("dp", None))})
-    assert text == "^w$  host(dp,None)\n"
+    assert text == "(^|/)w$  host(dp,None)\n"
     text += "(mu|nu)/  host()\nb  host(P('dp', None))\n"
     assert parse_rules(text, "x.rules") == [
-        ("^w$", eqshard.host(P("dp", None))),
+        ("(^|/)w$", eqshard.host(P("dp", None))),
         ("(mu|nu)/", eqshard.host()),
         ("b", eqshard.host(P("dp", None))),
     ]

@@ -102,15 +102,17 @@ def _shard_bytes(leaf):
 def test_no_device_holds_a_whole_sharded_array(mesh, partitionable):
     dim = 256
     with jax.threefry_partitionable(partitionable):
-        _, jitted, inputs, shapes, _ = sharded_init(
+        parts = sharded_init(
             eqx.nn.Linear,
             (dim, dim),
             {"key": jax.random.key(0)},
             specs=[("weight", P("tp", "dp")), ("bias", P("tp"))],
             mesh=mesh,
         )
-        stats = jitted.lower(*inputs).compile().memory_analysis()
-    leaves = [x for x in jtu.tree_leaves(shapes) if isinstance(x, jax.ShapeDtypeStruct)]
+        stats = parts.jitted.lower(*parts.inputs).compile().memory_analysis()
+    leaves = [
+        x for x in jtu.tree_leaves(parts.shapes) if isinstance(x, jax.ShapeDtypeStruct)
+    ]
     whole = 4 * dim * dim
     # Each device's outputs are its shards (weight 64 x 128 on 8 devices, bias
     # 64), plus the program's table of 8-byte output pointers.
@@ -452,7 +454,7 @@ def test_in_pieces_equals_the_jitted_constructor(mesh, name, impl):
     else:
         make = CASES[name].make
     key = jax.random.key(0, impl=impl)
-    run, *_ = sharded_init(make, (key,), {}, specs=_split_first_axis, mesh=mesh)
+    run = sharded_init(make, (key,), {}, specs=_split_first_axis, mesh=mesh).run
     # (With their optimizer states, whose zeros repeat, all three are.)
     assert isinstance(getattr(run, "__self__", None), Plan)
     built = eqshard.init_sharded(make, key, specs=_split_first_axis, mesh=mesh)
@@ -482,8 +484,8 @@ def test_in_pieces_compiles_as_much_for_any_depth(mesh):
             built = eqshard.init_sharded(
                 make, jax.random.key(0), specs=P("tp"), mesh=mesh
             )
-        run, *_ = sharded_init(make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh)
-        plan = getattr(run, "__self__", None)
+        parts = sharded_init(make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh)
+        plan = getattr(parts.run, "__self__", None)
         assert isinstance(plan, Plan)  # built in pieces
         assert compiles.count == len({id(call.jitted) for call in plan._calls})
         counts.append(compiles.count)
@@ -499,15 +501,16 @@ def test_in_pieces_compiles_as_much_for_any_depth(mesh):
 
 def test_in_pieces_no_device_holds_a_whole_sharded_array(mesh):
     dim, depth = 256, 4
-    run, _, (consts, flat), shapes, _ = sharded_init(
+    parts = sharded_init(
         _blocks(depth, dim),
         (jax.random.key(0),),
         {},
         specs=[("weight", P("tp", "dp")), ("bias", P("tp"))],
         mesh=mesh,
     )
-    plan = getattr(run, "__self__", None)
+    plan = getattr(parts.run, "__self__", None)
     assert isinstance(plan, Plan)  # built in pieces
+    consts, flat = parts.inputs
     values = [*consts, *flat, *plan._keys(*consts, *flat)]
     programs = {id(c.jitted): (c.jitted, c.inputs) for c in plan._calls}
     whole = 4 * dim * dim
@@ -612,7 +615,7 @@ def test_in_pieces_with_closed_over_jax_arrays(mesh):
     def blocks():
         return [Block(k) for k in jax.random.split(key, 6)]
 
-    run, *_ = sharded_init(blocks, (), {}, specs=P("dp", "tp"), mesh=mesh)
+    run = sharded_init(blocks, (), {}, specs=P("dp", "tp"), mesh=mesh).run
     assert isinstance(getattr(run, "__self__", None), Plan)
     built = eqshard.init_sharded(blocks, specs=P("dp", "tp"), mesh=mesh)
     want = eqx.filter_jit(blocks)()
@@ -667,13 +670,13 @@ def _routes(make, specs, mesh, monkeypatch):
     """`make` built by the fast path (in pieces) and by the plain route (one
     `jax.jit` of the whole program, `EQSHARD_PLAIN_ROUTES=init`)."""
     key = jax.random.key(3)
-    run, whole, *_ = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
-    assert isinstance(getattr(run, "__self__", None), Plan)  # in pieces
+    parts = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
+    assert isinstance(getattr(parts.run, "__self__", None), Plan)  # in pieces
     fast = eqshard.init_sharded(make, key, specs=specs, mesh=mesh)
     with monkeypatch.context() as patch:
         patch.setenv("EQSHARD_PLAIN_ROUTES", "init")
-        run, whole, *_ = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
-        assert run is whole  # the whole program
+        parts = sharded_init(make, (key,), {}, specs=specs, mesh=mesh)
+        assert parts.run is parts.jitted  # the whole program
         plain = eqshard.init_sharded(make, key, specs=specs, mesh=mesh)
     return fast, plain
 
@@ -722,11 +725,9 @@ def test_an_unrecognised_program_takes_the_plain_route_once(mesh, monkeypatch):
     eqshard.clear_caches()
     monkeypatch.setattr(jaxprs, "cut", unrecognised)
     with pytest.warns(RuntimeWarning, match="'init'.*frobnicate") as record:
-        run, whole, *_ = sharded_init(
-            make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh
-        )
+        parts = sharded_init(make, (jax.random.key(0),), {}, specs=P("tp"), mesh=mesh)
         built = eqshard.init_sharded(make, jax.random.key(1), specs=P("tp"), mesh=mesh)
-    assert run is whole  # the whole program
+    assert parts.run is parts.jitted  # the whole program
     assert len([w for w in record if "frobnicate" in str(w.message)]) == 1
     _assert_same_build(built, eqx.filter_jit(make)(jax.random.key(1)))
     eqshard.clear_caches()

@@ -208,7 +208,7 @@ def test_rules_file(tmp_path):
 def test_rules_file_arrow_between_regex_and_spec():
     # Parsed in this process: no need for a subprocess to read a text format.
     from eqshard._cli._load import UsageError
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
 
     text = "attn/(q|k)/weight -> tp,fsdp\nmlp/up/bias->  tp\n.*  ()\n"
     assert parse_rules(text, "rules.txt") == [
@@ -434,7 +434,7 @@ def _abstract_bytes_per_device(rules_file, mesh_shape, names) -> int:
     device (every device holds as much under these rules)."""
     from jax.sharding import AbstractMesh, NamedSharding
 
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
 
     rules = parse_rules(rules_file.read_text(), str(rules_file))
     mesh = AbstractMesh(mesh_shape, names)

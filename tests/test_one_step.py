@@ -238,7 +238,7 @@ def test_plan_training_takes_the_whole_state():
 
 
 def test_a_layout_whose_arguments_alone_do_not_fit_is_not_compiled(mesh):
-    from eqshard._search._search_step import Step
+    from eqshard._search._compile import Step
     from eqshard._spectree._select import select
 
     args = _tiny(mesh)

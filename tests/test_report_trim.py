@@ -18,17 +18,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqshard
 from eqshard._cli._fit import fsdp_rules
 from eqshard._cli._load import UsageError
-from eqshard._cli._main import parse_rules
+from eqshard._cli._rules_file import parse_rules
 from eqshard._spectree._rules_syntax import parse_value, value_text
-from eqshard._step._step_records import (
+from eqshard._step._records import (
     CollectivePart,
     CollectiveRow,
     MovedInput,
     StepLeaf,
     StepMemory,
 )
-from eqshard._step._step_report import StepReport
-from eqshard._step._step_rows import relative_source
+from eqshard._step._report import StepReport
+from eqshard._step._rows import relative_source
 from eqshard._tree import grouped_paths
 
 
@@ -283,7 +283,7 @@ def test_fit_refuses_stacked_rules_it_cannot_add_fsdp_to(mesh):
 
 
 def test_the_search_writes_stacked_rules_as_text():
-    from eqshard._search._search_report import value_text as search_text
+    from eqshard._search._report import value_text as search_text
 
     assert search_text(STACKED) == "stacked(P('tp', None))"
     assert search_text(eqx.nn.Linear) == "Linear"

@@ -455,7 +455,7 @@ def test_pattern_based_spec_malformed(pattern, token):
     ],
 )
 def test_one_spec_syntax(text, expected):
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
 
     pattern = eqshard.compat.create_pattern_based_partition_spec(f"x->{text},y->tp")
     assert isinstance(pattern, _PatternPartitionSpec)
@@ -479,7 +479,7 @@ def test_one_spec_syntax(text, expected):
 )
 def test_one_spec_syntax_refused(text, match):
     from eqshard._cli._load import UsageError
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
 
     pattern = f"x->{text}"
     with pytest.raises(ValueError, match=re.escape(f"in {pattern!r}: ")) as info:
@@ -492,7 +492,7 @@ def test_one_spec_syntax_refused(text, match):
 
 def test_rules_file_spaced_spec_needs_an_arrow():
     from eqshard._cli._load import UsageError
-    from eqshard._cli._main import parse_rules
+    from eqshard._cli._rules_file import parse_rules
 
     with pytest.raises(UsageError, match="r, line 1: a spec without '->'"):
         parse_rules("attn  dp, tp\n", "r")

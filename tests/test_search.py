@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from probes import Compiles
 
 import eqshard
-from eqshard._cli._main import parse_rules
+from eqshard._cli._rules_file import parse_rules
 from eqshard._spectree._select import select
 
 
@@ -256,7 +256,7 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
 ):
     # The search compiles at XLA's backend optimisation level 0, which changes
     # the machine code only: the reports are those of the default compile.
-    from eqshard._search import _search_step
+    from eqshard._search import _compile
 
     for fn, ((params, state, x), result) in (
         (step, activations),
@@ -264,10 +264,10 @@ def test_layouts_compiled_unoptimised_report_what_analyze_step_reports(
     ):
         best = result.best
         assert best is not None
-        monkeypatch.setattr(_search_step, "_OPTIONS", None)
+        monkeypatch.setattr(_compile, "_OPTIONS", None)
         args = (params, state, x)
         selection = select(args, 0, caller="search_layout")
-        default = _search_step.Step(fn, args, selection, mesh).report(best.specs)
+        default = _compile.Step(fn, args, selection, mesh).report(best.specs)
         # Each report records the options it was compiled with; all else is equal.
         assert best.report.compiler_options == (
             ("xla_backend_optimization_level", "0"),

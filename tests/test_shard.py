@@ -727,7 +727,7 @@ def test_unknown_mesh_axis_names_the_leaf_the_axes_and_the_fix(mesh):
     for on in (mesh, mesh.abstract_mesh):  # named_shardings' one builder, also
         # for `filter_jit` on an abstract mesh (JAX's own error named no path)
         with pytest.raises(ValueError) as info:
-            eqshard._spectree._specs.named_sharding(
+            eqshard._spectree._check_spec.named_sharding(
                 P(("dp", "model")), on, caller="filter_jit", path=(jtu.DictKey("w"),)
             )
         message = str(info.value)

@@ -1,4 +1,4 @@
-"""Tests for eqshard._spectree._spec_args: every `specs=` takes a spec tree or prefix,
+"""Tests for eqshard._spectree._resolve: every `specs=` takes a spec tree or prefix,
 partition rules, or a function of the abstract tree, told apart by one test."""
 
 import re
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._spectree._spec_args import is_partition_rules
+from eqshard._spectree._resolve import is_partition_rules
 
 
 RULES = [("w", P("dp", "tp")), ("b", P("tp"))]

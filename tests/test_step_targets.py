@@ -23,11 +23,11 @@ import pytest
 from jax.sharding import AxisType
 
 import eqshard
-from eqshard._step._hlo_flow import Program
-from eqshard._step._hlo_text import HloTextError
-from eqshard._step._step_records import CollectiveRow, StepLeaf
-from eqshard._step._step_report import StepReport
-from eqshard._step._step_rows import collective_row, memory
+from eqshard._step._hlo._flow import Program
+from eqshard._step._hlo._text import HloTextError
+from eqshard._step._records import CollectiveRow, StepLeaf
+from eqshard._step._report import StepReport
+from eqshard._step._rows import collective_row, memory
 from tests.fakes import host_mesh
 
 

@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
 from eqshard._mesh._chips import CHIPS
-from eqshard._step._hlo_flow import Program
-from eqshard._step._step_options import step_options
-from eqshard._step._step_report import StepReport
-from eqshard._step._step_rows import collective_row, memory
-from eqshard._step._step_time import estimate_time
+from eqshard._step._hlo._flow import Program
+from eqshard._step._options import step_options
+from eqshard._step._report import StepReport
+from eqshard._step._rows import collective_row, memory
+from eqshard._step._time import estimate_time
 
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"

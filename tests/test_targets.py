@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from probes import RUN_TIMEOUT
 
 import eqshard
-from eqshard._step._step_options import TPU_ASYNC_OPTIONS
+from eqshard._step._options import TPU_ASYNC_OPTIONS
 
 
 _GiB = 1 << 30

@@ -23,6 +23,7 @@ constants, the shardings, JAX's configuration and the route (both emptied by
 program, not part of it. A value `fn` reads that changed is traced again.
 """
 
+import dataclasses
 import functools as ft
 import hashlib
 import typing
@@ -51,14 +52,14 @@ from .._internals.program_keys import program_key
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
 from .._move._host import converted, host_private, loss_error, lost_text
-from .._spectree._derive import abstract_tree
-from .._spectree._logical import get_logical_axis_rules
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     abstract_mesh_error,
     check_placeable,
     check_spec_on_mesh,
 )
+from .._spectree._derive import abstract_tree
+from .._spectree._logical import get_logical_axis_rules
+from .._spectree._resolve import resolve_specs
 from .._transforms._programs import Programs
 from .._tree import is_array, path_str, paths_text
 from .._typing import KeyPath, typecheck
@@ -66,6 +67,34 @@ from ._init_pieces import Plan, plan
 
 
 _CALLER = "init_sharded"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedInit:
+    """The parts of [`eqshard.init_sharded`][] for one call (`sharded_init`).
+
+    - `run(*inputs)`: the model's arrays in their shardings, a flat list, from
+      the program in pieces where pieces repeat (`_init_pieces.py`); else it is
+      `jitted` (the plain route, also taken with `EQSHARD_PLAIN_ROUTES=init` and
+      when the program cannot be read: `_pieces`).
+    - `jitted(*inputs)`: the same from the whole program (`jitted.lower(*inputs)`
+      is the program, for memory analysis).
+    - `consts`, `arrays`: the NumPy data `fn` closes over and the arrays among
+      its arguments (none in the record `_BUILT` keeps); `inputs` is both.
+    - `shapes`: the abstract model, every array with its `NamedSharding`.
+    - `assemble(arrays)`: the model with those arrays in it.
+    """
+
+    run: Callable[..., list[jax.Array]]
+    jitted: Any
+    consts: list[Any]
+    shapes: PyTree
+    assemble: Callable[[Sequence[jax.Array]], PyTree]
+    arrays: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def inputs(self) -> tuple[list[Any], list[Any]]:
+        return self.consts, self.arrays
 
 
 def sharded_init(
@@ -76,24 +105,9 @@ def sharded_init(
     specs: Any,
     mesh: Mesh | AbstractMesh | None,
     caller: str = _CALLER,
-) -> tuple[
-    Callable[..., list[jax.Array]],
-    Any,
-    tuple[Any, ...],
-    PyTree,
-    Callable[[Sequence[jax.Array]], PyTree],
-]:
-    """The parts of [`eqshard.init_sharded`][]: `(run, jitted, inputs, shapes,
-    assemble)`.
-
-    `run(*inputs)` returns the model's arrays in their shardings, as a flat list,
-    from the program in pieces where pieces repeat (see `_init_pieces.py`), else
-    it is `jitted`: the plain route, also taken with `EQSHARD_PLAIN_ROUTES=init`
-    and when the program cannot be read (`_pieces`);
-    `jitted(*inputs)` returns them from the whole program (its `.lower(*inputs)`
-    is the program, for memory analysis);
-    `assemble(arrays)` puts them in the model; `shapes` is the abstract model with
-    every array's `NamedSharding`."""
+) -> ShardedInit:
+    """The parts of [`eqshard.init_sharded`][] for `fn(*args, **kwargs)`, traced
+    and compiled once per what the trace depends on (`_built_key`)."""
     mesh = concrete_mesh(mesh, caller=caller, required=False)
     args, kwargs = _narrowed(args, kwargs, caller=caller)
     dynamic, static_args = eqx.partition((tuple(args), kwargs), eqx.is_array)
@@ -101,23 +115,12 @@ def sharded_init(
 
     key, keep = _built_key(fn, (static_args, in_def, flat), specs, mesh, caller)
 
-    def make() -> tuple[_Built, list[Any]]:
+    def make() -> tuple[ShardedInit, list[Any]]:
         # What the key holds by identity lives as long as it is kept.
         return _build(fn, args, kwargs, specs=specs, mesh=mesh, caller=caller), keep
 
     built, _ = make() if key is None else _BUILT.get(key, make)
-    run, program, consts, shapes, assemble = built
-    return run, program, (consts, flat), shapes, assemble
-
-
-# What `_build` returns: `(run, jitted, consts, shapes, assemble)`.
-_Built = tuple[
-    Callable[..., list[jax.Array]],
-    Any,
-    list[Any],
-    PyTree,
-    Callable[[Sequence[jax.Array]], PyTree],
-]
+    return dataclasses.replace(built, arrays=flat)
 
 
 def _build(
@@ -128,10 +131,9 @@ def _build(
     specs: Any,
     mesh: Mesh | None,
     caller: str,
-) -> _Built:
+) -> ShardedInit:
     """`sharded_init`'s parts, traced and compiled (or found compiled) for these
-    arguments: the NumPy data `fn` closes over (`consts`) is given to `run` and
-    `jitted` with the arrays among the arguments."""
+    arguments, without the arrays among them."""
     closed, _, shapes, outputs = _trace(fn, args, kwargs)
     lost = _captured_losses(fn, closed)
     if lost:
@@ -151,7 +153,7 @@ def _build(
 
     program, plan, consts = _program(closed, shardings)
     run = program if plan is None else plan.run
-    return run, program, consts, shapes, assemble
+    return ShardedInit(run, program, consts, shapes, assemble)
 
 
 def _readable(array: jax.Array) -> jax.Array:
@@ -402,7 +404,7 @@ register(_PROGRAMS.clear)
 
 # Each build's parts under what its trace depends on (`_built_key`), with the
 # objects that key holds by identity.
-_BUILT: Programs[tuple[_Built, list[Any]]] = Programs()
+_BUILT: Programs[tuple[ShardedInit, list[Any]]] = Programs()
 register(_BUILT.clear)
 
 
@@ -486,74 +488,25 @@ def init_sharded(
     shardings.
 
     `fn(*args, **kwargs)` (such as a module's constructor taking a PRNG key) is
-    built abstractly first (`eqx.filter_eval_shape`) to resolve and check the
-    specs, then once under `jax.jit` with `out_shardings`, so that each device
-    computes only its own shards: no device ever holds a whole array that its
-    spec shards, and a model larger than one device can be made. Everything that
-    is not an array (static fields, callables, Python scalars, `None`) comes back
-    as eager construction makes it, so an Equinox module comes back as a module
-    of the same type. The trace and its program are kept under `fn` and what it
-    reads (its closure's variables, the globals it names, a partial's or bound
-    method's data), the arguments' types and values, the specs and the mesh:
-    building the model again with a new key traces and compiles nothing, while
-    a value `fn` reads that has changed (a closure's variable, a field of a
-    config object) is traced into a new program, never served stale (what
-    cannot be compared by value, such as an object with slots, is traced on
-    every call). NumPy arrays `fn` closes over are inputs of the kept program,
-    read on every call. Static fields of the model are those of the first
-    build of a kept trace, as `eqx.filter_jit` returns its static outputs.
-    [`eqshard.clear_caches`][] forgets the kept programs.
-
-    The values are those of the jitted constructor,
-    `eqx.filter_jit(fn)(*args, **kwargs)`: the same operations compute them,
-    split across the devices. They are equal bit for bit, whatever the
-    shardings, wherever each element is computed from its own inputs: random
-    draws and elementwise operations on them (scaling, adding a bias), which is
-    how layers initialise. A reduction over a dimension its spec splits (`w -
-    w.mean(0)` with `P('dp', 'tp')`, a product contracting a split dimension)
-    adds partial results from several devices, in another order than one
-    device does, so it may differ in its last bits, by at most the rounding of
-    a sum in another order: `2 * (n - 1) * eps * sum(abs(x))` for a sum of `n`
-    terms `x` (`eps` the dtype's machine epsilon), in practice a few ulp (for
-    that example, up to 2.4e-7 in some of the elements of a (64, 512) normal
-    draw). Compare such values to a tolerance. Where pieces of
-    the program repeat (a list of blocks: the same arrays drawn with other keys),
-    each distinct piece is compiled once and run for each block with its keys,
-    so that the compile time does not grow with the number of blocks
-    (`EQSHARD_PLAIN_ROUTES=init` builds the whole program as one: see
-    [Fast paths and their plain routes](../how-to/plain-routes.md)). Eager construction
-    (`fn(*args, **kwargs)` op by op, then [`eqshard.shard`][]) draws the same
-    random bits, and gives the same arrays where they are draws or exact
-    operations on them; but where the constructor computes with a draw (a
-    scaled initialisation, `jax.random.normal(key, shape) * 0.2`), XLA compiles
-    the whole program differently from one op at a time (it fuses the draw and
-    the product, and folds the constants), so such a value may differ from
-    eager construction's in its last bits: a few ulp (up to 2 for that example
-    on CPU). Compare with the jitted constructor, or to a tolerance. That no device
-    holds a whole random array relies on `jax.config.jax_threefry_partitionable`
-    being `True` (the default since JAX 0.5, so in JAX 0.10.2): random bits are
-    then generated shard by shard. With it `False`, the values are the same, but
-    every device generates each whole random array and keeps its shard.
-
-    To build the optimizer state with the model, return both: with rules written
-    for the model, `fn = lambda key: (model := Model(key),
-    optimizer.init(eqx.filter(model, eqx.is_inexact_array)))` places `mu` and
-    `nu` like their parameters (see [`eqshard.match_partition_rules`][]).
-    `eqshard.match_partition_rules(rules, tree)` of what this returns is the spec
-    tree it was built with, for the step, [`eqshard.check_layout`][] and
-    [`eqshard.restore`][] (which also takes the rules and `fn` itself).
+    traced once to resolve and check the specs, then runs under `jax.jit` with
+    `out_shardings`, so that each device computes only its own shards: a model
+    larger than one device can be made. Everything that is not an array comes back
+    as eager construction makes it. The values are those of
+    `eqx.filter_jit(fn)(*args, **kwargs)`; the trace and its program are kept, so
+    building again with a new key compiles nothing, while a changed value `fn`
+    reads is traced again (see
+    [the how-to](../how-to/plan-large-model.md#what-init_sharded-computes-and-keeps)).
+    With an optimizer state returned beside the model, rules written for the model
+    place `mu` and `nu` like their parameters.
 
     **Arguments:**
 
     - `fn`: a callable returning the pytree, e.g. an `eqx.Module` class.
     - `*args`, `**kwargs`: its arguments. Arrays among them (such as the key) are
       inputs of the compiled program; everything else is a constant of it.
-    - `specs`: where the arrays go: a spec tree for the model or a prefix of
-      it, partition rules, or a function of the abstract model returning a spec
-      tree (see [the spec-tree family](specs.md)); [`eqshard.host`][] specs
-      are built straight into host memory. An array whose spec is `None`
-      is replicated on the mesh (one program puts all its outputs on the same
-      devices).
+    - `specs`: a spec tree for the model or a prefix of it, partition rules, or a
+      function of the abstract model (see [the spec-tree family](specs.md));
+      [`eqshard.host`][] specs are built into host memory; a `None` spec replicates.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when the specs are `NamedSharding`s.
 
@@ -563,16 +516,11 @@ def init_sharded(
 
     **Raises:**
 
-    - `ValueError` if the spec tree is not a prefix of the model (naming the first
-      path that differs), if specs cannot apply (naming every such leaf, its shape
-      and spec, and the nearest spec that fits), if rules match no path
-      (see [`eqshard.match_partition_rules`][]), if no mesh is given or set
-      where one is needed, or if NumPy data among the arguments, or read by `fn`
-      (its closure's variables, the globals it names, a `functools.partial`'s
-      arguments) and captured by its trace, would change as JAX narrows it
-      while `jax_enable_x64` is off (int64 beyond int32, float64 beyond
-      float32's range), naming where it is, as [`eqshard.shard`][] refuses it;
-      data that fits is narrowed as JAX does.
+    - `ValueError` if the spec tree is not a prefix of the model, if specs cannot
+      apply (naming every such leaf and the nearest spec that fits), if rules
+      match no path, if no mesh is given or set where one is needed, or if NumPy
+      data among the arguments or read by `fn` would change as JAX narrows it
+      (`jax_enable_x64` off), as [`eqshard.shard`][] refuses it.
     - `TypeError` naming a leaf of the spec tree that is not a spec, or if `mesh`
       is abstract.
 
@@ -587,11 +535,9 @@ def init_sharded(
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
-    run, _, inputs, shapes, assemble = sharded_init(
-        fn, args, kwargs, specs=specs, mesh=mesh
-    )
-    for leaf in jtu.tree_leaves(shapes):
+    parts = sharded_init(fn, args, kwargs, specs=specs, mesh=mesh)
+    for leaf in jtu.tree_leaves(parts.shapes):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             require_runnable("init_sharded", leaf.sharding.mesh)
             break
-    return assemble(run(*host_private(inputs)))
+    return parts.assemble(parts.run(*host_private(parts.inputs)))

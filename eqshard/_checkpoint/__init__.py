@@ -6,7 +6,7 @@ dependencies are imported inside the functions that use them, so `import
 eqshard` never imports them. The modules: `_targets.py` (what both formats
 share: names, targets, the message for differences), `_disk.py` (a checkpoint's
 directory, eqshard's own file, what it holds), `_save.py`, `_restore.py`,
-`_restore_target.py` (what `restore` reads into), `_swap.py` (one writer per
+`_restore_like.py` (what `restore` reads into), `_swap.py` (one writer per
 path, the atomic swap, generations), `_blocks.py` (orbax's files read block by
 block into CPU devices' memory), `_views.py` (stacked layers saved in another
 view of their layer order, as a pipeline's `stage_view`), `_safetensors.py`

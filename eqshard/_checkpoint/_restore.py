@@ -22,11 +22,11 @@ from .._keys import is_key
 from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
 from .._move._multiprocess import check_timeout, fail_together, meet
 from .._move._threads import in_cpu_memory
-from .._spectree._derive import abstract_tree
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_placeable,
     check_spec_on_mesh,
 )
+from .._spectree._derive import abstract_tree
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._blocks import read_blocks
 from ._disk import (
@@ -38,14 +38,14 @@ from ._disk import (
     SaveInProgressError,
     unreadable_error,
 )
-from ._restore_target import needs_arguments, restore_target
+from ._restore_like import like_and_specs, needs_arguments
 from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
     check_against,
     import_optional,
     named_arrays,
-    restore_targets,
+    target_structs,
 )
 from ._views import into_views, layer_views
 
@@ -385,7 +385,7 @@ def _compared(
         target = abstract_tree(like, specs, mesh, caller=caller, check=check)
         placed = jtu.tree_leaves(target)
     casts = leaf_casts(dtype, like, caller=caller)
-    targets = restore_targets(named, placed, casts, caller)
+    targets = target_structs(named, placed, casts, caller)
     try:  # the checkpoint's description, compared with the targets
         saved, held = saved_arrays(ocp, path, caller)
         # Stacked layers saved in another view (`_views.py`): read as saved.
@@ -434,61 +434,32 @@ def restore(
 ) -> PyTree:
     """Restores an [`eqshard.save`][] checkpoint onto any mesh.
 
-    The arrays are read straight into their shardings: each device's shard is
-    read from the files onto that device, on the mesh the checkpoint was saved
-    on or any other, so no full copy of an array is ever on one device or on the
-    host. Everything that is not an array comes from `like`, so
-    `eqx.filter_eval_shape(Model, ...)` (no memory) is enough. Before any data is
-    read, the checkpoint's names, shapes and dtypes are compared with `like`'s,
-    and every difference is reported at once. A checkpoint that orbax wrote
-    directly (a nested dict of arrays, say) restores too: its arrays are named by
-    their paths, as `like`'s are. Stacked layers saved in another view of the
-    same layer order, `(L, ...)` against the circular pipeline's `(R, S, K, ...)`
-    of [`eqshard.stage_view`][] (or another such view), are read and reshaped
-    into `like`'s, bit for bit (read first with every layer of their block of
-    the other dimensions on each device).
-
-    Values are never changed silently, with [`eqshard.shard`][]'s policy: a cast
-    asked for with `dtype=` may round, but an array whose values would become inf
-    or nan, or, with `jax_enable_x64` off, a 64-bit array whose values do not fit
-    32 bits, is refused, naming every such array and its values.
-
-    In a multi-process run, every process makes the same call, and reads only
-    the shards its devices hold. The processes meet before reading and after: if
-    one fails, or does not make the call within `timeout` seconds, all of them
-    raise.
+    Each device's shard is read from the files straight onto that device, on the
+    saved mesh or any other: no device and no host holds a whole array. Everything
+    that is not an array comes from `like`. The checkpoint's names, shapes and
+    dtypes are compared with `like`'s before any data is read, every difference
+    reported at once. Checkpoints orbax wrote itself, and stacked layers saved in
+    another view of their layer order ([`eqshard.stage_view`][]), restore too.
+    Values are never changed silently (see
+    [the how-to](../how-to/checkpoints.md#orbax-save-and-restore-onto-another-mesh));
+    several processes: see [there](../how-to/checkpoints.md#several-processes).
 
     **Arguments:**
 
     - `directory`: a checkpoint written by [`eqshard.save`][] (or by orbax).
-    - `like`: a tree of the saved tree's structure, concrete or abstract; its
-      array leaves give the shapes and dtypes, the rest is returned as it is. Or
-      a function of no arguments making it, called abstractly
-      (`eqx.filter_eval_shape`): the function given to
-      [`eqshard.init_sharded`][] with its arguments bound,
-      `functools.partial(make, key)`.
-    - `specs`: where to put the arrays: a spec tree for `like` (or a prefix of
-      it), partition rules matched against it (as
-      [`eqshard.match_partition_rules`][] matches them: an optimizer state built
-      with the model follows it), or a function of the abstract tree (see
-      [the spec-tree family](specs.md)). Specs written for another mesh are
-      adapted to `mesh`, see `on_invalid`; [`eqshard.host`][] specs are
-      restored into host memory. `None` (the default, also at a leaf)
-      keeps `like`'s own shardings: those of its `jax.Array`s, or of its structs
-      made by [`eqshard.abstract`][].
-    - `mesh`: the mesh for `PartitionSpec`s (a concrete one: arrays are read
-      onto its devices); defaults to the mesh set by `jax.set_mesh`.
-    - `on_invalid`: what to do with a `PartitionSpec` that cannot apply on
-      `mesh` (an axis it lacks, a dimension its axes no longer divide):
-      `"warn"` (the default) corrects it as [`eqshard.restrict_specs`][] does
-      (dropping the axes that do not fit) and warns, listing each changed
-      path, the spec before and after, and why; `"ignore"` corrects it
-      silently; `"raise"` raises that list as a `ValueError`.
-    - `dtype`: if given, floating arrays are cast to it as they are read: a
-      floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
-    - `timeout`: in a multi-process run, how many seconds each process waits
-      for the others at each meeting (after reading its shards, for the
-      slowest to read theirs).
+    - `like`: a tree of the saved tree's structure, concrete or abstract
+      (`eqx.filter_eval_shape`); or a function of no arguments making it, called
+      abstractly (`functools.partial(make, key)`).
+    - `specs`: a spec tree for `like` (or a prefix), partition rules, or a
+      function of the abstract tree (see [the spec-tree family](specs.md));
+      `None` (also at a leaf) keeps `like`'s own shardings.
+    - `mesh`: the (concrete) mesh for `PartitionSpec`s; defaults to the mesh set
+      by `jax.set_mesh`.
+    - `on_invalid`: a spec that cannot apply on `mesh` is corrected as
+      [`eqshard.restrict_specs`][] does, with a warning (`"warn"`), silently
+      (`"ignore"`), or refused (`"raise"`).
+    - `dtype`: floating arrays cast as they are read, as for [`eqshard.shard`][].
+    - `timeout`: in a multi-process run, seconds each process waits for the others.
 
     **Returns:**
 
@@ -496,17 +467,12 @@ def restore(
 
     **Raises:**
 
-    - `ValueError` naming every array missing from the checkpoint, extra in it,
-      or saved with another shape or dtype (without a cast); naming the arrays
-      that get no sharding, or whose values would be lost (see above); if the
-      checkpoint is not there, or its files are truncated or damaged
-      (`eqshard.json` included: each of its fields is checked); if a save to
-      `directory` finished during the restore (nothing is returned: restore
-      again), or, when the checkpoint cannot be read, one was in progress; as
-      [`eqshard.shard`][], if `specs` does not fit; with `on_invalid="raise"`,
-      listing every spec that would change for `mesh`; and in a multi-process
-      run, if another process failed, or did not make the call within
-      `timeout` seconds.
+    - `ValueError` naming every array missing, extra, or of another shape or dtype;
+      the arrays with no sharding, or whose values would be lost; if the checkpoint
+      is missing or damaged; if a save to `directory` finished meanwhile (restore
+      again); as [`eqshard.shard`][] if `specs` does not fit; with
+      `on_invalid="raise"`, every spec that would change; or if another process
+      fails or does not come within `timeout` seconds.
     - `TypeError` naming the arrays that would go on an `AbstractMesh`.
     - `ImportError` if orbax-checkpoint is not installed.
 
@@ -515,16 +481,13 @@ def restore(
         ```python
         like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
         model = eqshard.restore("/tmp/ckpt/step_100", like, specs, mesh)
-        # What init_sharded(make, key, specs=rules, mesh=mesh) built, onto
-        # another mesh:
-        state = eqshard.restore("/tmp/ckpt/100", ft.partial(make, key), rules, mesh)
         ```
     """
     caller = "restore"
     check_timeout(caller, timeout)
     check_choice(on_invalid, ON_INVALID, caller=caller, name="on_invalid")
     fix = _like_fix(like)
-    like, specs = restore_target(
+    like, specs = like_and_specs(
         like, specs, mesh, on_invalid=on_invalid, caller=caller
     )
     ocp = import_optional("orbax.checkpoint", "orbax", caller)

@@ -64,7 +64,7 @@ from .._move._multiprocess import (
     wait_for_processes,
 )
 from .._spectree._derive import abstract_tree
-from .._spectree._spec_args import resolve_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
 from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES
@@ -73,8 +73,8 @@ from ._targets import (
     check_against,
     import_optional,
     named_arrays,
-    restore_targets,
     stored_like,
+    target_structs,
 )
 
 
@@ -164,7 +164,7 @@ def _load_tree(
         else jtu.tree_leaves(abstract_tree(like, specs, mesh, caller=caller))
     )
     casts = leaf_casts(dtype, like, caller=caller)
-    targets = restore_targets(named, placed, casts, caller)
+    targets = target_structs(named, placed, casts, caller)
     found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     sources: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
     labels: dict[str, str] = {}
@@ -237,46 +237,27 @@ def load_safetensors(
     """Loads safetensors files into a pytree, each device's shard read by slice.
 
     The arrays of `like` are named by their paths joined by `sep`
-    (`layers.0.attn.q.weight`), and each tensor of the files goes to the array of
-    its name (after `rename`). Before any data is read, every tensor missing,
-    extra, or of another shape or dtype is reported together. Each array is then
-    built shard by shard: every device's block is read from the memory-mapped
-    file by slice and placed, so the host holds at most one array's shards at a
-    time, never a whole file. Everything that is not an array comes from `like`.
-
-    What is read: safetensors files only, each header checked against its file
-    before any data is read. An index may name only `.safetensors` files in its
-    own directory, links followed first (or in the directory the index's own link
-    resolves into, as in the Hugging Face cache): `../x.safetensors`, absolute
-    paths, links out of the directory and an index named in an index are
-    refused. Nothing is ever unpickled: `.bin` and `.pt` files are not read.
-
-    In a multi-process run, every process makes the same call (the files on a
-    file system all of them see), and reads only the shards its devices hold.
-    The processes meet when they are done: if one failed (its blocks' values
-    would be lost, say, where the others' are not), or does not make the call
-    within `timeout` seconds, all of them raise, so that none goes on with
-    arrays whose other shards were never read.
+    (`layers.0.attn.q.weight`), and each tensor goes to the array of its name
+    (after `rename`). Every tensor missing, extra, or of another shape or dtype is
+    reported together before any data is read; then each device's block is read by
+    slice and placed, so the host never holds a whole file. Everything that is not
+    an array comes from `like`. Only safetensors files are read, nothing is
+    unpickled (see
+    [the how-to](../how-to/checkpoints.md#what-the-loader-reads-and-what-it-does-not));
+    several processes: see [there](../how-to/checkpoints.md#several-processes).
 
     **Arguments:**
 
     - `files`: a `.safetensors` file, a sequence of them, or a Hugging Face
       `model.safetensors.index.json` (its files are found next to it).
-    - `like`: a tree of the structure to load into, concrete or abstract (an
-      `eqx.filter_eval_shape` skeleton is enough).
+    - `like`: a tree of the structure to load into, concrete or abstract.
     - `specs`, `mesh`: where to put the arrays, as for [`eqshard.restore`][]
       (`None`: `like`'s own shardings).
     - `sep`: the separator that joins a path into a tensor name.
-    - `rename`: a function from a tensor name in the files to the name of
-      `like`'s array (for prefixes such as `"model."` and other naming
-      differences), or to `None` to skip the tensor (such as a tied head).
-    - `dtype`: if given, floating arrays are cast to it as they are read: a
-      floating dtype, or a tree of them and `None`s, as for [`eqshard.shard`][].
-      As there, a cast may round, but values that would become inf or nan (or,
-      with `jax_enable_x64` off, 64-bit values that do not fit 32 bits) are
-      refused.
-    - `timeout`: in a multi-process run, how many seconds each process waits
-      for the others when it is done reading.
+    - `rename`: a function from a tensor's name in the files to the name of
+      `like`'s array, or to `None` to skip the tensor (such as a tied head).
+    - `dtype`: floating arrays cast as they are read, as for [`eqshard.shard`][].
+    - `timeout`: in a multi-process run, seconds each process waits for the others.
 
     **Returns:**
 
@@ -285,15 +266,11 @@ def load_safetensors(
     **Raises:**
 
     - `ValueError` naming every tensor missing, extra, or of another shape or
-      dtype (without a cast) than `like`'s array, with both names; two tensors
-      of one name; a file that is not there, or truncated or damaged (naming it,
-      and the tensor where that can be told); an index that is malformed, or
-      names a file outside its directory or not `.safetensors` (naming the
-      entry and the file); or, as [`eqshard.shard`][], specs that do not fit, or
-      arrays whose values would be lost; and in a multi-process run, if another
-      process failed, or did not make the call within `timeout` seconds.
-    - `TypeError` naming a tensor of a dtype eqshard cannot read (safetensors'
-      packed F4 and F6).
+      dtype than `like`'s array; two tensors of one name; a file missing, truncated
+      or damaged; an index that is malformed or names a file outside its directory
+      or not `.safetensors`; as [`eqshard.shard`][], specs that do not fit or values
+      that would be lost; or another process that fails or does not come in time.
+    - `TypeError` naming a tensor of a dtype eqshard cannot read (F4, F6).
     - `ImportError` if safetensors is not installed
       (`pip install "eqshard[safetensors]"`).
 

@@ -167,58 +167,36 @@ def save(
     """Saves the arrays of a pytree as an orbax checkpoint.
 
     Every array leaf (`jax.Array`, NumPy) is saved under its path (`layers/3/w`),
-    sharded or not, each process writing the shards it holds; everything else
-    (static fields, callables, Python scalars, `None`) is not saved, and comes
-    back from the `like` given to [`eqshard.restore`][]. So an Equinox module
-    with activation functions, or an optax state, saves as it is: no
-    `eqx.partition` first. The checkpoint is a standard orbax one (a flat dict of
-    arrays keyed by path), readable by `orbax.checkpoint` directly, plus
-    eqshard's file `eqshard.json` for what orbax cannot hold: zero-size arrays
-    (by shape and dtype; plain orbax does not see them), and arrays of dtypes
-    tensorstore lacks (uint4, uint2, float8_e4m3), whose bits orbax holds as
-    an integer type of the same width.
-
-    Every leaf is checked before anything is written, and the checkpoint is
-    written beside `directory` (in a staging directory of this save's own) and
-    put in its place only when complete, in one atomic step where the file
-    system can exchange two directories (Linux's local file systems): a save
-    that fails, at any point, leaves a checkpoint that was there as it was, and
-    a reader always finds a whole checkpoint there. One save writes a path at
-    a time: a second one raises at once (see `Raises`). Returns when the
-    checkpoint is complete on disk.
-
-    In a multi-process run, every process makes the same call (with the same
-    `directory`, on a file system all of them see). The processes meet before
-    writing and after: if one fails, or does not make the call within `timeout`
-    seconds, all of them raise.
+    each process writing the shards it holds; everything else (static fields,
+    callables, Python scalars, `None`) comes back from the `like` given to
+    [`eqshard.restore`][], so a module or an optax state saves as it is. The
+    checkpoint is a standard orbax one plus eqshard's `eqshard.json` (see
+    [what eqshard adds](../how-to/checkpoints.md#what-eqshard-adds-to-orbaxs-format)).
+    Every leaf is checked before anything is written, and the checkpoint replaces
+    one at `directory` only when complete, atomically where the file system can
+    ([saving over a checkpoint](../how-to/checkpoints.md#saving-over-a-checkpoint)).
+    Several processes: see [the how-to](../how-to/checkpoints.md#several-processes).
 
     **Arguments:**
 
     - `directory`: the checkpoint's directory; it must not exist yet.
     - `tree`: any pytree.
     - `overwrite`: replace a checkpoint (or an empty directory) at `directory`;
-      a directory that holds anything else too (a `config.yaml`, a directory
-      of yours named as orbax's file, a file in orbax's `d/`) is refused,
-      naming it.
+      a directory that holds anything else too is refused, naming it.
     - `timeout`: in a multi-process run, how many seconds each process waits
-      for the others at each meeting (after writing its shards, for the
-      slowest to write theirs).
+      for the others at each meeting.
 
     **Raises:**
 
     - `TypeError` naming every leaf that cannot be saved: `jax.ShapeDtypeStruct`s
-      (no data), and dtypes orbax cannot store (text, Python objects); with them,
-      deleted (donated) arrays, which alone raise `ValueError`.
-    - `ValueError` if `directory` exists (and not `overwrite`), or holds something
-      other than a checkpoint, or its parent is a file; if another save to
-      `directory` is under way (naming its host, process and the lock file,
-      `<directory>.eqshard-lock`; the lock of a process of this host that is
-      gone is taken over, with a warning; a lock that is a link or not a
-      regular file is refused); naming both paths if two arrays have the same
-      path string; if writing fails, or what was written does not read back
-      (nothing is replaced); and in a
-      multi-process run, if another process failed, passed another tree, or did
-      not make the call within `timeout` seconds.
+      and dtypes orbax cannot store (with them, deleted arrays, which alone raise
+      `ValueError`).
+    - `ValueError` if `directory` exists (and not `overwrite`), holds something
+      other than a checkpoint, or its parent is a file; if another save to it is
+      under way (naming its host, process and `<directory>.eqshard-lock`); if two
+      arrays have the same path string; if writing fails or does not read back
+      (nothing is replaced); or if another process fails, passes another tree or
+      does not come within `timeout` seconds.
     - `ImportError` if orbax-checkpoint is not installed
       (`pip install "eqshard[orbax]"`).
 

@@ -76,7 +76,7 @@ def abstract_target_error(
     )
 
 
-def restore_targets(
+def target_structs(
     named: dict[str, tuple[int, KeyPath, Any]],
     placed: list[Any],
     casts: list[np.dtype | None],

@@ -1,6 +1,7 @@
 """The program behind `python -m eqshard` (private).
 
-`_main.py` parses the options and the rules file and dispatches: the demo
+`_main.py` parses the options (a rules file and `--size` read by
+`_rules_file.py`) and dispatches: the demo
 (`_demo.py`: a small transformer placed with its built-in rules, a few training
 steps, and the bit-exact round trip through gather and shard), the plans
 (`_fit.py`: `--size`, `--model` loading a user's model, `--fit`'s proposed

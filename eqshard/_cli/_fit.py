@@ -34,6 +34,7 @@ import eqshard
 
 from .._mesh._current import mesh_repr
 from .._readers._plan import TrainingPlan
+from .._readers._plan_context import context_from_text
 from .._readers._plan_pipeline import pipeline_from_text
 from .._report import format_bytes, parse_bytes
 from .._search._candidates import rules_text
@@ -265,6 +266,21 @@ def _dtype(option: str, text: str | None) -> Any:
         ) from None
 
 
+def add_context_option(parser: argparse.ArgumentParser) -> None:
+    """`--context`: the plan counts context-parallel attention's buffers."""
+    parser.add_argument(
+        "--context",
+        metavar="ATTENTION",
+        help=(
+            "plan for eqshard.dot_product_attention with the sequence split over a "
+            "mesh axis: query=BxTxNxH (global) and optionally axis= (cp), "
+            "strategy= (ring, all_gather, ulysses), kv_heads=, dtype=, batch=AXIS "
+            "(joined by +; default the mesh's dp, fsdp, data), activation=BxTxD and "
+            "layers= (the activations kept); the plan adds the attention's buffers"
+        ),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
     """The options of a training-memory plan, checked."""
@@ -277,6 +293,7 @@ class PlanOptions:
     fit: bool
     save_rules: str | None
     pipeline: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PlanOptions":
@@ -296,9 +313,13 @@ class PlanOptions:
         if args.save_rules is not None:
             _check_not_an_input(args.save_rules, args)
         text = getattr(args, "pipeline", None)
+        attention = getattr(args, "context", None)
         try:
             optimizer = make_optimizer(args.optimizer or "adamw")
             pipeline = None if text is None else pipeline_from_text(text, _DTYPES)
+            context = (
+                None if attention is None else context_from_text(attention, _DTYPES)
+            )
         except ValueError as error:
             raise UsageError(str(error)) from None
         return cls(
@@ -310,6 +331,7 @@ class PlanOptions:
             fit=args.fit,
             save_rules=args.save_rules,
             pipeline=pipeline,
+            context=context,
         )
 
 
@@ -327,11 +349,13 @@ def _plan_for(
                 state_dtype=options.state_dtype,
                 device_memory=options.device_memory,
                 pipeline=options.pipeline,
+                context=options.context,
             )
         except ValueError as error:
-            if "`pipeline`" not in str(error):
-                raise
-            raise UsageError(f"--pipeline: {error}") from None
+            for option in ("pipeline", "context"):
+                if f"`{option}`" in str(error):
+                    raise UsageError(f"--{option}: {error}") from None
+            raise
 
     return plan
 

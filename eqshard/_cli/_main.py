@@ -13,7 +13,6 @@ Run `python -m eqshard --help` for the options.
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -27,11 +26,7 @@ import eqshard
 
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory
-from .._spectree._rules_syntax import (
-    parse_rule,
-    SPEC_SYNTAX,
-    VALUE_CALLS,
-)
+from .._spectree._rules_syntax import SPEC_SYNTAX
 from ._demo import (
     build,
     builtin_rules,
@@ -45,6 +40,7 @@ from ._demo import (
 )
 from ._estimate import add_estimate_options, check_estimate_options, run_estimate
 from ._fit import (
+    add_context_option,
     OPTIMIZERS,
     PlanOptions,
     PROG,
@@ -61,6 +57,7 @@ from ._load import (
     UsageError,
     UserCodeError,
 )
+from ._rules_file import parse_size, read_rules
 from ._step import run_step
 
 
@@ -70,8 +67,6 @@ _DEFAULT_NAMES = {
     3: ("dp", "fsdp", "tp"),
     4: ("dp", "fsdp", "tp", "sp"),
 }
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_MIN_SIZE = 10**6
 
 
 # ---------------------------------------------------------------------------------
@@ -255,6 +250,7 @@ def _plan_options(parser: argparse.ArgumentParser) -> None:
             "inputs and buffers the schedule keeps, and the weights it gathers"
         ),
     )
+    add_context_option(parser)
     parser.add_argument(
         "--save-rules",
         metavar="FILE",
@@ -290,95 +286,6 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="number of virtual CPU devices (8); not with --target",
     )
-
-
-def parse_size(text: str) -> int:
-    """A parameter count such as `125M`, `1.5B` or `70B`."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMBGT]?)\s*", text, re.I)
-    if match is None:
-        raise UsageError(
-            f"--size {text!r} is not a parameter count; write a number with an "
-            "optional K, M, B or T suffix, e.g. 125M, 1B, 70B"
-        )
-    size = round(float(match[1]) * _UNITS[match[2].upper()])
-    if size < _MIN_SIZE:
-        raise UsageError(
-            f"--size {text!r} is below the planner's minimum of 1M parameters; "
-            "smaller models run for real without --size"
-        )
-    return size
-
-
-def _rules_error(path: str, number: int, line: str, problem: str) -> UsageError:
-    return UsageError(f"--rules {path}, line {number}: {problem}: {line.strip()!r}")
-
-
-def _split_rule(stripped: str) -> tuple[str, str] | None:
-    """A rule line's regex and value: `REGEX -> VALUE` (the value may have
-    spaces), `REGEX P(...)` or `REGEX stacked(...)` (a call after a space), or
-    `REGEX SPEC` (the spec is the last field); `None` if there is one field
-    only."""
-    if "->" in stripped:
-        regex, _, spec = stripped.rpartition("->")
-        return regex.strip(), spec
-    if stripped.endswith(")"):
-        for name in VALUE_CALLS:  # the first call after a space
-            found = re.search(rf"\s({name}\s*\()", stripped)
-            if found is not None:
-                return stripped[: found.start()].strip(), stripped[found.start(1) :]
-    start = stripped.rfind("P(")
-    if stripped.endswith(")") and start > 0 and stripped[start - 1].isspace():
-        return stripped[:start].strip(), stripped[start:]
-    fields = stripped.split()
-    if len(fields) < 2:
-        return None
-    return stripped[: -len(fields[-1])].strip(), fields[-1]
-
-
-def parse_rules(text: str, path: str) -> list[tuple[str, Any]]:
-    """The rules of a rules file: one `REGEX VALUE` (or `REGEX -> VALUE`) a line,
-    `#` comment lines; a value is a spec in `_rules_syntax.parse_spec`'s syntax
-    or a call on one, `stacked(P('tp', None))` (`parse_value`)."""
-    rules = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        split = _split_rule(stripped)
-        if split is None:
-            raise _rules_error(
-                path, number, line, "expected a regex, then a spec such as dp,tp"
-            )
-        regex, spec_text = split
-        if not regex:
-            raise _rules_error(path, number, line, "expected a regex before the spec")
-        if regex.endswith((",", ".", "+")) and "->" not in stripped:
-            # `attn  dp, tp`: without this, `dp,` would silently end the regex.
-            raise _rules_error(
-                path,
-                number,
-                line,
-                "a spec without '->' before it has no spaces (attn dp,tp); "
-                "write 'REGEX -> SPEC' to space it out",
-            )
-        try:
-            _, spec = parse_rule(regex, spec_text, values=True)
-        except ValueError as error:
-            raise _rules_error(path, number, line, str(error)) from None
-        rules.append((regex, spec))
-    if not rules:
-        raise UsageError(f"--rules {path}: the file has no rules")
-    return rules
-
-
-def _read_rules(path: str) -> list[tuple[str, Any]]:
-    try:
-        with open(path) as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = getattr(error, "strerror", None) or str(error)
-        raise UsageError(f"--rules {path}: cannot read the file ({reason})") from None
-    return parse_rules(text, path)
 
 
 def _default_mesh_string(devices: int) -> str:
@@ -428,6 +335,7 @@ def run(
     planning = args.plan_only or size is not None or args.model is not None
     planning = planning or args.step is not None
     planning = planning or args.fit or args.device_memory is not None
+    planning = planning or args.context is not None
     options = PlanOptions.from_args(args) if planning else None
     platform = jax.default_backend()
     kind = "virtual CPU" if platform == "cpu" else platform
@@ -567,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rules is None:
             user_rules, origin = None, "built-in"
         else:
-            user_rules, origin = _read_rules(args.rules), f"--rules {args.rules}"
+            user_rules, origin = read_rules(args.rules), f"--rules {args.rules}"
         # Before any JAX computation: the platform and the number of devices.
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")

@@ -228,52 +228,30 @@ def create_mesh(
     """Build a named device mesh from sizes or a mesh string; one size of `-1`
     takes the remaining devices.
 
-    The sizes are a sequence, one per axis name, or a mesh string: `name:size`
-    pairs such as `"dp:2,fsdp:-1"` (the axes in the string's order, named by the
-    string) or sizes alone such as `"2,-1"` (one per axis name). A leading `!` in
-    a string keeps the devices in the order given instead of arranging them by
-    topology (allowing a physical axis to be split across mesh axes). Otherwise
-    the devices are arranged by `jax.make_mesh`, which follows the physical
-    topology (TPU rings and tori). The sizes must use every device, as in
-    `jax.make_mesh`; to use fewer on purpose, pass them as `devices` (of which the
-    mesh then uses the first ones).
-
-    Every axis is `AxisType.Auto` unless `axis_types` says otherwise
-    (`jax.make_mesh` defaults to `Explicit`). On Auto axes a model written
-    without shardings in mind (Equinox's layers, optax) runs unchanged and XLA
-    lays out what is computed in between. On Explicit axes every array's sharding
-    is part of its type (`jax.typeof(x)`), and an operation whose result's
-    sharding is ambiguous is an error until it is named, which Equinox's layers
-    do not do: see the how-to "Explicit axes".
-
-    With `target`, the mesh is made of compile-only devices of hardware this
-    machine need not have: a TPU slice (a JAX topology such as `"v5e:2x4"` or
-    `"v5p:8x8x8"`, or a Cloud TPU name such as `"v5p-1024"`, `"v4-128"`,
-    `"v5litepod-256"`, `"v6e-256"`; `v4-N` and `v5p-N` count TensorCores, two to
-    a chip and one JAX device) or NVIDIA GPUs (`"h100"`, `"h200"`,
-    `"a100-40g"`, `"a100-80g"`, `"b200"`: one host of 8, or `"h100:8x8"` for 8
-    hosts of 8). Steps compile for them with the real compiler
-    ([`eqshard.analyze_step`][], [`eqshard.search_layout`][], `.lower(...)
-    .compile()` of abstract arguments); nothing runs on them, and the process's
-    default backend stays what it was. TPUs need `pip install "eqshard[tpu]"`,
-    GPUs `pip install "eqshard[gpu]"` and `JAX_PLATFORMS=cpu` set before JAX
-    starts (see the how-to "Will it fit?").
+    The sizes are one per axis name, or a mesh string: `"dp:2,fsdp:-1"` (named
+    axes) or `"2,-1"` (sizes alone); a leading `!` keeps the devices in the order
+    given instead of arranging them by topology (`jax.make_mesh`'s). The sizes must
+    use every device; to use fewer, pass them as `devices`. Every axis is
+    `AxisType.Auto` unless `axis_types` says otherwise (`jax.make_mesh` defaults to
+    `Explicit`; see [Explicit axes](../how-to/explicit-axes.md)). With `target`,
+    the mesh is made of compile-only devices of hardware this process need not
+    have, for steps compiled with the real compiler and never run (see
+    [Will it fit?](../how-to/will-it-fit.md)).
 
     **Arguments:**
 
     - `axis_dims`: the size of each axis (at most one is `-1`), or a mesh string.
     - `axis_names`: one distinct name per axis; by default `("dp", "fsdp", "tp",
-      "sp")` for sizes, and the string's names for a string of `name:size` pairs
-      (which, if `axis_names` is given, must name exactly those axes).
+      "sp")` for sizes, and the string's names for a string of `name:size` pairs.
     - `devices`: the devices to use (default `jax.devices(backend)`).
     - `backend`: the JAX backend to take devices from when `devices` is not given.
-    - `axis_types`: one `jax.sharding.AxisType` for every axis (such as
-      `AxisType.Explicit`) or one per axis (default all `Auto`).
-    - `target`: hardware to compile for instead of this machine's devices.
-    - `num_slices`: with a TPU `target`, that many slices over DCN (devices
-      with `slice_index`); the first axis whose size is a multiple of
-      `num_slices` runs across them. A GPU target names its hosts instead
-      (`"h100:2x8"`).
+    - `axis_types`: one `jax.sharding.AxisType` for every axis or one per axis
+      (default all `Auto`).
+    - `target`: hardware to compile for: a TPU slice (`"v5p-1024"`, `"v5e:2x4"`;
+      `pip install "eqshard[tpu]"`) or NVIDIA GPUs (`"h100"`, `"h100:8x8"`;
+      `pip install "eqshard[gpu]"` and `JAX_PLATFORMS=cpu`).
+    - `num_slices`: with a TPU `target`, that many slices over DCN; the first axis
+      whose size is a multiple of it runs across them.
 
     **Returns:**
 
@@ -281,18 +259,13 @@ def create_mesh(
 
     **Raises:**
 
-    `ValueError` for an unknown `target` (listing the names known), a topology
-    of the wrong rank for its generation, more than 8192 chips a slice or GPUs,
-    `num_slices` with a GPU target, `target` with `devices` or `backend`, or a
-    GPU target in a process whose JAX started without `JAX_PLATFORMS=cpu`;
-    `ImportError` naming the extra to install when the target's compiler is
-    missing. `ValueError` if sizes and names (or
-    `axis_types` and names) differ in length, a name repeats, more than one size
-    is `-1`, a size is `0` or below `-1`, or the sizes do not fit the device
-    count (more than there are, or, unless `devices` is given, fewer: the message
-    gives both numbers); for a mesh string, naming the offending entry (an empty
-    entry, a size that is not an integer, an unknown or repeated name, named and
-    positional entries mixed). `TypeError` for a bare string as `axis_names`.
+    - `ValueError` if sizes, names and `axis_types` differ in length, a name
+      repeats, the sizes are invalid or do not fit the device count (giving both
+      numbers), a mesh string has a bad entry (naming it), or for an unknown or
+      invalid `target` (listing the names known) or one combined with `devices`,
+      `backend` or (GPU) `num_slices`.
+    - `ImportError` naming the extra to install when a target's compiler is missing.
+    - `TypeError` for a bare string as `axis_names`.
 
     !!! Example
 
@@ -301,10 +274,7 @@ def create_mesh(
         dict(mesh.shape)  # {"dp": 2, "tp": 4}
         mesh = eqshard.create_mesh("tp:2,dp:-1")
         dict(mesh.shape)  # {"tp": 2, "dp": 4}
-        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), axis_types=AxisType.Explicit)
-        mesh.axis_types  # (Explicit, Explicit)
         pod = eqshard.create_mesh((64, 8), ("fsdp", "tp"), target="v5p-1024")
-        pod.devices.size  # 512 TPU v5p chips, compile-only
         ```
     """
     slices = operator.index(num_slices)

@@ -27,7 +27,7 @@ from jaxtyping import PyTree
 from .._caches import register
 from .._keys import is_key, key_data
 from .._mesh._current import find_mesh, mesh_repr
-from .._spectree._specs import is_spec_leaf, leaf_specs
+from .._spectree._check_spec import is_spec_leaf, leaf_specs
 from .._tree import is_array, path_str
 from .._typing import CheckValues, KeyPath
 from ._multiprocess import (

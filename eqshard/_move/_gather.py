@@ -89,24 +89,12 @@ def gather(tree: PyTree, *, dtype: Any = None, timeout: float | int = 300.0) -> 
 
     Values are bit-exact and keep their dtype (bfloat16 included) unless `dtype`
     asks for a cast. Each is a writeable array that owns its memory, whatever the
-    array's spec (replicated, split or on one device): it shares nothing with
-    the device buffers. Everything else (NumPy arrays, static fields, callables, Python
-    scalars, `None`) is returned as it is. Arrays whose shards this process can see
-    are copied with one `jax.device_get`; in a multi-process run, arrays spread over
-    several processes are gathered one at a time without ever putting a full copy
-    on every device, and every process gets the full value. Every process must
-    then make the same call, since those arrays are gathered by all of them
-    together (arrays every process already holds whole need no communication).
-    Before that, the processes meet at a barrier of the distributed client: a
-    process that gathers alone raises after `timeout` seconds, naming the arrays,
-    instead of waiting forever.
-
-    Use it before `eqx.tree_serialise_leaves`; [`eqshard.shard`][] puts the
-    deserialised tree back. A typed PRNG key array (`jax.random.key`), which NumPy
-    cannot hold, comes back as an [`eqshard.HostKey`][]: its data as NumPy and the
-    name of its implementation. Deserialise into the gathered tree (or one
-    gathered alike) and `shard` makes it a key array again, equal to the first.
-    For trees too large to hold on host twice, see [`eqshard.iter_gather`][].
+    array's spec; everything else is returned as it is. No full copy of an array is
+    ever put on every device. A typed PRNG key comes back as an
+    [`eqshard.HostKey`][], which [`eqshard.shard`][] makes a key array again. In a
+    multi-process run every process gets the full value and must make the same
+    call (see [the how-to](../how-to/gather-serialise.md#several-processes)). For
+    trees too large to hold on host twice, see [`eqshard.iter_gather`][].
 
     **Arguments:**
 

@@ -20,8 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import concrete_mesh
-from .._spectree._memory import Host
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     abstract_mesh_error,
     check_leaves,
     check_placeable,
@@ -31,6 +30,7 @@ from .._spectree._specs import (
     named_sharding,
     spec_error_message,
 )
+from .._spectree._memory import Host
 from .._tree import (
     abstract_leaf_error,
     deleted_error,

@@ -50,7 +50,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._caches import register
 from .._internals import distributed
-from .._spectree._specs import axes_repr, entry_axes
+from .._spectree._check_spec import axes_repr, entry_axes
 from .._tree import paths_text
 from .._typing import KeyPath
 from ._process_blocks import (

@@ -51,13 +51,13 @@ from jaxtyping import PyTree
 from .._keys import is_key, key_data, key_impl_name, wrap_host_keys
 from .._mesh._current import concrete_mesh
 from .._mesh._targets import require_runnable
-from .._spectree._memory import Host
-from .._spectree._spec_args import resolve_like, resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     bad_spec_leaf_message,
     is_spec_leaf,
     named_sharding,
 )
+from .._spectree._memory import Host
+from .._spectree._resolve import resolve_like, resolve_specs
 from .._tree import (
     listing,
 )
@@ -301,79 +301,31 @@ def shard(
     """Places the arrays of a pytree on a mesh.
 
     Every array leaf (`jax.Array` or NumPy) gets `NamedSharding(mesh, spec)`;
-    everything else (static fields, callables, Python scalars, `None`) is returned
-    untouched, so an Equinox module comes back as a module of the same type. All
-    arrays move in one batched `jax.device_put`, with no compilation, and JAX
-    arrays already on other devices or meshes move without one compilation per
-    shape (on CPU each block copied once from their buffers, on GPU and TPU in
-    one program for the tree).
-
-    In a multi-process run, every process of the mesh makes the same call with a
-    full copy of every array, and copies to its devices only the shards they hold.
-    The processes also compare their paths, shapes, dtypes, specs and values (a
-    16-byte hash of them all from each, exchanged through the distributed client
-    while the copies are made), so that a mismatch raises the same error on every
-    process, naming the leaves that differ, instead of a hang or wrong values.
-    By default the values compared are a sample: 64 elements of each array,
-    evenly spread (all of a smaller one), which costs next to nothing but misses
-    copies that differ only elsewhere; `check_values="full"` hashes every byte
-    instead (one BLAKE2b pass, about 1.5 s per GiB on one CPU core).
-    To pass each process's own part of an array instead (such as its part of the
-    batch), use `Partitioner.move_to_devices(..., host_local=True)`.
-
-    Every spec is checked before anything moves, and `shard` never corrects a spec:
-    all the leaves whose specs cannot apply are reported together.
+    everything else is returned untouched, so an Equinox module comes back as a
+    module of the same type. Every spec is checked before anything moves, never
+    corrected: all the leaves whose specs cannot apply are reported together. NumPy
+    data loses nothing, and its buffers may be reused as soon as `shard` returns; a
+    placed state moves to any mesh of the job's devices (see
+    [what `shard` guarantees](../how-to/shard-modules.md#what-shard-guarantees)).
+    Inside `jit`, use [`eqshard.with_sharding_constraint`][].
 
     **Arguments:**
 
     - `tree`: any pytree, e.g. an Equinox module.
-    - `specs`: a spec tree for `tree` (`PartitionSpec`s or `NamedSharding`s where
-      `tree` has arrays) or a prefix of one (one spec for a whole subtree; `None`
-      leaves that subtree where it is), partition rules, or a function of the
-      abstract tree returning a spec tree (see [the spec-tree family](specs.md)).
-      [`eqshard.host`][]`(spec)` places in host memory (`"pinned_host"`).
+    - `specs`: a spec tree for `tree` or a prefix of one (`None` leaves a subtree
+      where it is), partition rules, or a function of the abstract tree (see
+      [the spec-tree family](specs.md)); [`eqshard.host`][]`(spec)` places in
+      host memory.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
-    - `dtype`: if given, floating arrays are cast to it while placed (e.g. a
-      float32 checkpoint loaded as bfloat16): a floating dtype for all of them,
-      or a tree of dtypes and `None`s (keep) that is a prefix of `tree`, to keep
-      some in float32 on purpose (e.g. `{"layers": jnp.bfloat16, "norm": None}`).
-      NumPy arrays are cast on host and JAX arrays with the rest of the tree
-      (block by block on CPU, in one program elsewhere); a cast that would
-      turn finite values into inf is refused.
-    - `donate`: delete each of the caller's JAX arrays once its new one is
-      placed (the arrays of `tree` are unusable after the call; an array that
-      stays where it was, or that a leaf with a `None` spec keeps, is not).
-    - `max_inflight_bytes`: move the arrays in batches that give no device more
-      than this many bytes of new blocks at once. With `donate`, a device then
-      holds at most its part of the state plus this bound (see
-      [`eqshard.shard_plan`][]); it must be at least one device's block of the
-      largest array.
-    - `check_values`: in a multi-process run, how much of the values the processes
-      compare: `"sample"` (64 elements of each array) or `"full"` (every byte).
-    - `timeout`: in a multi-process run, how many seconds to wait for the other
-      processes to make the same call before raising (as [`eqshard.gather`][]).
-
-    NumPy data loses nothing: with `jax_enable_x64` off, 64-bit arrays are placed
-    as 32-bit ones (as JAX does) only if every value survives (integers in range,
-    floats still finite; checked with one vectorised pass), and refused
-    otherwise. Big-endian arrays are converted to native byte order. Placed
-    arrays never share memory with the caller's NumPy buffers (on CPU, each
-    block of a NumPy array is copied once, into a buffer of its own), and `shard`
-    returns only once the devices have finished reading them (`jax.device_put`
-    returns before its transfers are done, and on CPU may even keep a NumPy
-    source as a device buffer), so a data loader may write its buffers again as
-    soon as `shard` returns. An array that stands at several leaves with one
-    spec (tied weights) is placed once and comes back as one array at all of them.
-    An [`eqshard.HostKey`][] (a PRNG key as [`eqshard.gather`][] gives it)
-    becomes a key array again, placed with its spec.
-
-    A placed state (a model and its optimizer state, typed PRNG keys, leaves in
-    host memory) moves to any mesh of the job's devices: another shape or
-    order, a subset or a superset of them, bit for bit; across processes by
-    JAX's cross-process `device_put` onto the same devices, and through the
-    hosts onto others. Inside `jit`, use
-    [`eqshard.with_sharding_constraint`][] (or `jax.sharding.reshard`) instead.
+    - `dtype`: floating arrays cast to it while placed: a floating dtype, or a tree
+      of dtypes and `None`s (keep) that is a prefix of `tree`.
+    - `donate`: delete each of the caller's JAX arrays once its new one is placed.
+    - `max_inflight_bytes`: move in batches that give no device more than this many
+      bytes of new blocks at once (see [`eqshard.shard_plan`][]).
+    - `check_values`, `timeout`: in a multi-process run, how much of the values the
+      processes compare (`"sample"` or `"full"`), and how many seconds to wait for
+      the others (see [Multi-host](../how-to/multi-host.md)).
 
     **Returns:**
 
@@ -381,37 +333,22 @@ def shard(
 
     **Raises:**
 
-    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
-      differs), if no mesh is given or set, or if specs cannot apply: an unknown
-      mesh axis (or an entry that is no axis name, such as `P(1)`), a mesh axis
-      used twice, `P.UNCONSTRAINED` (a layout only `jit` can choose), a spec
-      longer than the array's rank, or a dimension not divisible by its mesh
-      axes. The message names every such leaf,
-      its shape and spec, and the nearest spec that fits. In a multi-process run,
-      also (on every process) if the processes' paths, shapes, dtypes or specs
-      differ, or their copies of an array do, and if the other processes do
-      not make the same call within `timeout` seconds (a process that comes
-      after one gave up raises too).
-      Also, naming the arrays, if NumPy data would lose values (see above), if
-      an array was deleted (donated), if one device's block of an array is
-      larger than `max_inflight_bytes` (before anything moves), if `dtype` is
-      given with `donate` and `max_inflight_bytes`, if `dtype` is not floating, if
-      `check_values` is neither `"sample"` nor `"full"`, or if `timeout` is not
-      a number of seconds > 0.
-    - `TypeError` if `tree` holds traced arrays (a call inside `jit`) or
-      `jax.ShapeDtypeStruct`s (no data to place), if a
-      leaf of `specs` is not a spec, if `mesh` or a `NamedSharding`'s mesh is
-      abstract,
-      or if NumPy arrays have a dtype no device holds (strings, bytes, dates,
-      objects, long doubles).
+    - `ValueError` if `specs` is not a prefix of `tree`, if no mesh is given or set,
+      or if specs cannot apply (naming every such leaf, its shape and spec, and
+      the nearest spec that fits); if NumPy data would lose values, an array was
+      deleted, or a block exceeds `max_inflight_bytes`; if an option is invalid; in
+      a multi-process run, if the processes' trees differ or one does not come in
+      time.
+    - `TypeError` if `tree` holds traced arrays or `jax.ShapeDtypeStruct`s, a leaf
+      of `specs` is not a spec, a mesh is abstract, or NumPy arrays have a dtype no
+      device holds.
 
     !!! Example
 
         ```python
         mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
         model = eqx.nn.Linear(512, 256, key=jax.random.key(0))
-        rules = [("weight", P("tp", None)), (".*", P())]
-        specs = eqshard.match_partition_rules(rules, model)
+        specs = eqshard.match_partition_rules([("weight", P("tp", None))], model)
         model = eqshard.shard(model, specs, mesh)
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```

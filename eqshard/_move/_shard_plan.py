@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from .._mesh._current import concrete_mesh, mesh_repr
 from .._report import format_bytes, Report, text_table
-from .._spectree._spec_args import resolve_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import grouped_paths, path_str
 from .._typing import typecheck
 from ._leaves import Leaf, leaves_of

@@ -25,7 +25,7 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_attribute
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import format_bytes, Report, text_table
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     ShardingProblem,
     spec_error_message,
 )

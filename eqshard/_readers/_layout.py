@@ -18,14 +18,15 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
 from .._report import Report
+from .._spectree._carried import explicit_axes, type_sharding
+from .._spectree._check_spec import check_spec, entry_axes, leaf_specs
 from .._spectree._memory import Host, memory_of
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import check_spec, entry_axes, leaf_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import DELETED, grouped_paths, is_array, is_deleted, path_str
 from .._typing import check_choice, ON_INVALID, OnInvalid, typecheck, warn
 
@@ -66,15 +67,10 @@ def _typed_sharding(leaf: Tracer) -> tuple[NamedSharding, frozenset[str]] | None
     """The sharding in a tracer's type and the mesh axes it speaks for (the
     Explicit ones), or `None` if its type carries no layout (Auto and Manual axes:
     it reads all-`None` whatever XLA will choose)."""
-    sharding = jax.typeof(leaf).sharding
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    sharding = type_sharding(leaf)
+    if sharding is None or sharding.mesh.empty:
         return None
-    mesh = sharding.mesh
-    typed = frozenset(
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-    )
+    typed = explicit_axes(sharding.mesh)
     return (sharding, typed) if typed else None
 
 
@@ -251,58 +247,35 @@ def check_layout(
     """Checks that every array of `tree` is laid out as `specs` asks; by default
     raises one error listing every array that is not.
 
-    An array matches when it has a `NamedSharding` on `mesh` (the same axes and,
-    for a concrete mesh, the same devices in the same order) whose spec places it
-    as its spec does (`P('dp', None)` and `P('dp')` are the same placement), in the
-    memory kind asked for: a `PartitionSpec` asks for the device's default memory,
-    a `NamedSharding` for its own `memory_kind` (e.g. `"pinned_host"`), and
-    [`eqshard.host`][]`(spec)` for host memory. An array on
-    a single device does not match even a replicated spec: JAX calls it fully
-    replicated, but it is not on the mesh (a classic slip: an optimizer state made
-    by `eqx.filter_jit(optimizer.init)` outside any mesh). NumPy arrays match
-    nothing. Arrays whose spec is `None`, and leaves that are not arrays, are not
-    checked. Abstract arrays (`jax.ShapeDtypeStruct`) are checked by the sharding
-    they carry.
-
-    Nothing is moved or compiled: use it in tests, after restoring a checkpoint,
-    or every few hundred steps of a training loop.
-
-    Inside `jit` a step can check its own layout: a traced array on `Explicit`
-    mesh axes carries its sharding in its type (`jax.typeof(x).sharding`), which
-    is what is checked (on a mesh that mixes axis types, along its Explicit axes
-    only). On `Auto` axes a traced array's type carries no layout (it reads
-    all-`None` whatever XLA will choose), so those arrays are skipped, without an
-    error: the same step runs on both kinds of mesh. Outside `jit` every array is
-    checked, whatever its mesh.
+    An array matches when it has a `NamedSharding` on `mesh` whose spec places it
+    as its spec does (`P('dp', None)` and `P('dp')` alike), in the memory kind
+    asked for ([`eqshard.host`][] for host memory). An array on a single device
+    matches no spec, NumPy arrays match nothing, and `None` specs and non-arrays
+    are not checked. Nothing is moved or compiled. Inside `jit`, arrays on Explicit
+    axes are checked by their type; on Auto axes they are skipped (see
+    [the how-to](../how-to/will-it-fit.md#during-the-run-is-it-laid-out-as-asked)).
 
     **Arguments:**
 
     - `tree`: any pytree.
-    - `specs`: a spec tree for `tree` or a prefix of one, as for
-      [`eqshard.shard`][]: `PartitionSpec`s (on `mesh`), `NamedSharding`s (on their
-      own mesh) or `None`; or partition rules, or a function of the abstract tree
-      (see [the spec-tree family](specs.md)).
+    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
+      function of the abstract tree (see [the spec-tree family](specs.md)).
     - `mesh`: the mesh `PartitionSpec`s refer to; defaults to the mesh set by
       `jax.set_mesh`.
-    - `on_invalid`: what to do when arrays are laid out otherwise than asked:
-      `"raise"` (the default) raises a `LayoutError`; `"warn"` warns with its
-      message and returns the report; `"ignore"` returns the report.
+    - `on_invalid`: `"raise"` (the default) raises a `LayoutError`; `"warn"` warns
+      with its message and returns the report; `"ignore"` returns the report.
 
     **Returns:**
 
-    A [`eqshard.LayoutReport`][]: `report.ok`, and
-    `report.mismatches`, each with `path`, `shape`, `spec`, `mesh`,
-    `memory_kind` and `problem`.
+    A [`eqshard.LayoutReport`][]: `report.ok`, and `report.mismatches`, each with
+    `path`, `shape`, `spec`, `mesh`, `memory_kind` and `problem`.
 
     **Raises:**
 
-    - `ValueError` (a `LayoutError`, with `on_invalid="raise"`) listing the
-      arrays laid out otherwise than asked, each with its path, what was asked
-      and what it is (deleted, or asked with a spec that cannot apply to it,
-      included): the first 20 in the message, and every one in the error's
-      `report` (and `mismatches`). Also if `specs` is not a prefix of `tree`
-      (naming the first path that differs); or if `specs` has a `PartitionSpec`
-      and there is no mesh.
+    - `ValueError` (a `LayoutError`, with `on_invalid="raise"`) listing the arrays
+      laid out otherwise than asked (the first 20 in the message, every one in its
+      `report`); also if `specs` is not a prefix of `tree`, or has a
+      `PartitionSpec` and there is no mesh.
     - `TypeError` naming the path of a leaf of `specs` that is not a spec.
 
     !!! Example
@@ -311,16 +284,8 @@ def check_layout(
         params = eqshard.shard({"w": jnp.zeros((8, 4))}, P("dp", "tp"), mesh)
         eqshard.check_layout(params, P("dp", "tp"), mesh).ok  # True: all match
         state = {"mu": jnp.zeros((8, 4))}  # made on one device, not on the mesh
-        # eqshard.check_layout(state, P(), mesh) raises: 'mu' (shape (8, 4)):
-        # asked P() on mesh {'dp': 2, 'tp': 4}; is on a single device ...
         report = eqshard.check_layout(state, P(), mesh, on_invalid="ignore")
         report.mismatches[0].path  # "mu"
-
-        @jax.jit
-        def step(params):  # on Explicit axes, the step checks its own layout
-            params = jax.tree.map(lambda w: 2 * w, params)
-            eqshard.check_layout(params, P("dp", "tp"), mesh)
-            return params
         ```
     """
     caller = "check_layout"

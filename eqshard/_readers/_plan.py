@@ -9,29 +9,24 @@ budget, and a per-device picture.
 """
 
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import PyTree
 
-from .._caches import register
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory as device_memory_of
 from .._report import format_bytes, parse_bytes, Report
+from .._spectree._check_spec import leaf_specs, ShardingProblem, spec_error_message
+from .._spectree._resolve import is_partition_rules, resolve_specs
 from .._spectree._select import split_state
-from .._spectree._spec_args import is_partition_rules, resolve_specs
-from .._spectree._specs import leaf_specs, ShardingProblem, spec_error_message
 from .._tree import (
     grouped_paths,
     is_array,
     PathGroup,
-    placed_dtype,
 )
 from .._typing import (
     check_choice,
@@ -40,8 +35,10 @@ from .._typing import (
     typecheck,
 )
 from ._inspect import own_shardings, ShardingReport, ShardingRow
+from ._plan_context import context_buffers, ContextBuffers
 from ._plan_pipeline import pipeline_buffers, PipelineBuffers
 from ._plan_state import (
+    abstracter,
     check_optimizer,
     given_state_pairs,
     host_bytes,
@@ -49,46 +46,6 @@ from ._plan_state import (
     trained_mask,
 )
 from ._strategy import analyze_pairs
-
-
-def _placed(dtype: Any) -> Any:
-    """The dtype an array of `dtype` is on devices: as [`eqshard.shard`][] places
-    NumPy data (32-bit for 64-bit while `jax_enable_x64` is off); typed PRNG keys
-    as they are."""
-    if jnp.issubdtype(dtype, jax.dtypes.extended):
-        return dtype
-    return placed_dtype(np.dtype(dtype))
-
-
-@functools.cache
-def _placed_as(own: Any, dtype: Any) -> Any:
-    """The dtype an array of dtype `own` is placed in when asked for `dtype`:
-    `dtype` for a float array if given, else its own."""
-    if dtype is None or not jnp.issubdtype(own, jnp.inexact):
-        dtype = own
-    return _placed(dtype)
-
-
-register(_placed_as.cache_clear)
-
-
-def _abstracter() -> Callable[[Any, Any], Any]:
-    """`abstract(leaf, dtype)`: `leaf` as a `ShapeDtypeStruct` in the dtype it
-    would be placed in (`dtype` if it is a float array and `dtype` is given, else
-    its own); one struct for each shape and dtype (a model repeats a few, layer
-    after layer)."""
-    made: dict[tuple[tuple[int, ...], Any], jax.ShapeDtypeStruct] = {}
-
-    def abstract(leaf: Any, dtype: Any) -> Any:
-        if not is_array(leaf):
-            return leaf
-        key = (tuple(leaf.shape), _placed_as(leaf.dtype, dtype))
-        struct = made.get(key)
-        if struct is None:
-            struct = made[key] = jax.ShapeDtypeStruct(*key)
-        return struct
-
-    return abstract
 
 
 # ---------------------------------------------------------------------------------
@@ -143,6 +100,9 @@ class TrainingPlan(Report):
     - `copy_bytes_per_device`: of `bytes_per_device`, the device copy of the
       offloaded arrays that the update needs (`offload_copy` of
       [`eqshard.plan_training`][]).
+    - `context`: what context-parallel attention holds on each device
+      (`ContextBuffers`: `scores`, `keys_values`, `accumulators`,
+      `activations`, `total`), or `None`.
     """
 
     mesh: Mesh | AbstractMesh
@@ -154,6 +114,7 @@ class TrainingPlan(Report):
     pipeline: PipelineBuffers | None = None
     host_bytes_per_device: tuple[int, ...] = ()
     copy_bytes_per_device: tuple[int, ...] = ()
+    context: ContextBuffers | None = None
 
     @property
     def parts(self) -> tuple[tuple[str, ShardingReport], ...]:
@@ -252,6 +213,8 @@ class TrainingPlan(Report):
             )
         if self.pipeline is not None:
             lines.append(self.pipeline.line())
+        if self.context is not None:
+            lines.append(self.context.line())
         total = format_bytes(self.max_bytes_per_device)
         line = f"  {'total':<16} {total:>10}"
         headroom = self.headroom
@@ -269,8 +232,9 @@ class TrainingPlan(Report):
                 f"  {'in host memory':<16} {host:>10}   (offloaded between steps; "
                 f"the total counts the update's device copy, {copy})"
             )
+        other = "other " if self.context is not None else ""
         lines.append(
-            "  (activations, temporaries and the compiled program come on top)"
+            f"  ({other}activations, temporaries and the compiled program come on top)"
         )
         if self.problems:
             lines.append(
@@ -375,15 +339,46 @@ class TrainingPlan(Report):
 def _total(
     params: ShardingReport,
     reports: tuple[ShardingReport | None, ...],
-    buffers: PipelineBuffers | None,
+    buffers: tuple[PipelineBuffers | ContextBuffers | None, ...],
 ) -> tuple[int, ...]:
-    """The bytes on each device: the parts' and a pipeline's buffers."""
+    """The bytes on each device: the parts', a pipeline's and an attention's."""
     total = np.asarray(params.bytes_per_device, dtype=np.int64)
-    total += 0 if buffers is None else buffers.total
+    total += sum(0 if b is None else b.total for b in buffers)
     for report in reports:
         if report is not None:
             total += np.asarray(report.bytes_per_device, dtype=np.int64)
     return tuple(total.tolist())
+
+
+def _buffers(
+    pipeline: Mapping[str, Any] | None,
+    context: Mapping[str, Any] | None,
+    mesh: Mesh | AbstractMesh,
+    gradients: bool,
+) -> tuple[PipelineBuffers | None, ContextBuffers | None]:
+    """What a pipeline schedule and context-parallel attention keep, if asked."""
+    return (
+        None if pipeline is None else pipeline_buffers(pipeline, mesh),
+        None
+        if context is None
+        else context_buffers(context, mesh, gradients=gradients),
+    )
+
+
+def _state(
+    given_state: Any,
+    optimizer: Any,
+    facts: tuple[Any, ...],
+    rules: Any,
+    abstract: Any,
+    state_dtype: Any,
+    mesh: Any,
+) -> tuple[list[Any], Any]:
+    """The optimizer state's leaves and specs: the state given beside the
+    parameters, else the one `optimizer.init` would build."""
+    if given_state is not None:
+        return given_state_pairs(given_state, facts, abstract, state_dtype)
+    return optimizer_state(optimizer, facts, rules, abstract, state_dtype, mesh)
 
 
 @typecheck
@@ -404,130 +399,64 @@ def plan_training(
     on_invalid: OnInvalid = "ignore",
     pipeline: Mapping[str, Any] | None = None,
     offload_copy: float = 1.0,
+    context: Mapping[str, Any] | None = None,
 ) -> TrainingPlan:
-    """Plans the memory of training: parameters, gradients and optimizer state on
-    each device, against a per-device budget, without allocating anything.
+    """Plans the memory of training per device (parameters, gradients, optimizer
+    state, pipeline and attention buffers) against a budget, allocating nothing.
 
-    The parameters are the arrays of `tree` (concrete or abstract:
-    `eqx.filter_eval_shape(Model, ..., key=key)` plans a 70B model on a laptop),
-    placed by `specs` as in [`eqshard.analyze_sharding_strategy`][], or where they
-    are if `specs` is `None`. Given a whole training state, such as `(model,
-    opt_state)`, `params` picks the parameters as [`eqshard.search_layout`][]'s
-    `params` does: the rest of `tree` is then planned as the optimizer state
-    (each array that follows a parameter with its spec, the others replicated),
-    instead of `optimizer.init`'s. Gradients are one per trained floating-point
-    parameter (see `trainable`), with its spec. The optimizer state is
-    `jax.eval_shape(optimizer.init, ...)` of the trained floating-point
-    parameters (so optax's own dtypes and shapes, e.g. Adafactor's
-    factored moments, count), and each of its arrays follows the parameter it
-    belongs to: the same spec for the same shape, the spec without the reduced
-    dimension for a factored moment, replicated for step counts and other
-    scalars. Activations, temporaries and the compiled program are not counted:
-    leave headroom for them. Every array counts in the dtype it would be placed in,
-    as [`eqshard.shard`][] places it: float64 and int64 (data or dtypes asked for)
-    are 32-bit while `jax_enable_x64` is off.
-
-    A spec that cannot apply is reported as
-    [`eqshard.analyze_sharding_strategy`][] reports it: listed in `plan.problems`
-    and in the summary, and counted with the nearest spec that applies; such a
-    plan is not the one asked for, so `plan.fits` is `False`.
-    `on_invalid="warn"` also warns, and `on_invalid="raise"` raises instead.
+    `tree` may be abstract (`eqx.filter_eval_shape(Model, ..., key=key)` plans a
+    70B model on a laptop). Activations, temporaries and the program are not
+    counted: [`eqshard.analyze_step`][] gives the compiled step's figures.
+    [What `plan_training` counts](../how-to/will-it-fit.md#what-plan_training-counts)
+    tells each part.
 
     **Arguments:**
 
-    - `tree`: the parameters, any pytree such as an Equinox model; or a whole
-      training state with `params`. Concrete or abstract.
-    - `specs`: a spec tree for the parameters or a prefix of one, partition
-      rules, or a function of the abstract parameters (see
-      [the spec-tree family](specs.md)); or `None` to read the shardings the
-      arrays have.
-    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have;
-      defaults to the mesh set by `jax.set_mesh`, then to the mesh of the
-      `NamedSharding`s.
-    - `params`: in a whole state `tree`, which part is the parameters: an index
-      (`0` for `(model, opt_state)`), or a function of `tree` returning a
-      subtree of it (`lambda state: state[0]`). `None` (the default): all of
-      `tree`.
-    - `optimizer`: an optax `GradientTransformation` (anything with `.init`), or
-      `None` for no optimizer state (or the one in `tree`, with `params`).
-    - `param_dtype`: the dtype of the floating-point parameters (e.g.
-      `jnp.bfloat16`); by default their own.
-    - `state_dtype`: the dtype of the optimizer state's floating-point arrays
-      (e.g. `jnp.float32` moments with bf16 parameters); by default what
-      `optimizer.init` makes of the parameters.
-    - `grad_dtype`: the dtype of the gradients; by default the parameters'.
+    - `tree`: the parameters (any pytree), or a whole state with `params`.
+    - `specs`: a spec tree or prefix, partition rules, a function of the abstract
+      parameters, or `None` for the arrays' own shardings.
+    - `mesh`: a `Mesh` (a target's too) or an `AbstractMesh`; defaults to
+      `jax.set_mesh`'s, then to the arrays'.
+    - `params`: in a whole state, the parameters: an index or a selector, as
+      [`eqshard.search_layout`][]'s; the rest is planned as optimizer state.
+    - `optimizer`: an optax `GradientTransformation`, or `None`.
+    - `param_dtype`, `state_dtype`, `grad_dtype`: dtypes to plan in; by default
+      the parameters' own and what `optimizer.init` makes.
     - `gradients`: whether to count gradients.
-    - `device_memory`: the memory of one device, in bytes or as a string such as
-      `"80GiB"`; the plan then says whether it fits and by how much. On a
-      target's mesh (`create_mesh(target=...)`) by default the target's, as
-      [`eqshard.analyze_step`][] takes it.
-    - `trainable`: which arrays are trained, as the `filter_spec` of
-      `eqx.partition`: a bool, a callable of a leaf returning a bool, or a tree of
-      them (a prefix of `params`). The floating-point arrays it selects get
-      gradients and optimizer state; the rest (frozen layers, the initial values
-      of `eqx.nn.StateIndex` caches) are planned as parameters only. `True` (the
-      default) trains every floating-point array. A callable is given each leaf
-      as it is in `params`: for an abstract tree, a `jax.ShapeDtypeStruct`
-      (which `eqx.is_inexact_array` is `False` for).
-    - `on_invalid`: for specs that cannot apply, `"ignore"` (the default)
-      reports them, `"warn"` reports them and warns, `"raise"` raises.
-    - `pipeline`: for a model run by [`eqshard.pipeline`][], its schedule:
-      `{"microbatches": M, "activation": one microbatch's activation (a
-      jax.ShapeDtypeStruct of its global shape), "activation_spec": its layout
-      over the other axes (default P()), "axis": "pp", "schedule": "gpipe",
-      "repeats": 1}`. The plan adds on every device the stage inputs the loop
-      keeps for the backward pass, `(R·M + S - 1)` microbatch activations,
-      its buffers of the microbatches' inputs and outputs, `2·M` of them, and
-      what the backward loop holds in flight, `R·M + 1` (`plan.pipeline`:
-      within 10 % of the compiled step's temporaries where activations
-      dominate); the parameters and optimizer state are per stage as
-      their specs say (`eqshard.stacked(spec, stages="pp")`). With
-      `"fsdp_gather"` (`pipeline`'s option), `"layers"` (L) and
-      `"layer_bytes"` (one layer's weights on a device once gathered over the
-      data axes), it adds the weights that option holds gathered: K = L/(R·S)
-      layers for `"per_step"`, R·K for `"once"`, 2·K for `"per_repeat"`.
-    - `offload_copy`: the fraction of the arrays kept in host memory
-      ([`eqshard.host`][]) that the step holds on the device at once: its
-      update needs a device copy of what it updates, so `1.0` (the default)
-      counts all of it. The compiled step's figures
-      ([`eqshard.analyze_step`][]) say what XLA made of it.
-
-    Arrays kept in host memory between steps count apart, in
-    `plan.host_bytes_per_device`; with partition rules as `specs`, the rules
-    are matched against the parameters and the optimizer state built together,
-    as [`eqshard.init_sharded`][] matches them, so a host rule such as
-    `("(mu|nu)/", eqshard.host())` offloads the moments in the plan too.
+    - `trainable`: which arrays are trained (`eqx.partition`'s `filter_spec`).
+    - `device_memory`: the budget (`"80GiB"` or bytes); on a target's mesh, the
+      target's by default.
+    - `on_invalid`: `"ignore"`, `"warn"` or `"raise"` for specs that cannot apply.
+    - `pipeline`: [`eqshard.pipeline`][]'s schedule (`microbatches`,
+      `activation`, `activation_spec`, `axis`, `schedule`, `repeats`, and
+      `fsdp_gather` with `layers` and `layer_bytes`).
+    - `offload_copy`: the share of host-memory arrays the step holds on device.
+    - `context`: [`eqshard.dot_product_attention`][]'s split (`query`,
+      `kv_heads`, `axis`, `strategy`, `batch_axes`, `activation`, `layers`).
 
     **Returns:**
 
-    A [`eqshard.TrainingPlan`][]: `plan.bytes_per_device`, `plan.fits`,
-    `plan.headroom`, and `print(plan)` for the summary and per-device view.
+    A [`eqshard.TrainingPlan`][]: `bytes_per_device`, `fits`, `headroom`, and
+    `print(plan)` for the summary and per-device view.
 
     **Raises:**
 
-    - `ValueError` as [`eqshard.analyze_sharding_strategy`][] does (with
-      `on_invalid="raise"`, naming every parameter whose spec cannot apply), or for
-      a `device_memory` that is not an amount of memory.
-    - `ValueError` for a `params` that selects nothing, or a state whose items
-      follow one another (the message gives the `params` to use), or given with
-      `optimizer`.
+    - `ValueError` for a spec that cannot apply (with `on_invalid="raise"`), a
+      budget that is no amount of memory, a `params` that selects nothing, or a
+      `pipeline` or `context` that [`eqshard.pipeline`][] or
+      [`eqshard.dot_product_attention`][] would refuse.
     - `TypeError` if `optimizer` has no `.init` method.
 
     !!! Example
 
         ```python
-        import optax
-
         shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
-        specs = eqshard.match_partition_rules(rules, shapes)
         mesh = jax.sharding.AbstractMesh((64,), ("fsdp",))
         plan = eqshard.plan_training(
-            shapes, specs, mesh, optimizer=optax.adamw(1e-4),
-            param_dtype=jnp.bfloat16, state_dtype=jnp.float32,
-            device_memory="80GiB",
+            shapes, rules, mesh, optimizer=optax.adamw(1e-4),
+            param_dtype=jnp.bfloat16, device_memory="80GiB",
         )
         print(plan)  # per part, the total against 80 GiB, a bar per device
-        plan.fits, plan.headroom
         ```
     """
     caller = "plan_training"
@@ -543,7 +472,7 @@ def plan_training(
         pairs = leaf_specs(specs, params, caller=caller)
     leaves = jtu.tree_leaves(params)
     trained = trained_mask(trainable, params, caller)
-    _abstract = _abstracter()
+    _abstract = abstracter()
     abstract = [_abstract(leaf, param_dtype) for leaf in leaves]
     param_report = analyze_pairs(
         abstract, pairs, mesh, caller=caller, on_invalid=on_invalid
@@ -565,17 +494,12 @@ def plan_training(
     state_report = None
     if given_state is not None or optimizer is not None:
         facts = (jtu.tree_structure(params), abstract, trained, pairs)
-        if given_state is not None:
-            state_leaves, state_specs = given_state_pairs(
-                given_state, facts, _abstract, state_dtype
-            )
-        else:
-            state_leaves, state_specs = optimizer_state(
-                optimizer, facts, rules, _abstract, state_dtype, mesh
-            )
-        state_report = analyze_pairs(state_leaves, state_specs, mesh, caller=caller)
-        parts.append((state_leaves, state_specs))
-    buffers = None if pipeline is None else pipeline_buffers(pipeline, mesh)
+        state = _state(
+            given_state, optimizer, facts, rules, _abstract, state_dtype, mesh
+        )
+        state_report = analyze_pairs(*state, mesh, caller=caller)
+        parts.append(state)
+    buffers = _buffers(pipeline, context, mesh, gradients)
     total = _total(param_report, (grad_report, state_report), buffers)
     host = host_bytes(parts, mesh, caller)
     copy = np.round(host * float(offload_copy)).astype(np.int64)
@@ -589,7 +513,8 @@ def plan_training(
         opt_state=state_report,
         bytes_per_device=total,
         device_memory=budget,
-        pipeline=buffers,
+        pipeline=buffers[0],
         host_bytes_per_device=tuple(host.tolist()),
         copy_bytes_per_device=tuple(copy.tolist()),
+        context=buffers[1],
     )

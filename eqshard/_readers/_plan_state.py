@@ -3,9 +3,11 @@ state: which parameters are trained (`trained_mask`), the state made abstractly
 (`optimizer_state`) with the specs of its arrays, following the parameters they
 belong to (`state_pairs`) or matched by rules with the parameters
 (`ruled_state_pairs`), and the bytes the plan's parts keep in host memory
-(`host_bytes`).
+(`host_bytes`); the abstract arrays the plan counts, in the dtype each is
+placed in (`abstracter`).
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,13 +19,54 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
+from .._spectree._check_spec import leaf_specs
 from .._spectree._follow import follow_spec, replicated_like
 from .._spectree._memory import Host, HOST_MEMORY, in_memory, is_host_memory
 from .._spectree._rules import compile_rules, rules_to_specs
-from .._spectree._specs import leaf_specs
-from .._tree import broadcast_prefix, is_array, path_name, path_str
+from .._tree import broadcast_prefix, is_array, path_name, path_str, placed_dtype
 from .._typing import KeyPath
 from ._strategy import analyze_pairs
+
+
+def _placed(dtype: Any) -> Any:
+    """The dtype an array of `dtype` is on devices: as [`eqshard.shard`][] places
+    NumPy data (32-bit for 64-bit while `jax_enable_x64` is off); typed PRNG keys
+    as they are."""
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return placed_dtype(np.dtype(dtype))
+
+
+@functools.cache
+def _placed_as(own: Any, dtype: Any) -> Any:
+    """The dtype an array of dtype `own` is placed in when asked for `dtype`:
+    `dtype` for a float array if given, else its own."""
+    if dtype is None or not jnp.issubdtype(own, jnp.inexact):
+        dtype = own
+    return _placed(dtype)
+
+
+register(_placed_as.cache_clear)
+
+
+def abstracter() -> Callable[[Any, Any], Any]:
+    """`abstract(leaf, dtype)`: `leaf` as a `ShapeDtypeStruct` in the dtype it
+    would be placed in (`dtype` if it is a float array and `dtype` is given, else
+    its own); one struct for each shape and dtype (a model repeats a few, layer
+    after layer)."""
+    made: dict[tuple[tuple[int, ...], Any], jax.ShapeDtypeStruct] = {}
+
+    def abstract(leaf: Any, dtype: Any) -> Any:
+        if not is_array(leaf):
+            return leaf
+        key = (tuple(leaf.shape), _placed_as(leaf.dtype, dtype))
+        struct = made.get(key)
+        if struct is None:
+            struct = made[key] = jax.ShapeDtypeStruct(*key)
+        return struct
+
+    return abstract
 
 
 def state_pairs(

@@ -18,15 +18,15 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_literals
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
 from .._mesh._targets import pads_to_tiles, tpu_padded_bytes
-from .._spectree._memory import Host, HOST_MEMORY
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_leaf,
     entry_axes,
     leaf_specs,
     ShardingProblem,
     spec_error_message,
 )
+from .._spectree._memory import Host, HOST_MEMORY
+from .._spectree._resolve import resolve_specs
 from .._tree import is_array, path_str, placed_dtype
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck, warn
 from ._inspect import is_single_device, own_shardings, ShardingReport, ShardingRow
@@ -73,37 +73,24 @@ def analyze_sharding_strategy(
 ) -> ShardingReport:
     """Works out what a sharding plan puts on each device, without moving anything.
 
-    For each array of `tree` (`jax.Array`, NumPy, or `jax.ShapeDtypeStruct`: only
-    `.shape` and `.dtype` are read, so `eqx.filter_eval_shape` trees of any size
-    work), every device holding it holds the piece its mesh coordinates select:
-    each dimension divided by the sizes of its spec entry's mesh axes, replicated
-    over the mesh axes the spec does not name. A replicated array counts in full on
-    every device. Python scalars and other non-array leaves hold no device memory
-    and are left out; arrays whose spec is `None` are listed but placed nowhere
-    (as [`eqshard.shard`][] leaves them where they are). Placed NumPy arrays count
-    in the dtype `shard` places them in: 32-bit for 64-bit data while
-    `jax_enable_x64` is off.
-
-    A spec that cannot apply (an unknown mesh axis, an axis used twice, more
-    entries than the array's rank, a dimension its axes do not divide) is a
-    planning finding, not a crash: by default it is listed in `report.problems`
-    and the array is counted with the nearest spec that applies (the one
-    [`eqshard.with_sharding_constraint`][] would use); `on_invalid="warn"` also
-    warns, and `on_invalid="raise"` raises as [`eqshard.shard`][] would.
+    For each array of `tree` (only `.shape` and `.dtype` are read, so abstract trees
+    of any size work), every device holding it holds the piece its mesh coordinates
+    select; a replicated array counts in full on every device. Non-array leaves are
+    left out, and arrays whose spec is `None` are listed but placed nowhere. A spec
+    that cannot apply is a planning finding, not a crash: it is listed in
+    `report.problems` and the array counted with the nearest spec that applies (see
+    [the how-to](../how-to/plan-large-model.md#a-plan-for-a-mesh-you-do-not-have)).
 
     **Arguments:**
 
     - `tree`: any pytree; concrete or abstract.
     - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
-      function of the abstract tree, as for [`eqshard.shard`][] (see
-      [the spec-tree family](specs.md)). `NamedSharding`s may be on the analysed
-      mesh or on a part of its devices (e.g. one pipeline stage). `None` (the
-      whole argument) reads the shardings the arrays have: an array on a single
-      device counts on that device and is flagged `single device`; NumPy arrays
-      are unplaced.
-    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have
-      (`jax.sharding.AbstractMesh((16, 16), ("dp", "tp"))`). Defaults to the mesh set
-      by `jax.set_mesh`, then to the mesh of the `NamedSharding`s in `specs`.
+      function of the abstract tree (see [the spec-tree family](specs.md)).
+      `None` reads the shardings the arrays have (an array on a single device is
+      flagged `single device`).
+    - `mesh`: a `Mesh`, or an `AbstractMesh` to plan for devices you do not have.
+      Defaults to the mesh set by `jax.set_mesh`, then to that of the
+      `NamedSharding`s in `specs`.
     - `on_invalid`: `"ignore"` (the default) reports specs that cannot apply,
       `"warn"` reports them and warns, `"raise"` raises.
 
@@ -113,10 +100,9 @@ def analyze_sharding_strategy(
 
     **Raises:**
 
-    - `ValueError` if `specs` is not a prefix of `tree` (naming the first path that
-      differs), if there is no mesh, if a `NamedSharding` holds devices outside the
-      mesh (naming its path), or, with `on_invalid="raise"`, naming every array
-      whose spec cannot apply.
+    - `ValueError` if `specs` is not a prefix of `tree`, if there is no mesh, if a
+      `NamedSharding` holds devices outside the mesh (naming its path), or, with
+      `on_invalid="raise"`, naming every array whose spec cannot apply.
     - `TypeError` naming the path of a leaf of `specs` that is not a spec.
 
     !!! Example
@@ -126,7 +112,6 @@ def analyze_sharding_strategy(
         specs = eqshard.match_partition_rules(rules, shapes)
         report = eqshard.analyze_sharding_strategy(shapes, specs, mesh)
         print(report)  # one line per array, then the totals
-        report.max_bytes_per_device, report.largest_replicated(3)
         ```
     """
     caller = "analyze_sharding_strategy"

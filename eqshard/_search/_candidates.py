@@ -46,10 +46,10 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._spectree._auto import auto_fsdp
+from .._spectree._check_spec import entry_axes
 from .._spectree._memory import Host
 from .._spectree._rules import match_partition_rules, rule_spec
 from .._spectree._rules_report import explain_partition_rules
-from .._spectree._specs import entry_axes
 from .._tree import is_array, path_name
 from ._flow import Use
 

@@ -4,7 +4,7 @@ the communication XLA put in.
 
 How a search goes:
 
-1. **The step** (`_search_step.py`): its arguments sorted (the parameters, the
+1. **The step** (`_compile.py`): its arguments sorted (the parameters, the
    states that follow them, the batch that keeps its layout), its data axes
    (those that split the batch), and one trace: how each parameter is used and
    what the step returns.
@@ -43,8 +43,8 @@ from .._mesh._targets import device_memory as target_memory, is_compile_only
 from .._report import format_bytes, parse_bytes
 from .._spectree._rules import match_partition_rules
 from .._spectree._select import check_parameters, select
-from .._step._step_records import OutOfMemory
-from .._step._step_report import StepReport
+from .._step._records import OutOfMemory
+from .._step._report import StepReport
 from .._tree import is_array
 from .._typing import Int, typecheck
 from ._candidates import (
@@ -56,8 +56,8 @@ from ._candidates import (
     tensor_pairs,
     unpaired,
 )
-from ._search_report import LayoutCandidate, LayoutSearch
-from ._search_step import CALLER, function_name, search_error, Step
+from ._compile import CALLER, function_name, search_error, Step
+from ._report import LayoutCandidate, LayoutSearch
 
 
 def _abstract_mesh_error(mesh: AbstractMesh) -> ValueError:
@@ -427,107 +427,55 @@ def search_layout(
     progress: bool = True,
 ) -> LayoutSearch:
     """Chooses a layout of the parameters by compiling the step `fn(*args)` for
-    each candidate: those whose compiled peak memory fits `device_memory`, ranked
-    by the communication XLA put in.
+    each candidate: those whose compiled peak fits `device_memory`, ranked by a
+    step's estimated seconds on a target mesh, else by the communication XLA put
+    in.
 
-    `fn` is the step as you call it, and `args` its arguments as you pass them:
-    the same step object goes to [`eqshard.filter_jit`][],
-    [`eqshard.analyze_step`][] and here, whatever its signature. `params` picks
-    the parameters among the arguments: an index (the default 0: `fn(params,
-    *rest)`), or a function of the argument tuple returning them, as
-    `eqx.tree_at`'s `where` picks a subtree (`params=lambda args: args[1][0]`
-    for `train_step(batch, (model, opt_state))`). The arrays that follow the
-    parameters ([`eqshard.derive_specs`][]'s rule: an optimizer state, beside
-    the model or not) follow each candidate; every other array keeps its
-    layout: the one `fn`'s own `in_specs` give it (an [`eqshard.filter_jit`][]
-    object), else the one it is placed with, else replicated.
-
-    Candidates are partition rules a person can read and keep: yours
-    (`candidates`), and built-in strategies over the mesh's axes: replicated
-    (data parallel); FSDP ([`eqshard.auto_fsdp`][]) over the data axes and over
-    all axes; tensor parallel on the step's attention and MLP pairs (found from
-    the step's matmuls and data flow, not from names: the first matrices split
-    on their output, the second on its input; those it cannot pair are in the
-    result's `unpaired`), with and without the vocabulary, alone or with FSDP.
-    The *data axes* are the mesh axes that split the leading dimension of the
-    arrays that keep their layout (the batch); all axes if none does. Leading
-    axes a `lax.scan` iterates over (stacked layers) are never split.
-
-    Each candidate is compiled once, for abstract arguments (nothing is
-    allocated), as the step compiles when you call it with those rules, and
-    read as [`eqshard.analyze_step`][] reads it: outputs with the structure of
-    an argument that holds the parameters (the state a step returns) get that
-    argument's layout, other outputs the `out_specs` of `fn`'s own `jit`, if
-    any; the donations are `fn`'s own `jit`'s (a plain function's returned
-    state is donated, as a training step's is). On a mesh of Explicit axes, a
-    layout with which JAX cannot type the step (an operation whose result's
-    sharding is ambiguous) is not compiled: it is listed in the result's
-    `skipped` with JAX's reason, and the others are ranked. A layout whose
-    arguments alone exceed `device_memory` is compiled only if no other fits
-    (else it is listed in `skipped`: it cannot win). The figures are XLA's for
-    the backend compiled for: a search on virtual CPU devices ranks layouts; it
-    does not forecast GPU or TPU time. On a target mesh
-    ([`eqshard.create_mesh`][]'s `target=`, such as `"h100:8x8"` or
-    `"v5p-1024"`) each candidate is compiled by that hardware's compiler,
-    judged against its peak, and the layouts that fit are ranked by a step's
-    estimated seconds on its chips (`LayoutCandidate.step_s`), fastest first
-    (on this machine's devices, which have no time, by the communication the
-    schedule leaves exposed, then by all of it). A layout the TPU compiler
-    refuses for lack of memory is listed in `skipped`.
+    `fn` is the step as you call it (the same object goes to
+    [`eqshard.filter_jit`][] and [`eqshard.analyze_step`][]). The arrays that
+    follow the parameters (an optimizer state) follow each candidate; every other
+    array keeps its layout. Candidates are yours and built-in strategies
+    (replicated, FSDP, tensor parallel on pairs found from the step's matmuls).
+    [The how-to](../how-to/find-a-layout.md#how-candidates-are-compiled-and-ranked)
+    tells how candidates are made, compiled, skipped and ranked.
 
     **Arguments:**
 
-    - `fn`: the step: a plain function, an `eqx.filter_jit`,
-      [`eqshard.filter_jit`][] or `jax.jit` one (its own specs for the
-      parameters and what follows them are replaced by each candidate's).
-    - `*args`: its arguments as you call it, concrete or abstract (the batch
-      with its shardings, e.g. `eqshard.abstract(batch, P("dp"), mesh)`).
-    - `params`: which part of `args` the candidates lay out: an argument's
-      index, or a function of the argument tuple returning a subtree of it.
-    - `mesh`: a concrete mesh; defaults to the one set by `jax.set_mesh`.
-    - `device_memory`: the budget per device: bytes (an int, or a float such as
-      `16e9`, rounded to whole bytes), or a string such as `"16GiB"`; by
-      default, on a target mesh, the memory of one of its devices.
-    - `candidates`: your rule lists, as a list or a dict from names to lists;
-      ranked with the built-in ones, and kept where a built-in one gives the
-      same layout. A name is one layout's: yours and a built-in strategy's
-      other layout cannot share it.
+    - `fn`: the step: a plain function, or an `eqx.filter_jit`,
+      [`eqshard.filter_jit`][] or `jax.jit` one.
+    - `*args`: its arguments, concrete or abstract (the batch with its shardings).
+    - `params`: the parameters among `args`: an index, or a function of the
+      argument tuple returning them (`lambda args: args[1][0]`).
+    - `mesh`: a concrete mesh (a target's too); defaults to `jax.set_mesh`'s.
+    - `device_memory`: the budget per device (`"16GiB"`, or bytes); on a target
+      mesh, one of its devices' by default.
+    - `candidates`: your rule lists, a list or a dict from names to lists.
     - `builtin`: whether to add the built-in strategies.
-    - `bandwidth`: the relative bandwidth of mesh axes (default 1.0 each; ints or
-      floats), such as `{"dcn": 0.1}`: a collective's bytes count divided by the
-      bandwidth of the slowest axis it crosses (refused on a target mesh).
+    - `bandwidth`: relative bandwidths of mesh axes (`{"dcn": 0.1}`) on this
+      machine's devices; refused on a target mesh, whose links decide.
     - `max_candidates`: compile at most this many layouts (yours first).
-    - `time_budget`: start no compile after this many seconds (the result is
-      then not repeatable).
-    - `progress`: show a progress bar on a terminal (`rich`'s when installed).
+    - `time_budget`: start no compile after this many seconds.
+    - `progress`: show a progress bar on a terminal.
 
     **Returns:**
 
-    A [`eqshard.LayoutSearch`][]: `.best` (or `None`), `.candidates`, ranked,
-    each with its `rules`, `rules_text()`, `memory`, `total_bytes` and step
-    `report`.
+    A [`eqshard.LayoutSearch`][]: `.best` (or `None`) and the ranked
+    `.candidates`, each with its `rules`, `rules_text()`, memory, bytes, `step_s`
+    on a target, and step `report`.
 
     **Raises:**
 
-    `ValueError` for an `AbstractMesh` (compiling needs devices: use virtual CPU
-    devices), an argument on another mesh, a `params` that selects nothing or
-    selects a state whose items follow one another (`(model, opt_state)`: the
-    message gives the `params=` that selects the model), rules of yours that
-    cannot lay out the parameters (naming the candidate and the paths), two
-    candidates of one name, no candidate that JAX can type on Explicit axes, or
-    bad options; `TypeError` for a `params` that is neither an index nor a
-    function.
+    `ValueError` for an `AbstractMesh`, an argument on another mesh, a `params`
+    that selects nothing or a state whose items follow one another (the message
+    gives the `params=` to use), rules that cannot lay out the parameters, two
+    candidates of one name, no candidate JAX can type, or bad options;
+    `TypeError` for a `params` that is neither an index nor a function.
 
     !!! Example
 
         ```python
-        def train_step(batch, state):  # state: (model, opt_state)
-            ...
-            return state, loss
-
         step = eqshard.filter_jit(
-            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()),
-            donate="all-except-first", mesh=mesh,
+            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()), mesh=mesh
         )
         result = eqshard.search_layout(
             step, batch, (model, opt_state), params=lambda args: args[1][0],

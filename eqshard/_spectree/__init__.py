@@ -1,7 +1,7 @@
 """What a layout is: spec trees, logical axis names and partition rules.
 
 Every function that takes `specs=` hands it to `resolve_specs`
-(`_spec_args.py`), which
+(`_resolve.py`), which
 turns whatever was given (a spec tree or a prefix of one, partition rules, or a
 function of the abstract tree) into one `PartitionSpec` per array leaf:
 
@@ -20,12 +20,15 @@ function of the abstract tree) into one `PartitionSpec` per array leaf:
    text, and `explain_partition_rules` (`_rules_report.py`) says which rule gave
    each spec.
 3. **Check.** Each spec is checked against its leaf's shape and the mesh
-   (`_specs.py`: `check_spec`, the one message for bad specs).
+   (`_check_spec.py`: `check_spec`, the one message for bad specs).
 4. **Derive.** Spec trees for other trees (`_derive.py`: optimizer states and
    gradients that follow the parameters, as `_follow.py` decides; stacked layers;
    another mesh) and abstract trees with their shardings.
 5. **Select.** `_select.py` finds the parameters among a step's arguments (the
    `params=` selector of `search_layout` and `plan_training`).
 
-Nothing here moves data; the movers and transforms read the specs made here.
+The layout an array already carries (a placed array's `NamedSharding`, a traced
+array's type's along Explicit axes) has one reader, `_carried.py`, which every
+wing asks. Nothing here moves data; the movers and transforms read the specs
+made here.
 """

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import current_mesh
 from .._typing import Int, typecheck
-from ._specs import entry_axes, spec_entry
+from ._check_spec import entry_axes, spec_entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,34 +132,24 @@ def auto_fsdp(
     """A partition-rule value that shards each array's largest dimension divisible
     by the size of `axes` (fully sharded data parallelism, chosen per leaf).
 
-    Partition rules map a regex to a `PartitionSpec`, or to a value such as this
-    one that chooses the spec from the leaf's shape when
-    [`eqshard.match_partition_rules`][] meets the leaf. For an array of at least
-    `min_size` elements, it shards over all of `axes` (one dimension, split by the
-    product of their sizes) the largest dimension that is free in `base` and that
-    product divides; the first of equal ones. Smaller arrays, and arrays without
-    such a dimension, keep `base`. [`eqshard.explain_partition_rules`][] says, for
-    each leaf, which dimension was chosen and why, or why none was.
-
-    Stacked layers (a leading layer axis, as `eqx.filter_vmap` over a layer's
-    constructor or a `jax.lax.scan` over layers makes) cannot be told from a shape:
-    a 32-layer stack of `(4096, 4096)` kernels is `(32, 4096, 4096)` either way. Give
-    them a rule of their own with `stacked=1` (the number of leading stacked axes),
-    so the layer axis is never sharded.
+    When [`eqshard.match_partition_rules`][] meets a leaf of at least `min_size`
+    elements, it shards over all of `axes` (one dimension, split by the product of
+    their sizes) the largest dimension that is free in `base` and that product
+    divides, the first of equal ones; other arrays keep `base`.
+    [`eqshard.explain_partition_rules`][] says which dimension was chosen and why.
+    A stack of layers cannot be told from a shape: give it a rule of its own with
+    `stacked=` (see [Will it fit?](../how-to/will-it-fit.md#in-python)).
 
     **Arguments:**
 
-    - `axes`: the mesh axis or axes to shard over, usually the data axes
-      (`"fsdp"`, or `("dp", "fsdp")`).
+    - `axes`: the mesh axis or axes to shard over (`"fsdp"`, `("dp", "fsdp")`).
     - `min_size`: arrays with fewer elements keep `base` (replicated by default).
     - `stacked`: how many leading dimensions are stacked-layer axes, never sharded.
     - `base`: a spec to add FSDP to, such as a tensor-parallel `P(None, "tp")`;
       axes it already uses are not used again.
     - `mesh`: the mesh whose axis sizes count; defaults to the mesh the rules are
-      matched on (the `mesh=` of [`eqshard.match_partition_rules`][],
-      [`eqshard.explain_partition_rules`][] or [`eqshard.init_sharded`][]), then
-      to the mesh set by `jax.set_mesh`. An `AbstractMesh` plans for devices you
-      do not have.
+      matched on, then to the mesh set by `jax.set_mesh`. An `AbstractMesh` plans
+      for devices you do not have.
 
     **Returns:**
 
@@ -168,8 +158,8 @@ def auto_fsdp(
     **Raises:**
 
     `ValueError` if `min_size` or `stacked` is negative, or if `axes` names an
-    axis twice. When the rules are
-    matched: `ValueError` if there is no mesh, or `axes` are not axes of the mesh.
+    axis twice; when the rules are matched, if there is no mesh or `axes` are not
+    axes of the mesh.
 
     !!! Example
 

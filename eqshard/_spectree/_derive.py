@@ -27,11 +27,7 @@ from .._typing import (
     typecheck,
     warn,
 )
-from ._follow import follow_spec, is_placeholder, replicated_like
-from ._logical import AxisNames
-from ._memory import Host, in_memory, memory_of
-from ._spec_args import resolve_like, resolve_specs
-from ._specs import (
+from ._check_spec import (
     bad_spec_leaf_message,
     check_leaves,
     check_spec,
@@ -44,6 +40,10 @@ from ._specs import (
     spec_error_message,
     SpecCheck,
 )
+from ._follow import follow_spec, is_placeholder, replicated_like
+from ._logical import AxisNames
+from ._memory import Host, in_memory, memory_of
+from ._resolve import resolve_like, resolve_specs
 
 
 # `derive_specs`' choices for `memory_kind`, checked by itself (as `_typing`'s
@@ -154,35 +154,27 @@ def derive_specs(
     """Specs for a tree that follows the parameters: an optimizer state, gradients,
     an EMA copy.
 
-    Each array leaf gets the spec of the parameter it follows: the parameter whose
-    path ends the leaf's path and whose shape is the leaf's (optax's `mu`, `nu`,
-    `trace` and the like mirror the parameter tree under their own keys). A leaf
-    of the parameter's shape with one dimension reduced away (Adafactor's factored
-    `v_row`/`v_col`) gets the spec without that dimension's entry. Leaves smaller
-    than 1 KiB that follow no parameter (step counts, hyperparameters, Adafactor's
-    placeholders) are replicated (`P()`); non-array leaves and empty nodes such as
-    `optax.MaskedNode` get `None`. Works on concrete and abstract trees (only
-    `.shape` and `.dtype` are read) and imports no optimizer library. A state
-    built with the model, `(model, opt_state)`, needs no call: rules written for
-    the model place it by this same rule (see
-    [`eqshard.match_partition_rules`][]).
+    Each array leaf gets the spec of the parameter it follows (whose path ends the
+    leaf's path and whose shape is the leaf's, or with one dimension reduced away:
+    the rule is told in
+    [the how-to](../how-to/shard-modules.md#optimizer-states-and-other-pytrees));
+    leaves under 1 KiB that follow no parameter are replicated, non-array leaves
+    get `None`. Works on concrete and abstract trees and imports no optimizer
+    library. A state built with the model, `(model, opt_state)`, needs no call:
+    [`eqshard.match_partition_rules`][] places it by this same rule.
 
     **Arguments:**
 
     - `tree`: the tree to find specs for, e.g. `optimizer.init(params)` or
       `jax.eval_shape(optimizer.init, params)`.
     - `params`: the parameters, concrete or abstract, with the paths `tree`
-      follows (e.g. the `params` of `eqx.partition(model, eqx.is_inexact_array)`).
-    - `param_specs`: their spec tree (or a prefix of it), as made by
-      [`eqshard.match_partition_rules`][]; or the partition rules, or a function
-      of the abstract parameters (see [the spec-tree family](specs.md)).
-    - `on_invalid`: what to do with a leaf of 1 KiB or more that follows no
-      parameter: `"raise"` (the default) raises; `"warn"` replicates it and
-      warns, naming each; `"ignore"` replicates it silently.
-    - `memory_kind`: where the derived leaves live: `None` (the default) where
-      their parameters do, `"pinned_host"` in host memory (every derived spec
-      wrapped in [`eqshard.host`][]: optimizer state offloaded), `"device"` in
-      device memory.
+      follows.
+    - `param_specs`: their spec tree (or a prefix of it), partition rules, or a
+      function of the abstract parameters (see [the spec-tree family](specs.md)).
+    - `on_invalid`: a leaf of 1 KiB or more that follows no parameter: `"raise"`
+      (the default), `"warn"` (replicated, with a warning) or `"ignore"`.
+    - `memory_kind`: where the derived leaves live: `None` (where their parameters
+      do), `"pinned_host"` (wrapped in [`eqshard.host`][]) or `"device"`.
 
     **Returns:**
 

@@ -4,7 +4,7 @@
 layout, in host memory (`pinned_host`)". Everything else about a layout stays the
 business of the spec inside: the matching engine (`_rules.py`) resolves it like
 any rule value and wraps the result again, and where a spec tree meets a mesh
-(`_specs.named_sharding`) a `Host` becomes a `NamedSharding` with the memory kind
+(`_check_spec.named_sharding`) a `Host` becomes a `NamedSharding` with the memory kind
 `"pinned_host"`, after checking that the mesh's devices have that memory. The
 helpers here split a spec into its layout and its memory kind (`memory_of`) and
 join them again (`in_memory`), so the rest of eqshard reads a `PartitionSpec`.

@@ -40,11 +40,11 @@ from .._typing import (
     warn,
 )
 from ._auto import AutoFSDP
+from ._check_spec import check_spec
 from ._follow import followers_of_items, item_follower_spec, ItemFollower
 from ._logical import AxisNames, get_logical_axis_rules, logical_to_spec, LogicalRules
 from ._memory import Host, in_memory
 from ._rules_messages import bad_leaves_message, bad_regex_message, show, unused_message
-from ._specs import check_spec
 from ._stacked import Stacked
 
 
@@ -300,73 +300,34 @@ def match_partition_rules(
 ) -> PyTree:
     """Builds a spec tree for `tree` from regex partition rules.
 
-    Each array leaf (`jax.Array`, `numpy.ndarray` or `jax.ShapeDtypeStruct`) is named
-    by its path (`layers/3/attn/q/weight`, see [`eqshard.tree_path_to_string`][]),
-    and gets the spec of the first rule whose regex `re.search`es that name.
-    Scalars, and arrays with fewer than `min_size` elements, are replicated
-    (`PartitionSpec()`) without consulting the rules. Everything that is not an
-    array gets `None`, so the result has the structure of
-    `eqx.filter(tree, is_array)`: Equinox modules, optax states and any other
-    pytree keep their types. Only shapes are read, so abstract trees from
-    `eqx.filter_eval_shape` work.
-
-    What does not fit is of two kinds, each with its own option in the one
-    vocabulary of `on_invalid` (`"raise"`, `"warn"`, `"ignore"`): a leaf without
-    a valid spec is a problem of the result (`on_invalid`), a rule that matched
-    nothing is a problem of the rules (`on_unused`), and one may be expected
-    while the other is not.
-
-    Rules written for a model place what follows its parameters too. When `tree`
-    is a tuple or list of trees built together, such as `(model, opt_state)` or
-    `(model, state, opt_state)`, an array of one item follows an array of another
-    as [`eqshard.derive_specs`][] has it: when its path within its item ends with
-    the other's path within its item (optax's `0/mu/blocks/up/weight` ends with
-    `blocks/up/weight`) and its shape is the other's, it gets the other's spec;
-    with one dimension reduced away (Adafactor's factored `v_row`/`v_col`), that
-    spec without the dimension's entry; with another shape and under 1 KiB
-    (Adafactor's `(1,)` placeholders), `P()`. Such arrays are not matched against
-    the rules, so `mu` and `nu` are placed like their parameters whatever the
-    rules' regexes say. Everything else, step counts included (a scalar is
-    replicated), is matched as usual. So the spec tree of what
-    [`eqshard.init_sharded`][] built from rules is this function of the rules and
-    the built tree, for the step, [`eqshard.check_layout`][] and
-    [`eqshard.restore`][] to reuse.
-
-    A rule's spec applies to the leading dimensions, as in JAX (`P("dp")` on a
-    `(batch, d)` array shards the batch); a spec marked with
-    [`eqshard.stacked`][] applies to the last ones, for stacked layers.
+    Each array leaf (`jax.Array`, `numpy.ndarray` or `jax.ShapeDtypeStruct`) is
+    named by its path (`layers/3/attn/q/weight`) and gets the spec of the first
+    rule whose regex `re.search`es that name; scalars and arrays under `min_size`
+    elements are replicated, and everything that is not an array gets `None`. Only
+    shapes are read, so abstract trees work. In a tuple of trees built together,
+    such as `(model, opt_state)`, arrays that follow a parameter (`mu`, `nu`) get
+    its spec whatever the regexes say (see
+    [optimizer states](../how-to/shard-modules.md#optimizer-states-and-other-pytrees)).
+    A spec applies to the leading dimensions, as in JAX; one marked with
+    [`eqshard.stacked`][] to the last ones.
 
     **Arguments:**
 
-    - `rules`: `(regex, value)` pairs, in priority order: the value is a
-      `PartitionSpec`, logical [`eqshard.AxisNames`][] (resolved by the logical
-      axis rules in force, see [`eqshard.logical_axis_rules`][]), one layer's
-      spec for stacked layers ([`eqshard.stacked`][]), or a function of the
-      leaf's shape returning a `PartitionSpec`, such as [`eqshard.auto_fsdp`][]
-      (which chooses the dimension to shard). Regexes are strings or compiled
-      patterns.
+    - `rules`: `(regex, value)` pairs in priority order; the value is a
+      `PartitionSpec`, logical [`eqshard.AxisNames`][], a [`eqshard.stacked`][]
+      spec, or a function of the leaf's shape such as [`eqshard.auto_fsdp`][].
     - `tree`: any pytree.
     - `min_size`: arrays with fewer elements than this are replicated.
-    - `on_invalid`: what to do with a leaf that no rule matches, or whose spec is
-      longer than its rank: `"raise"` (the default) raises; `"warn"` replicates
-      it or trims its spec to its rank, and warns naming each; `"ignore"` does
-      the same silently.
+    - `on_invalid`: a leaf no rule matches, or whose spec is longer than its rank:
+      `"raise"` (the default), `"warn"` (replicated or trimmed, with a warning) or
+      `"ignore"` (the same, silently).
     - `sep`: the separator used to build the path strings.
-    - `mesh`: if given, a spec that cannot apply on it (an axis it lacks or uses
-      twice, a dimension its axes do not divide, such as a 33-token vocabulary
-      over an axis of size 4) is a bad leaf too, found here rather than by
-      [`eqshard.shard`][]; with `"warn"` or `"ignore"` it is corrected as
-      [`eqshard.corrected_spec`][] does.
-    - `exact_rank`: if `True`, a spec shorter than its array's rank is a bad leaf
-      too, rather than applying to the leading dimensions (`P()` still replicates
-      an array of any rank). This catches per-layer
-      rules applied to layers stacked by `eqx.filter_vmap` (a `P("tp", None)`
-      meant for a `(192, 64)` weight landing on the layer axis of a
-      `(4, 192, 64)` one); see [`eqshard.stacked`][] for the fix.
-    - `on_unused`: what to do with rules that matched no leaf, as
-      [`eqshard.explain_partition_rules`][] lists them (often a typo, or a rule
-      shadowed by an earlier one): `"ignore"` (the default) nothing, `"warn"` a
-      `UserWarning` naming each, `"raise"` a `ValueError` naming each.
+    - `mesh`: if given, a spec that cannot apply on it is a bad leaf too (corrected
+      as [`eqshard.corrected_spec`][] does under `"warn"`/`"ignore"`).
+    - `exact_rank`: if `True`, a spec shorter than its array's rank (other than
+      `P()`) is a bad leaf too: it catches per-layer rules applied to stacked layers.
+    - `on_unused`: rules that matched no leaf (often a typo or a shadowed rule):
+      `"ignore"` (the default), `"warn"` or `"raise"`.
 
     **Returns:**
 
@@ -377,8 +338,8 @@ def match_partition_rules(
     - `ValueError` listing every bad leaf (path, shape, problem) and the rules
       tried, with `on_invalid="raise"`; naming each rule that matched nothing,
       with `on_unused="raise"`; or naming each rule whose regex is invalid.
-    - `TypeError` if a rule is not a `(regex, PartitionSpec)` or `(regex, fn)`
-      pair, or `fn` returns something else than a `PartitionSpec`.
+    - `TypeError` if a rule is not a `(regex, value)` pair, or a function returns
+      something else than a `PartitionSpec`.
 
     !!! Example
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from ._check_spec import spec_entry
 from ._logical import AxisNames
 from ._memory import host
-from ._specs import spec_entry
 from ._stacked import stacked
 
 

@@ -3,7 +3,7 @@ device, named by the tree paths of its arguments and results.
 
 How a step is read ([`eqshard.analyze_step`][]):
 
-1. **Leaves** (`_step_args.py`): the arguments flattened, their arrays as
+1. **Leaves** (`_args.py`): the arguments flattened, their arrays as
    `ShapeDtypeStruct`s with the sharding the call would use, named by path.
    Nothing is allocated.
 2. **One program over the leaves.** `fn` is traced inside one `jax.jit` whose
@@ -19,8 +19,8 @@ How a step is read ([`eqshard.analyze_step`][]):
 3. **Compile**, with file descriptor 2 captured (`_internals.xla`) unless
    `capture_warnings=False`: XLA logs its rematerialization and resharding
    warnings there, only when it compiles.
-4. **Read** `memory_analysis()` and `as_text()` (`_hlo_flow.py`) and build the
-   report's rows (`_step_rows.py`): the collectives, their runs per step,
+4. **Read** `memory_analysis()` and `as_text()` (`_hlo/_flow.py`) and build the
+   report's rows (`_rows.py`): the collectives, their runs per step,
    device groups (mapped to mesh axes by device ids) and the leaves their data
    comes from or goes to.
 
@@ -48,13 +48,13 @@ from .._mesh._targets import compiler_versions
 from .._transforms._explicit import explained
 from .._tree import path_name
 from .._typing import typecheck, warn
-from ._hlo_flow import Program
-from ._hlo_text import text_error
-from ._step_args import Arguments, arguments, CALLER, on_devices, placed_as_asked
-from ._step_options import step_options
-from ._step_records import OutOfMemory
-from ._step_report import StepReport
-from ._step_rows import (
+from ._args import Arguments, arguments, CALLER, on_devices, placed_as_asked
+from ._hlo._flow import Program
+from ._hlo._text import text_error
+from ._options import step_options
+from ._records import OutOfMemory
+from ._report import StepReport
+from ._rows import (
     collective_row,
     host_memory,
     leaf_row,
@@ -63,7 +63,7 @@ from ._step_rows import (
     moved,
     step_warnings,
 )
-from ._step_time import estimate_time
+from ._time import estimate_time
 
 
 # Reports by function, then by the signature of the arguments.

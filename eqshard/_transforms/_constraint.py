@@ -3,7 +3,7 @@
 `with_sharding_constraint` tells `jit` where the arrays of a pytree should live: on
 Auto mesh axes through `jax.lax.with_sharding_constraint`, on Explicit ones through
 `jax.sharding.reshard`. Where `shard` raises on a spec that cannot apply, it
-corrects the spec to the nearest one that can (`check_spec`, in `_specs.py`), and
+corrects the spec to the nearest one that can (`check_spec`, in `_check_spec.py`), and
 `corrected_spec` exposes that correction.
 """
 
@@ -19,10 +19,7 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_keywords
 from .._mesh._current import find_mesh, mesh_repr
 from .._mesh._targets import require_traced_or_runnable
-from .._spectree._logical import normalize_rules
-from .._spectree._memory import refuse_host
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._check_spec import (
     check_leaf,
     check_spec,
     entry_axes,
@@ -30,6 +27,9 @@ from .._spectree._specs import (
     ShardingProblem,
     spec_error_message,
 )
+from .._spectree._logical import normalize_rules
+from .._spectree._memory import refuse_host
+from .._spectree._resolve import resolve_specs
 from .._tree import (
     abstract_leaf_error,
     deleted_error,

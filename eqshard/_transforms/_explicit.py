@@ -35,8 +35,9 @@ from jaxtyping import PyTree
 from .._internals.closures import direct_reads
 from .._internals.errors import is_mixed_meshes, is_sharding_type_error
 from .._mesh._current import mesh_repr, require_mesh, same_mesh
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import leaf_specs
+from .._spectree._carried import explicit_axes, type_sharding
+from .._spectree._check_spec import leaf_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import path_str
 from .._typing import KeyPath, typecheck
 from ._constraint import with_sharding_constraint
@@ -113,21 +114,16 @@ def _closed_over_error(
 
 def _typed_on(x: Any, auto: frozenset[str]) -> bool:
     """Whether `x`'s type places it on a mesh with Explicit axes among `auto`."""
-    try:
-        mesh = jax.typeof(x).sharding.mesh
-    except Exception:  # no sharding in its type
-        return False
-    return any(
-        a in auto and t == AxisType.Explicit
-        for a, t in zip(mesh.axis_names, mesh.axis_types)
-    )
+    sharding = type_sharding(x)
+    return sharding is not None and bool(explicit_axes(sharding.mesh) & auto)
 
 
 def _typed_spec(x: Any, auto: frozenset[str]) -> PartitionSpec:
     """The spec in `x`'s type without the axes in `auto` (which become Auto, where
     a type names no axis)."""
     entries = []
-    for entry in jax.typeof(x).sharding.spec:
+    sharding = type_sharding(x)
+    for entry in () if sharding is None else sharding.spec:
         axes = entry if isinstance(entry, tuple) else (entry,)
         kept = tuple(a for a in axes if a is not None and a not in auto)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
@@ -162,32 +158,25 @@ def auto_axes(
     the layout `out_sharding` asks: the way to run a model whose layers do not name
     their results' shardings on an Explicit mesh, the model unchanged.
 
-    On Explicit axes JAX refuses an operation whose result's sharding it cannot
-    work out until the code names it: `eqx.nn.Embedding`'s lookup of sharded
-    token ids, or a `eqx.nn.Linear` (as in `eqx.nn.MultiheadAttention`'s output
-    projection) contracting a dimension that both it and its input shard. Inside
-    `fn` those axes are Auto, so XLA chooses the layouts in between, as on an Auto
-    mesh; the arrays going in keep their layouts along the other axes, and those
-    coming out are typed on the Explicit axes again by `out_sharding`. This is the
-    filtered `jax.sharding.auto_axes`: non-array arguments (an Equinox module's
-    static fields and callables, Python scalars) reach `fn` unchanged and
-    non-array outputs come back as `fn` returned them. On a mesh with no Explicit
+    Inside `fn` those axes are Auto, so XLA chooses the layouts in between (where
+    JAX would refuse `eqx.nn.Embedding`'s lookup of sharded ids, say); the outputs
+    are typed on the Explicit axes again by `out_sharding`. This is the filtered
+    `jax.sharding.auto_axes`: non-arrays pass through. On a mesh with no Explicit
     axes it is `fn` followed by [`eqshard.with_sharding_constraint`][], so the same
-    step runs on both kinds of mesh and lays its outputs out alike.
+    step runs on both kinds of mesh (see
+    [the how-to](../how-to/explicit-axes.md#layers-jax-cannot-type-the-embedding-fix)).
 
     **Arguments:**
 
-    - `fn`: the function, such as `lambda model, x: jax.vmap(model)(x)`, or a
-      module (or a `functools.partial`): its arrays are moved onto the Auto axes
-      as the arguments' are. Arrays it closes over are not: pass them as
-      arguments.
-    - `out_sharding`: a spec tree for `fn`'s output or a prefix of one (`P('dp')` for
-      all of it), partition rules, or a function of the abstract output, with
-      [`eqshard.AxisNames`][] allowed, as for
+    - `fn`: the function, or a module (or a `functools.partial`), whose arrays
+      are moved onto the Auto axes as the arguments' are. Arrays it closes over
+      are not: pass them as arguments.
+    - `out_sharding`: a spec tree for `fn`'s output or a prefix of one, partition
+      rules, or a function of the abstract output, as for
       [`eqshard.with_sharding_constraint`][]; every array output needs a spec.
     - `axes`: the Explicit axes to make Auto (default all of them).
-    - `mesh`: defaults to the mesh set with `jax.set_mesh`. Given and none set, it
-      is set (abstractly) for the call, so `jit` needs no `jax.set_mesh`.
+    - `mesh`: defaults to the mesh set with `jax.set_mesh`; given and none set, it
+      is set (abstractly) for the call.
 
     **Returns:**
 
@@ -196,20 +185,14 @@ def auto_axes(
 
     **Raises:**
 
-    At the call: `ValueError` if there is no mesh, if `axes` names an axis the
-    mesh lacks, if `mesh` is not the mesh set with `jax.set_mesh`, if an array
-    output has no spec, if `fn` reads arrays typed on the axes made Auto that it
-    does not take as arguments (naming the variables it closes over), or as
-    [`eqshard.with_sharding_constraint`][] with `on_invalid="raise"` for specs
-    that cannot apply (naming each path).
+    At the call: `ValueError` if there is no mesh, `axes` names an axis the mesh
+    lacks, `mesh` is not the mesh set, an array output has no spec, `fn` reads
+    arrays typed on the axes made Auto that it does not take as arguments (naming
+    them), or specs cannot apply (naming each path).
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"), axis_types=AxisType.Explicit)
-        embed = eqshard.shard(eqx.nn.Embedding(64, 32, key=key), P(None, "tp"), mesh)
-        tokens = eqshard.shard(jnp.arange(8), P("dp"), mesh)
-
         @jax.jit
         def forward(embed, tokens):  # jax.vmap(embed)(tokens) alone raises
             lookup = eqshard.auto_axes(

@@ -20,14 +20,15 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
-from .._spectree._memory import Host
-from .._spectree._spec_args import is_partition_rules, resolve_specs
-from .._spectree._specs import (
+from .._spectree._carried import placed_sharding
+from .._spectree._check_spec import (
     bad_spec_leaf_message,
     is_spec_leaf,
     leaf_specs,
     named_sharding,
 )
+from .._spectree._memory import Host
+from .._spectree._resolve import is_partition_rules, resolve_specs
 from .._tree import path_str
 from .._typing import check_choice, KeyPath, typecheck
 from ._jit import Front, JitFunction
@@ -66,12 +67,10 @@ def _is_out_entry(x: Any) -> bool:
 def _own_layout(leaf: Any) -> NamedSharding | None:
     """The `NamedSharding` an argument is placed with, if any: a committed array's
     or an abstract one's; `None` for host data, uncommitted and traced arrays."""
-    if isinstance(leaf, Tracer):
-        return None
-    if isinstance(leaf, jax.Array) and not leaf.committed:
-        return None
-    sharding = getattr(leaf, "sharding", None)
-    return sharding if isinstance(sharding, NamedSharding) else None
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
+        if not leaf.committed:
+            return None
+    return placed_sharding(leaf)
 
 
 class _Specs:
@@ -246,50 +245,28 @@ def filter_jit(
     """`eqx.filter_jit` that places its inputs and outputs by spec trees: a step
     that keeps its layout without constraints written inside it.
 
-    Arrays among the arguments are traced; everything else (an Equinox module's
-    static fields and callables, Python scalars) is held static, as
-    `eqx.filter_jit` does, and a new value compiles again. The arguments are taken
-    with the shardings `in_specs` gives them (`jax.jit`'s `in_shardings`), and the
-    output's arrays are made in those `out_specs` gives (`out_shardings`), so the
-    updated model and optimizer state come back laid out as they went in, step
-    after step, and the step compiles once. `fn` is traced with the mesh set (as
-    the abstract mesh), so [`eqshard.with_sharding_constraint`][] inside it needs
-    no `mesh=`.
-
-    The specs are resolved at the first call with arguments of each structure,
-    shapes, dtypes and placements (and again under another mesh set, or for other
-    values of non-array leaves where a function or the output's rules read
-    them), against those arguments: rules are
-    matched against each argument (paths start inside it), as
-    [`eqshard.init_sharded`][] matches them against what it builds. Spec trees
-    match by structure and path: one made from another build of a model (another
-    `eqx.nn.StateIndex` marker) fits.
+    Arrays among the arguments are traced, everything else held static, as
+    `eqx.filter_jit` does. The arguments are taken with the shardings `in_specs`
+    gives them and the output made in those of `out_specs`, so the updated state
+    comes back laid out as it went in and the step compiles once. `fn` is traced
+    with the mesh set, so [`eqshard.with_sharding_constraint`][] inside needs no
+    `mesh=`. When specs are resolved, and how rules match, is told in
+    [the how-to](../how-to/filter-jit.md#when-the-specs-are-resolved).
 
     **Arguments:**
 
     - `fn`: the function; `filter_jit(in_specs=..., ...)` without it gives a
       decorator.
-    - `in_specs`: a tuple with one entry per positional argument, or one entry for
-      all of them. An entry is a spec tree for the argument or a prefix of it
-      (`PartitionSpec`, `NamedSharding` and `None` leaves), partition rules
-      matched against it, or a callable of the abstract argument giving its spec
-      tree. Leaves in host memory ([`eqshard.host`][]) are moved to the device
-      for the computation (and, in `out_specs`, back to host memory) inside the
-      compiled program, so the function computes on device arrays. `None` (at an
-      argument, or for all, the default) takes an argument as it is placed: a
-      placed array keeps its `NamedSharding`, host data and uncommitted arrays go
-      where the program puts them.
-    - `out_specs`: the same for the output (rules and callables then cost one
-      more trace of `fn`, for the output's shapes), where an integer `k` stands
-      for the layout of argument `k`: `out_specs=(0, P())` returns the first
-      argument's layout and a replicated loss. `None` leaves an output's layout to
-      the compiler.
-    - `donate`: as in `eqx.filter_jit`: `"all"` donates the arrays of every
-      argument (their buffers may hold the output, and they are deleted; a
-      deleted array given again is refused, where XLA would crash),
-      `"all-except-first"` of every argument but the first; both keep quiet
-      about buffers no output could reuse, which `"warn"` and
-      `"warn-except-first"` report. `"none"` (the default) donates nothing.
+    - `in_specs`: one entry per positional argument, or one for all: a spec tree
+      or a prefix of one, partition rules matched against the argument, or a
+      callable of the abstract argument; [`eqshard.host`][] leaves are moved to
+      the device inside the program. `None` takes an argument as it is placed.
+    - `out_specs`: the same for the output, where an integer `k` stands for the
+      layout of argument `k` (`out_specs=(0, P())`); `None` leaves an output's
+      layout to the compiler.
+    - `donate`: `"all"`, `"all-except-first"` (quiet about buffers no output
+      could reuse), `"warn"`, `"warn-except-first"` (reporting them) or `"none"`
+      (the default), as in `eqx.filter_jit`.
     - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
       `jax.set_mesh`, then to the mesh the arguments are placed on. An
       `AbstractMesh` serves only a function called inside another `jax.jit`.
@@ -297,27 +274,21 @@ def filter_jit(
     **Returns:**
 
     The compiled function, with `lower(*args)` and `compile(*args)` for
-    ahead-of-time use (see [`eqshard.t5x.PartitionedFn`][], which is built on
-    it). [`eqshard.analyze_step`][] reads its shardings and donations.
+    ahead-of-time use; [`eqshard.analyze_step`][] reads its shardings and donations.
 
     **Raises:**
 
     At the first call with a structure: `ValueError` naming the first path where a
-    spec tree does not match the arguments or the output, every array whose spec
-    cannot apply, an argument placed otherwise than its spec asks, an array
-    donated and given twice, two donated arrays over the same buffers, a deleted
-    array, a spec naming an axis the mesh lacks, or if no mesh is found for a
-    `PartitionSpec`; `TypeError` for keyword arguments, a spec leaf that is not a
-    spec, a non-array leaf that cannot be hashed, a `jax.ShapeDtypeStruct`
-    argument (use `lower`), or an `AbstractMesh` outside another `jit`.
+    spec tree does not match, every array whose spec cannot apply, an argument
+    placed otherwise than its spec asks, donation misuse (an array given twice,
+    shared buffers, a deleted array), an axis the mesh lacks, or no mesh found;
+    `TypeError` for keyword arguments, a spec leaf that is not a spec, an
+    unhashable non-array leaf, a `jax.ShapeDtypeStruct` argument (use `lower`),
+    or an `AbstractMesh` outside another `jit`.
 
     !!! Example
 
         ```python
-        def train_step(batch, state):  # state: (model, opt_state)
-            ...
-            return state, loss
-
         step = eqshard.filter_jit(
             train_step, in_specs=(P("dp"), rules), out_specs=(1, P()),
             donate="all-except-first", mesh=mesh,

@@ -43,8 +43,8 @@ from jaxtyping import PyTree
 from .._mesh._current import find_mesh, mesh_repr
 from .._mesh._targets import compile_only_error
 from .._move._host import host_private
+from .._spectree._check_spec import is_spec_leaf
 from .._spectree._logical import LogicalRules, RulesContext
-from .._spectree._specs import is_spec_leaf
 from .._tree import broadcast_prefix, flatten_up_to, is_array, path_str
 from .._typing import KeyPath, PyTreeDef
 from ._explicit import explained

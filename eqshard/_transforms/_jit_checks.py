@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from .._internals.cpu import buffer_address
 from .._internals.routes import Unrecognised
-from .._spectree._specs import check_leaves, spec_error_message
+from .._spectree._check_spec import check_leaves, spec_error_message
 from .._tree import (
     deleted_error,
     is_array,

@@ -18,8 +18,8 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
+from .._spectree._check_spec import is_spec_leaf
 from .._spectree._memory import is_host_memory
-from .._spectree._specs import is_spec_leaf
 from .._tree import is_array
 
 

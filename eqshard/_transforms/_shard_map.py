@@ -50,14 +50,14 @@ from .._internals.jaxpr import as_function, consts_of
 from .._internals.program_keys import program_key
 from .._mesh._targets import require_traced_or_runnable
 from .._move._host import host_private
+from .._spectree._check_spec import (
+    is_spec_leaf,
+)
 from .._spectree._logical import (
     AxisNames,
     get_logical_axis_rules,
     LogicalRules,
     normalize_rules,
-)
-from .._spectree._specs import (
-    is_spec_leaf,
 )
 from .._tree import abstract_leaf_error, is_array, paths_text
 from .._typing import AxisRulesArg, KeyPath, typecheck
@@ -393,49 +393,30 @@ def filter_shard_map(
     """`jax.shard_map` over any pytree: `fn` runs once per device, on that device's
     block of each array, with everything that is not an array passed through.
 
-    The arrays of the arguments get specs; everything else (an Equinox module's
-    static fields and callables, Python scalars, `None`) reaches `fn` unchanged, and
-    `fn` may return anything: its arrays are put together by `out_specs`, the rest
-    comes back as `fn` returned it. Inside `fn` the mesh axes are manual, so
-    collectives (`jax.lax.psum`, `jax.lax.ppermute`, ...) name them. It works
-    eagerly and inside `jax.jit`/`eqx.filter_jit`, on Auto and Explicit axes.
-
-    Specs are resolved and checked before anything is traced, and every array
-    whose spec cannot apply is named in one error. The program is kept under
-    what tracing `fn` read: calling again with arguments of the same structure,
-    shapes and non-array values (by type and value, as `eqx.filter_jit` holds
-    them static) compiles nothing, eagerly too, while a value `fn` reads that has
-    changed (a closure's variable, a global, NumPy data changed in place) is
-    read again, as an eager `jax.shard_map` reads it. JAX arrays `fn` reads are
-    inputs of the program: a new one compiles nothing. An eager call whose `fn`
-    reads only what can be compared by value traces nothing after the first;
-    otherwise each call traces `fn` once.
+    The arrays of the arguments get specs; everything else reaches `fn` unchanged,
+    and `fn` may return anything: its arrays are put together by `out_specs`, the
+    rest comes back as `fn` returned it. Inside `fn` the mesh axes are manual, so
+    collectives name them. It works eagerly and inside `jax.jit`, on Auto and
+    Explicit axes. Specs are resolved and checked before anything is traced, every
+    array whose spec cannot apply named in one error; what the kept program is
+    keyed by is told in [the how-to](../how-to/shard-map.md#what-is-kept).
 
     **Arguments:**
 
     - `fn`: the per-device function, called with the positional arguments.
-    - `out_specs`: a spec tree for `fn`'s output or a prefix of it (`P('dp')` for
-      all of it; `None` only where it returns no array), partition rules matched
-      against the output, a function of the abstract output (see
-      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]
-      (resolved by `axis_rules`). An axis a spec leaves out promises that the
-      output is the same along it.
-    - `in_specs`: the same for the tuple of arguments, e.g. `(model_specs,
-      P('dp'))`; rules are matched against each argument (paths start inside
-      it), also as one entry of such a tuple. `None` at an array, and the
-      default `in_specs=None` for all of them, means its current layout: a placed
-      array's `NamedSharding` (on any mesh), or under `jit` (or `grad`, or any
-      transformation) the type of an array on Explicit axes
-      (`jax.typeof(x).sharding`); on Auto axes a traced array's type has no
-      layout, so there give the specs. This is not `jax.shard_map`'s
-      `in_specs=None`, which makes every input static.
+    - `out_specs`: a spec tree for `fn`'s output or a prefix of it, partition
+      rules, a function of the abstract output (see
+      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]. An
+      axis a spec leaves out promises that the output is the same along it.
+    - `in_specs`: the same for the tuple of arguments (`(model_specs, P('dp'))`).
+      `None` at an array, and the default for all, means its current layout (a
+      placed array's sharding, or on Explicit axes its type's); not
+      `jax.shard_map`'s `in_specs=None`, which makes every input static.
     - `mesh`: the mesh; defaults to the one set by `jax.set_mesh`, else the one
       the arguments are placed on.
-    - `axis_rules`: logical axis rules for the `AxisNames` in `in_specs` and
-      `out_specs`; defaults to the rules set by [`eqshard.logical_axis_rules`][]
-      or [`eqshard.set_logical_axis_rules`][] when the map is called.
-    - `**jax_options`: passed to `jax.shard_map`: `axis_names` (the manual axes;
-      default all), `check_vma`.
+    - `axis_rules`: logical axis rules for `AxisNames`; defaults to the rules set
+      by [`eqshard.logical_axis_rules`][] when the map is called.
+    - `**jax_options`: passed to `jax.shard_map` (`axis_names`, `check_vma`).
 
     **Returns:**
 
@@ -444,32 +425,24 @@ def filter_shard_map(
 
     **Raises:**
 
-    At the call, before tracing, eqshard's error naming every array concerned:
-
-    - `ValueError` if a spec tree is not a prefix of the arguments or the output
-      (naming the first path that differs), if specs cannot apply (an axis not in
-      the mesh, or not manual; a dimension its axes do not divide; a spec longer
-      than the array's rank; naming the nearest spec that fits), if a layout
-      cannot be read (an array on no mesh, or traced on Auto axes), if arrays
-      are on another mesh, if on Explicit axes `in_specs` differ from the
-      arrays' layouts, if no mesh is given, set or found, or if specs hold
-      `AxisNames` while no logical axis rules are given or set (naming where).
+    - `ValueError` if a spec tree is not a prefix of the arguments or the output,
+      if specs cannot apply (naming the nearest spec that fits), if a layout cannot
+      be read (an array on no mesh, or traced on Auto axes), if arrays are on
+      another mesh or differ from `in_specs` on Explicit axes, if no mesh is
+      found, or if `AxisNames` meet no rules.
     - `TypeError` for keyword arguments, unknown options, a spec leaf that is not
-      a spec, `fn` holding arrays, non-array arguments that cannot be hashed, or
-      bad `axis_rules`.
+      a spec, `fn` holding arrays, unhashable non-array arguments, or bad
+      `axis_rules`.
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((8,), ("dp",))
-        model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
-        model = eqshard.shard(model, P(), mesh)  # a copy on every device
         x = eqshard.shard(jnp.ones((16, 4)), P("dp"), mesh)
 
-        def local_sum(model, x):  # each device sees 2 rows of x
+        def local_sum(model, x):  # each device sees its rows of x
             return jax.lax.psum(jax.vmap(model)(x).sum(0), "dp")
 
-        total = eqshard.filter_shard_map(local_sum, out_specs=P())(model, x)  # (2,)
+        total = eqshard.filter_shard_map(local_sum, out_specs=P())(model, x)
         ```
     """
     unknown = sorted(set(jax_options) - set(_JAX_OPTIONS))

@@ -11,19 +11,13 @@ import functools as ft
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._mesh._current import find_mesh, mesh_repr, same_mesh
-from .._spectree._logical import (
-    AxisNames,
-    LogicalRules,
-)
-from .._spectree._memory import refuse_host
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import (
+from .._spectree._carried import explicit_axes, placed_sharding, type_sharding
+from .._spectree._check_spec import (
     check_leaves,
     check_spec,
     entry_axes,
@@ -31,6 +25,12 @@ from .._spectree._specs import (
     leaf_specs,
     spec_error_message,
 )
+from .._spectree._logical import (
+    AxisNames,
+    LogicalRules,
+)
+from .._spectree._memory import refuse_host
+from .._spectree._resolve import resolve_specs
 from .._tree import is_array, listing, path_str, paths_text
 from .._typing import KeyPath
 
@@ -194,17 +194,21 @@ def array_layout(leaf: Any) -> tuple[PartitionSpec, Mesh | AbstractMesh] | str:
     """The spec and mesh an array carries, or why it carries none: a placed array's
     `NamedSharding`, a traced array's type on Explicit axes."""
     if isinstance(leaf, Tracer):
-        sharding = jax.typeof(leaf).sharding
-        types = set(sharding.mesh.axis_types)
-        if sharding.mesh.empty or types != {AxisType.Explicit}:
+        sharding = type_sharding(leaf)
+        if (
+            sharding is None
+            or sharding.mesh.empty
+            or explicit_axes(sharding.mesh) != frozenset(sharding.mesh.axis_names)
+        ):
             return (
                 "is traced on Auto axes, where its type carries no layout (the "
                 "compiler chooses one)"
             )
         return sharding.spec, sharding.mesh
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        return sharding.spec, sharding.mesh
+    placed = placed_sharding(leaf)
+    if placed is not None:
+        return placed.spec, placed.mesh
+    sharding = getattr(leaf, "sharding", None)  # for the message alone
     if sharding is None:
         return "is a NumPy array, on no mesh"
     return f"has a {type(sharding).__name__}, not a NamedSharding on a mesh"
@@ -340,7 +344,9 @@ def _check_explicit(
     for i, spec in enumerate(specs):
         if spec is None:
             continue
-        typed, ndim = jax.typeof(leaves[i]).sharding, leaves[i].ndim
+        typed, ndim = type_sharding(leaves[i]), leaves[i].ndim
+        if typed is None:  # no JAX type: nothing to compare
+            continue
         if _placement(typed.spec, ndim) != _placement(spec, ndim):
             explicit = set(typed.mesh.axis_types) == {AxisType.Explicit}
             differ.append((i, typed.spec if explicit else None, spec))

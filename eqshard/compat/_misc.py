@@ -21,8 +21,8 @@ from .._mesh._current import concrete_mesh
 from .._move._gather import gather
 from .._move._host import check_cast_dtype
 from .._move._shard import shard_tree
-from .._spectree._spec_args import NO_TREE, resolve_specs
-from .._spectree._specs import is_spec_leaf
+from .._spectree._check_spec import is_spec_leaf
+from .._spectree._resolve import NO_TREE, resolve_specs
 from .._tree import is_array, mismatch_message, path_str
 from .._typing import Int, KeyPath, typecheck
 

@@ -12,9 +12,9 @@ from typing import Any
 from jax.sharding import Mesh
 
 from .._mesh._current import mesh_repr
+from .._spectree._check_spec import axes_repr
 from .._spectree._logical import LogicalRules, normalize_rules
 from .._spectree._logical_convert import standard_logical_axis_rules
-from .._spectree._specs import axes_repr
 from .._typing import AxisRulesArg, Int
 from ._topology import default_mesh
 

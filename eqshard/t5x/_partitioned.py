@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from .._mesh._current import mesh_repr
+from .._spectree._check_spec import bad_spec_leaf_message, is_spec_leaf, named_sharding
 from .._spectree._logical import axis_names_resolver, AxisNames, LogicalRules
-from .._spectree._specs import bad_spec_leaf_message, is_spec_leaf, named_sharding
 from .._transforms._jit import Front, JitFunction
 from .._transforms._jit_checks import Donation
 from .._transforms._jit_keys import Shardings

@@ -24,13 +24,13 @@ from jaxtyping import PyTree
 from .._deprecated import renamed_attribute, renamed_keywords
 from .._mesh._current import mesh_repr
 from .._move._shard import shard_tree
+from .._spectree._check_spec import entry_axes, spec_entry
 from .._spectree._logical import (
     AxisNames,
     logical_to_spec,
     LogicalRules,
 )
-from .._spectree._spec_args import NO_TREE, resolve_specs
-from .._spectree._specs import entry_axes, spec_entry
+from .._spectree._resolve import NO_TREE, resolve_specs
 from .._typing import AxisRulesArg, Int, typecheck
 from ._chunking import DataLayout, LocalChunker, LocalChunkInfo
 from ._config import (

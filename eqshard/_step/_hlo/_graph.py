@@ -1,4 +1,4 @@
-"""The data flow inside each computation of a program read by `_hlo_text`: for
+"""The data flow inside each computation of a program read by `_text`: for
 each slot, the computation's parameter slots it derives from and the root slots
 it reaches.
 
@@ -15,7 +15,7 @@ each slot are also the nearest mixing ops: the operands of the op producing it
 (the dot whose partial sums an all-reduce adds), and the operands and results of
 the ops consuming it (the dot that needs what an all-gather gathers). One pass
 in program order reads what each slot derives from, one in reverse order what it
-reaches. `_hlo_flow` joins the graphs into the entry's arguments and results.
+reaches. `_flow` joins the graphs into the entry's arguments and results.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
-from ._hlo_text import (
+from ._text import (
     branches,
     called,
     callees,

@@ -51,12 +51,12 @@ from jaxtyping import PyTree
 from .._internals import jaxpr as jaxprs
 from .._internals.routes import Unrecognised
 from .._mesh._current import same_mesh
+from .._spectree._check_spec import entry_axes
 from .._spectree._derive import abstract_tree
 from .._spectree._follow import followed, without_dim
 from .._spectree._select import Selection
-from .._spectree._specs import entry_axes
+from .._step._report import StepReport
 from .._step._step import analysis_report
-from .._step._step_report import StepReport
 from .._transforms._jit_checks import mark_traced
 from .._tree import is_array, path_name
 from .._typing import KeyPath

@@ -1,4 +1,4 @@
-"""How many times a `while` loop of a program read by `_hlo_text` runs, where
+"""How many times a `while` loop of a program read by `_text` runs, where
 the text does not say.
 
 CPU and GPU programs state a loop's trip count (`backend_config=
@@ -16,7 +16,7 @@ trip count is unknown, and the caller says so.
 import dataclasses
 import math
 
-from ._hlo_text import called, Computation, Instruction, Module
+from ._text import called, Computation, Instruction, Module
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ usual count of a transformer's FLOPs for MFU (`transformer_flops`).
 
 The estimate (`estimate_time`):
 
-1. **Ops** (`_hlo_cost.op_costs`): each scheduled op's dot and convolution
+1. **Ops** (`_hlo._cost.op_costs`): each scheduled op's dot and convolution
    FLOPs by operand type and its HBM bytes, times its runs per step.
 2. **Roofline per op**: an op takes the longer of its FLOPs at the chip's
    dense peak for its operands (`Chip.peaks`; on TPU an f32 dot is timed by
@@ -12,7 +12,7 @@ The estimate (`estimate_time`):
    DEFAULT runs on the TF32 Tensor Cores, HIGHEST at the FP32 peak) and its
    bytes at the HBM bandwidth. `compute_s` sums the FLOPs' times of all ops,
    `memory_s` the bytes' times of the ops the bandwidth bounds.
-3. **Collectives** (`_step_links.Links`): each row's `seconds` per run from
+3. **Collectives** (`_links.Links`): each row's `seconds` per run from
    its bytes, its devices' links and a ring algorithm; `collective_s` sums
    them times their runs. What the schedule does not overlap with computation
    (rows whose `overlapped` is not True) is exposed, and so is the part of
@@ -31,10 +31,10 @@ from typing import Any
 
 from .._mesh._chips import Chip, chip_of
 from .._typing import typecheck
-from ._hlo_cost import op_costs, OpCost
-from ._hlo_flow import Collective, Program
-from ._step_links import Links, UnknownLinks
-from ._step_records import CollectiveRow
+from ._hlo._cost import op_costs, OpCost
+from ._hlo._flow import Collective, Program
+from ._links import Links, UnknownLinks
+from ._records import CollectiveRow
 
 
 @dataclasses.dataclass(frozen=True)

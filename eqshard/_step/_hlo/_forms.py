@@ -1,4 +1,4 @@
-"""How each backend spells a collective in a program read by `_hlo_text`, and
+"""How each backend spells a collective in a program read by `_text`, and
 whether its schedule overlaps it with computation.
 
 The forms (JAX 0.10.2):
@@ -9,7 +9,7 @@ The forms (JAX 0.10.2):
 - **Async pairs** `all-gather-start`/`-done` (GPU; also TPU's permutes) and
   `async-start(...), calls=%c`/`async-done` (the collective inside `%c`): one
   collective each, at its start. A GPU start may combine several arrays into
-  one tuple-shaped op (`_hlo_graph` keeps each array's data apart).
+  one tuple-shaped op (`_graph` keeps each array's data apart).
 - **TPU async fusions**: a fusion (`kind=kCustom`) whose computation ends in
   `custom-call(%all-gather.3), custom_call_target="AsyncCollectiveStart"`
   starts the collective; a fusion ending in `AsyncCollectiveDone` finishes it;
@@ -33,8 +33,8 @@ across iterations).
 import dataclasses
 import re
 
-from ._hlo_graph import DONES, KINDS, STARTS
-from ._hlo_text import BadLine, callees, Computation, Instruction, Module
+from ._graph import DONES, KINDS, STARTS
+from ._text import BadLine, callees, Computation, Instruction, Module
 
 
 ASYNC_START = "AsyncCollectiveStart"

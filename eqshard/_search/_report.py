@@ -17,8 +17,8 @@ from jaxtyping import PyTree
 
 from .._report import format_bytes, Report, text_table
 from .._spectree._rules_syntax import value_text
-from .._step._step_records import StepMemory
-from .._step._step_report import StepReport
+from .._step._records import StepMemory
+from .._step._report import StepReport
 
 
 _FORMAT = 1  # the version of `to_json`'s format

@@ -35,9 +35,9 @@ from jaxtyping import PyTree
 
 from .._tree import flatten_up_to, is_array, path_str
 from ._auto import AutoFSDP
+from ._check_spec import is_spec_leaf
 from ._logical import AxisNames, LogicalRules
 from ._rules import rules_to_specs
-from ._specs import is_spec_leaf
 
 
 def is_partition_rules(specs: Any) -> bool:

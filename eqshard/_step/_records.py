@@ -1,4 +1,4 @@
-"""The rows of a step report (`_step_report.py`): each array leaf
+"""The rows of a step report (`_report.py`): each array leaf
 (`StepLeaf`), each collective (`CollectiveRow` of `CollectivePart`s) with its
 bytes, runs and overlap, the memory per device (`StepMemory`, on the step's
 backend), the inputs moved at every call and XLA's warnings; what `diff` finds

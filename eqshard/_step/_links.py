@@ -1,5 +1,5 @@
 """How long one run of a collective takes on the links between its devices
-(`collective_seconds`), for `_step_time`.
+(`collective_seconds`), for `_time`.
 
 The model ("How to Scale Your Model", parts 2 and 3, for TPUs; a ring over
 NVLink and InfiniBand, as NCCL runs it, for GPUs):

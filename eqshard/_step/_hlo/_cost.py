@@ -1,4 +1,4 @@
-"""The work of a compiled program read by `_hlo_flow`: the floating-point
+"""The work of a compiled program read by `_flow`: the floating-point
 operations of its dots and convolutions, and the HBM bytes each scheduled op
 reads and writes, per run, with the runs per step of the computation holding
 it (a loop's body: its trip count).
@@ -33,8 +33,8 @@ import re
 
 import numpy as np
 
-from ._hlo_graph import DONES, KINDS, STARTS
-from ._hlo_text import callees, Computation, Instruction, Module
+from ._graph import DONES, KINDS, STARTS
+from ._text import callees, Computation, Instruction, Module
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,8 @@
 fields, tuples as lists, plus the format's version and JAX's. `read_report`
 checks the whole document against the dataclasses' type hints before anything
 is built (every field there, of its type, integers not below their least value
-nor above 64 bits, closed vocabularies kept, nothing else), collecting every `Problem` with its
-JSON path, and raises one `ValueError` listing the first few.
+nor above 64 bits, closed vocabularies kept, nothing else), collecting every
+`Problem` with its JSON path, and raises one `ValueError` listing the first few.
 """
 
 import dataclasses

@@ -1,14 +1,14 @@
-"""Following the data of a compiled program read by `_hlo_text`: how often each
+"""Following the data of a compiled program read by `_text`: how often each
 collective runs, and which of the program's arguments and results its data comes
 from and goes to.
 
 1. **Count** (`Program`): how many times each computation runs per step: a
    `while` body as many times as its `known_trip_count`, or as its condition
-   says (`_hlo_loops`; times the runs of the computation holding the loop), a
+   says (`_loops`; times the runs of the computation holding the loop), a
    branch of a `conditional` at most once per
    run of its caller (marked), a fusion or call as often as its caller.
 2. **Follow the data** (`Program`): inside each computation, its graph
-   (`_hlo_graph`) tells which of its parameter slots each slot derives from and
+   (`_graph`) tells which of its parameter slots each slot derives from and
    which of its root slots each reaches. Then, top down from the entry
    computation, each computation learns which *arguments* (entry parameters)
    reach its parameters and which *results* (entry outputs) its root reaches; a
@@ -24,7 +24,7 @@ from and goes to.
 import dataclasses
 from collections.abc import Iterable, Iterator
 
-from ._hlo_forms import (
+from ._forms import (
     is_scatter_fusion,
     KERNELS,
     overlapped,
@@ -32,9 +32,9 @@ from ._hlo_forms import (
     target,
     unknown_collective_target,
 )
-from ._hlo_graph import DONES, Graph, Graphs, KINDS, span, STARTS
-from ._hlo_loops import loop_trips
-from ._hlo_text import (
+from ._graph import DONES, Graph, Graphs, KINDS, span, STARTS
+from ._loops import loop_trips
+from ._text import (
     ArrayShape,
     BadLine,
     branches,

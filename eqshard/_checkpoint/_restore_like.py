@@ -1,5 +1,5 @@
 """What `restore` reads into: `like` made abstractly when it is a function of no
-arguments, and the specs for it adapted to the mesh (`restore_target`).
+arguments, and the specs for it adapted to the mesh (`like_and_specs`).
 """
 
 import inspect
@@ -12,10 +12,10 @@ from jaxtyping import PyTree
 
 from .._mesh._current import find_mesh
 from .._mesh._targets import require_runnable
+from .._spectree._check_spec import leaf_specs
 from .._spectree._derive import restricted
 from .._spectree._memory import Host, memory_of
-from .._spectree._spec_args import resolve_specs
-from .._spectree._specs import leaf_specs
+from .._spectree._resolve import resolve_specs
 from .._tree import is_array
 
 
@@ -47,7 +47,7 @@ def needs_arguments(like: Any) -> bool:
     return _callable_leaf(like) and not _binds_without_arguments(like)
 
 
-def restore_target(
+def like_and_specs(
     like: Any,
     specs: Any,
     mesh: Mesh | AbstractMesh | None,

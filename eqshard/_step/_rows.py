@@ -1,7 +1,7 @@
 """The rows of a step report, built from the compiled program (`_step.py`).
 
 Each leaf becomes a `StepLeaf` (its program's sharding and bytes per device);
-each collective that `_hlo_flow.Program` finds a `CollectiveRow`, its arrays
+each collective that `_hlo._flow.Program` finds a `CollectiveRow`, its arrays
 named by the leaves their data comes from or goes to (else by the arguments of
 the op producing or consuming it), its device groups mapped to mesh axes;
 arguments that JAX moves at every call a `MovedInput`; XLA's logged warnings a
@@ -24,9 +24,9 @@ from .._internals.xla import logged_warnings
 from .._mesh._targets import device_memory
 from .._spectree._memory import is_host_memory
 from .._typing import warn
-from ._hlo_flow import Collective, Part, Program
-from ._step_args import Leaf, spec_text
-from ._step_records import (
+from ._args import Leaf, spec_text
+from ._hlo._flow import Collective, Part, Program
+from ._records import (
     CollectivePart,
     CollectiveRow,
     MovedInput,

@@ -4,7 +4,7 @@ by tree path, as [`eqshard.analyze_step`][] reads it (`_step.py`).
 Rows are frozen dataclasses of plain values (strings, ints, tuples), so that a
 report is compared with `==`, written by `to_json` with sorted keys and nothing
 that changes between runs (no timings, timestamps or addresses), and read back
-by `from_json` field by field (`_step_json.py`). `diff` compares two reports by
+by `from_json` field by field (`_json.py`). `diff` compares two reports by
 leaf path: layout (spec, shape, dtype), communication per collective kind, and
 memory.
 """
@@ -17,8 +17,8 @@ import jax
 
 from .._report import format_bytes, plain, Report, text_table
 from .._tree import grouped_paths
-from ._step_json import FORMAT, read_report
-from ._step_records import (
+from ._json import FORMAT, read_report
+from ._records import (
     CollectivePart,
     CollectiveRow,
     COMMUNICATION,
@@ -30,7 +30,7 @@ from ._step_records import (
     StepWarning,
     UNATTRIBUTED,
 )
-from ._step_time import StepTime
+from ._time import StepTime
 
 
 _TOP = 20  # collectives (and moved inputs) that `str(report)` lists
@@ -51,15 +51,15 @@ class StepReport(Report):
     - `function`: the step's name.
     - `mesh`: the mesh's `(axis, size)` pairs (empty for a single device).
     - `arguments`, `outputs`: one
-      [`StepLeaf`][eqshard._step._step_records.StepLeaf] per array, with the sharding
+      [`StepLeaf`][eqshard._step._records.StepLeaf] per array, with the sharding
       the program uses (`out/...` for outputs).
-    - `memory`: a [`StepMemory`][eqshard._step._step_records.StepMemory]: per-device
+    - `memory`: a [`StepMemory`][eqshard._step._records.StepMemory]: per-device
       bytes and `fits()`.
-    - `collectives`: one [`CollectiveRow`][eqshard._step._step_records.CollectiveRow]
+    - `collectives`: one [`CollectiveRow`][eqshard._step._records.CollectiveRow]
       per collective instruction, in program order.
-    - `moved`: the [`MovedInput`][eqshard._step._step_records.MovedInput]s JAX moves
+    - `moved`: the [`MovedInput`][eqshard._step._records.MovedInput]s JAX moves
       at every call.
-    - `warnings`: XLA's [`StepWarning`][eqshard._step._step_records.StepWarning]s of
+    - `warnings`: XLA's [`StepWarning`][eqshard._step._records.StepWarning]s of
       this compile.
     - `versions`: `(package, version)` of JAX, jaxlib and the target's compiler
       (`libtpu`, `jax-cuda12-plugin`) the step was compiled with.

@@ -10,15 +10,18 @@ groups in their three spellings (Shardy's `mesh['a'=2,'b'=4] {'b'}`, with
 `device_ids=` and sub-axes; iota `[2,4]<=[8]`, with transposes such as
 `[4,2]<=[2,4]T(1,0)`; and explicit `{{0,1},{2,3}}`), a permute's source-target
 pairs, a loop's trip count, and the op name and source location of the user's
-code. The text is XLA's, not a stable API: a line this module does not
+code (the innermost frame outside eqshard's own files, so that the collectives
+of `dot_product_attention` or `pipeline` are named by the line that called
+them). The text is XLA's, not a stable API: a line this module does not
 understand raises `HloTextError`, naming the JAX version and the line, rather
-than giving a wrong report. `_hlo_flow` follows the data through what is read.
+than giving a wrong report. `_flow` follows the data through what is read.
 """
 
 import dataclasses
 import functools
 import importlib.metadata
 import math
+import os
 import re
 from collections.abc import Sequence
 
@@ -276,20 +279,50 @@ def _fields(text: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+?)[\s}]", text + " "))
 
 
+# eqshard's own source files: a frame in them (the attention's permutes, a
+# pipeline's, a constraint) is named by the user's line that called eqshard.
+_OWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+
+
 def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:
-    """Stack frame id -> "file:line" of its innermost location."""
+    """Stack frame id -> "file:line" of its innermost location outside
+    eqshard's own files (the innermost one if every frame is eqshard's).
+
+    A frame's `parent_frame_id` is printed one above its parent's id (0 and 1
+    mean none), as JAX 0.10's XLA writes the table."""
     files = {k: _unquote(v) for k, v in tables.get("FileNames", {}).items()}
     locations = {}
     for k, v in tables.get("FileLocations", {}).items():
         fields = _fields(v)
         name = files.get(int(fields.get("file_name_id", "0")), "?")
         locations[k] = f"{name}:{fields.get('line', '?')}"
-    out = {}
+    frames = {}
     for k, v in tables.get("StackFrames", {}).items():
-        location = int(_fields(v).get("file_location_id", "0"))
+        fields = _fields(v)
+        frames[k] = (
+            int(fields.get("file_location_id", "0")),
+            int(fields.get("parent_frame_id", "0")) - 1,
+        )
+    out = {}
+    for k, (location, _) in frames.items():
         if location in locations:
-            out[k] = locations[location]
+            out[k] = _outside(k, frames, locations) or locations[location]
     return out
+
+
+def _outside(
+    frame: int, frames: dict[int, tuple[int, int]], locations: dict[int, str]
+) -> str | None:
+    """The innermost location of `frame`'s stack outside eqshard's files."""
+    seen = set()
+    while frame in frames and frame not in seen:
+        seen.add(frame)
+        location, parent = frames[frame]
+        where = locations.get(location)
+        if where is not None and not where.startswith(_OWN):
+            return where
+        frame = parent
+    return None
 
 
 def _append(
