@@ -476,10 +476,10 @@ def plan_training(
       jax.ShapeDtypeStruct, "kv_heads": K (default N), "axis": "cp",
       "strategy": "ring", "batch_axes": the batch's axes (default the mesh's
       dp, fsdp, data), "activation": one layer's kept [B, T, D] activation,
-      "layers": how many are kept (1)}`. The plan adds on every device one
-      layer's attention buffers (`plan.context`: float32 scores, `T/n x T/n`
-      blocks for the ring, `T/n x T` for all-gather, all of `T x T` for `N/n`
-      heads for Ulysses, and the keys and values gathered or in flight;
+      "layers": how many are kept (1), "block_size": the ring's, if given}`.
+      The plan adds on every device one layer's attention buffers (float32
+      scores: tiles of `T/n` keys for the ring, `T/n x T` for all-gather, `T x T`
+      for `N/n` heads for Ulysses; the keys and values gathered or in flight;
       within 10 % of XLA:CPU's temporaries at `T >= 2048`; a GPU's compiler
       may hold fewer: check with [`eqshard.analyze_step`][] on its target),
       and the kept activations with their sequence split over the axis.
