@@ -131,6 +131,16 @@ def _scores(q: Any, k: Any, bias: Any, valid: Any, scale: float) -> Any:
     return s
 
 
+def _tied(extra: Any, kaux: Any, q: Any) -> tuple[Any, ...]:
+    """The bias, mask and positions tied to the queries by an optimization
+    barrier: what they give (the causal mask above all) then depends on the
+    differentiated inputs, so JAX's partial evaluation (a scan over layers being
+    differentiated) cannot hoist it out of the tiles and stack every tile's
+    `[B, N, rows, S/N]` mask at once."""
+    (bias, mask, qaux), kaux, q = jax.lax.optimization_barrier((extra, kaux, q))
+    return bias, mask, qaux, kaux, q
+
+
 def _source(step: Any, plan: RingPlan) -> Any:
     """The device whose key block this device holds at `step`."""
     return (jax.lax.axis_index(plan.axis) - step) % plan.size
@@ -142,7 +152,7 @@ def _fold(
     """The online softmax with one more key block."""
     m, l, o = carry
     k, v, kaux = travel
-    bias, mask, qaux = extra
+    bias, mask, qaux, kaux, q = _tied(extra, kaux, q)
     src = _source(step, plan)
     groups = (k.shape[2], q.shape[3])
     valid = _valid(_block(mask, src, k.shape[1], groups), qaux, kaux)
@@ -227,7 +237,7 @@ def _grad_block(grads: Any, travel: Any, step: Any, res: Any, plan: RingPlan) ->
     dq, dbias = grads
     k, v, kaux, dk, dv = travel
     qg, dog, lse, delta, extra = res
-    bias, mask, qaux = extra
+    bias, mask, qaux, kaux, qg = _tied(extra, kaux, qg)
     src = _source(step, plan)
     groups = (k.shape[2], qg.shape[3])
     valid = _valid(_block(mask, src, k.shape[1], groups), qaux, kaux)
