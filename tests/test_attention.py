@@ -395,3 +395,28 @@ def test_eager_cross_attention(cp_mesh):
         got = eqshard.dot_product_attention(q, k, v, is_causal=True, axis="cp")
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_all_gather_bfloat16_gradient_on_cpu(cp_mesh):
+    """bfloat16 keys gathered with the batch not manual: the gradient's
+    reduce-scatter in 16 bits aborted XLA:CPU at T=2048 (`AllReducePromotion`);
+    on the CPU backend the keys and values are gathered in float32."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 2048, 8, 64), jnp.bfloat16, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    k = jax.ShapeDtypeStruct((2, 2048, 4, 64), jnp.bfloat16, sharding=q.sharding)
+
+    def loss(q, k, v):
+        out = eqshard.dot_product_attention(
+            q, k, v, is_causal=True, axis="cp", strategy="all_gather"
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(cp_mesh):
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        text = step.lower(q, k, k).compile().as_text()
+    gathers = [line for line in text.splitlines() if "all-gather(" in line]
+    assert gathers and all("bf16[" not in line.split("=")[1] for line in gathers)

@@ -97,6 +97,16 @@ def _local_mask(a: dict[str, Any], k_pos: Any, k_seg: Any) -> Any:
     return _combined(a.get("mask"), a.get("q_pos"), k_pos, a.get("q_seg"), k_seg)
 
 
+def _cpu_half(x: Any) -> bool:
+    """A 16-bit float gathered on the CPU backend: its gradient's reduce-scatter
+    in 16 bits aborts XLA:CPU (`AllReducePromotion`: "Invalid binary instruction
+    opcode copy") when the batch is not manual too, so it goes in float32."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) == "cpu"
+
+
 def _gather_body(size: int, axis: str, scale: float, rows: None) -> Any:
     del size, rows
 
@@ -104,7 +114,11 @@ def _gather_body(size: int, axis: str, scale: float, rows: None) -> Any:
         def gather(x: Any) -> Any:
             if x is None:
                 return None
-            return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+            wide = _cpu_half(x)
+            y = jax.lax.all_gather(
+                x.astype(jnp.float32) if wide else x, axis, axis=1, tiled=True
+            )
+            return y.astype(x.dtype) if wide else y
 
         k, v = gather(a["k"]), gather(a["v"])
         mask = _local_mask(a, gather(a.get("k_pos")), gather(a.get("k_seg")))
