@@ -418,5 +418,6 @@ def test_all_gather_bfloat16_gradient_on_cpu(cp_mesh):
     with jax.set_mesh(cp_mesh):
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         text = step.lower(q, k, k).compile().as_text()
+    assert text is not None
     gathers = [line for line in text.splitlines() if "all-gather(" in line]
     assert gathers and all("bf16[" not in line.split("=")[1] for line in gathers)
