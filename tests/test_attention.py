@@ -385,6 +385,34 @@ def test_ring_tiles_cut_temporaries(cp_mesh):
     assert tiled[0] <= block[0] / 3 and tiled[1] <= block[1] / 3, (tiled, block)
 
 
+@pytest.mark.slow
+def test_ring_tiles_stay_tiled_in_a_scan_over_layers(cp_mesh):
+    """The gradient of two layers scanned: JAX's partial evaluation must not
+    hoist the causal mask (it depends on positions only) out of the tiles and
+    stack every tile's (that was 2.3x one layer's temporaries)."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 1024, 4, 16), jnp.float32, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    attend = ft.partial(
+        eqshard.dot_product_attention, is_causal=True, axis="cp", block_size=8
+    )
+
+    def layers(x):
+        x, _ = jax.lax.scan(lambda h, _: (attend(h, h, h), None), x, None, length=2)
+        return jnp.sum(x**2)
+
+    found = []
+    for loss in (layers, lambda x: jnp.sum(attend(x, x, x) ** 2)):
+        with jax.set_mesh(cp_mesh):
+            compiled = jax.jit(jax.grad(loss)).lower(q).compile()
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        found.append(analysis.temp_size_in_bytes)
+    assert found[0] <= 1.5 * found[1], found
+
+
 def test_eager_cross_attention(cp_mesh):
     """Outside `jit`, queries shorter than the keys (causal as JAX's: top-left)."""
     import eqshard
