@@ -187,9 +187,17 @@ def llama_planned(mesh, seq: int, strategy: str) -> int:
     return plan.context.total
 
 
-def longest(mesh, strategy: str, fits: int, over: int, budget: int) -> int:
-    """The longest multiple of 8192 tokens whose step fits, between a length
-    that fits and one that does not."""
+def longest(mesh, strategy: str, peaks: dict[int, int], budget: int) -> int:
+    """The longest multiple of 8192 tokens whose step fits, from the peaks
+    measured (`{tokens: peak}`): doubling past the longest that fits if none
+    measured is over, then bisecting."""
+    fits = max([8192] + [t for t, p in peaks.items() if p <= budget])
+    over = min([t for t, p in peaks.items() if p > budget], default=None)
+    while over is None:
+        if llama_peak(mesh, 2 * fits, strategy) <= budget:
+            fits *= 2
+        else:
+            over = 2 * fits
     while over - fits > 8192:
         mid = (fits + over) // 2 // 8192 * 8192
         if llama_peak(mesh, mid, strategy) <= budget:
@@ -205,17 +213,15 @@ def llama(args) -> None:
     gb = lambda x: f"{x / 2**30:.1f}"  # noqa: E731
     rows = []
     for strategy in ("ring", "all_gather"):
+        peaks = {}
         for seq in args.llama_seqs:
-            peak = llama_peak(mesh, seq, strategy)
+            peak = peaks[seq] = llama_peak(mesh, seq, strategy)
             fits = ["yes" if peak <= budget else "no" for budget in budgets]
             planned = gb(llama_planned(mesh, seq, strategy))
             rows.append([strategy, f"{seq:,}", gb(peak), *fits, planned])
             print(*rows[-1], flush=True)
-        if args.fit:
-            best = [
-                f"{longest(mesh, strategy, 8192, min(args.llama_seqs), b):,}"
-                for b in budgets
-            ]
+        if args.fit is not None and strategy in (args.fit or [strategy]):
+            best = [f"{longest(mesh, strategy, peaks, b):,}" for b in budgets]
             rows.append([strategy, "longest that fits", "-", *best, "-"])
             print(*rows[-1], flush=True)
     columns = [
@@ -245,7 +251,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--llama", action="store_true", help="the deviceless step")
     parser.add_argument("--llama-seqs", type=int, nargs="+", default=[131072, 262144])
-    parser.add_argument("--fit", action="store_true", help="with --llama: bisect")
+    parser.add_argument(
+        "--fit",
+        nargs="*",
+        choices=["ring", "all_gather"],
+        help="with --llama: the longest that fits, for these strategies (all if none)",
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if args.llama:

@@ -101,10 +101,11 @@ def test_packed_segments_causal(cp_mesh, strategy):
     _compare(cp_mesh, ours, theirs, q, k, v)
 
 
-@pytest.mark.parametrize("strategy, kv_heads", [("ring", 2), ("ulysses", N)])
+@pytest.mark.parametrize("strategy, kv_heads", [("ulysses", N)])
 def test_bias_and_mask(cp_mesh, strategy, kv_heads):
     """A full `[B, N, T, S]` bias (its gradient too) and a key-padding mask
-    `[B, 1, 1, S]` that leaves some rows with no key at all."""
+    `[B, 1, 1, S]` that leaves some rows with no key at all (the ring's case
+    is in `test_ring_tiles_of_query_rows`)."""
     import eqshard
 
     q, k, v = _qkv(kv_heads=kv_heads)
@@ -118,6 +119,30 @@ def test_bias_and_mask(cp_mesh, strategy, kv_heads):
 
     def theirs(q, k, v, bias):
         return jax.nn.dot_product_attention(q, k, v, bias, mask)
+
+    _compare(cp_mesh, ours, theirs, q, k, v, bias)
+
+
+def test_ring_tiles_of_query_rows(cp_mesh):
+    """`block_size=2` of the 8 queries each device holds: four tiles per ring
+    step, with causality, packed segments, GQA, a full bias (its gradient too)
+    and a key mask that leaves rows 0 and 1 of batch 1 no key at all."""
+    import eqshard
+
+    q, k, v = _qkv(kv_heads=2)
+    seg = _segments()
+    bias = jax.random.normal(jax.random.key(5), (B, N, T, T))
+    mask = jnp.stack([jnp.arange(T) < 28, jnp.arange(T) >= 2])[:, None, None, :]
+
+    def ours(q, k, v, bias):
+        return eqshard.dot_product_attention(
+            q, k, v, bias, mask, is_causal=True, segment_ids=seg, axis="cp",
+            block_size=2,
+        )  # fmt: skip
+
+    def theirs(q, k, v, bias):
+        both = mask & _segment_mask(seg)
+        return jax.nn.dot_product_attention(q, k, v, bias, both, is_causal=True)
 
     _compare(cp_mesh, ours, theirs, q, k, v, bias)
 
@@ -283,6 +308,11 @@ def test_axis_none_is_jax_with_tokens():
         ({"axis": "cp", "segment_ids": (2, 16)}, "`segment_ids` has shape .2, 16."),
         ({"axis": "cp", "local_window_size": 4}, "`local_window_size` with axis='cp'"),
         ({"axis": "cp", "strategy": "tree"}, "unknown strategy='tree'"),
+        ({"axis": "cp", "block_size": 3}, "block_size=3 does not divide the 8"),
+        (
+            {"axis": "cp", "block_size": 2, "strategy": "ulysses"},
+            "block_size=2 tiles the ring's scores, but strategy='ulysses'",
+        ),
         ({"axis": "cp", "batch_axes": "cp"}, "batch_axes names 'cp', not an axis"),
         ({"axis": "cp", "batch_axes": ("dp", "x")}, "batch_axes names 'x'"),
         ({"mask": jnp.ones((B, N, T, T))}, "`mask` has dtype float32"),
@@ -340,6 +370,49 @@ def test_ring_temporaries_at_most_half_of_whole_scores(cp_mesh):
     assert ring[0] <= whole[0] / 2 and ring[1] <= whole[1] / 2, (ring, whole)
 
 
+@pytest.mark.slow
+def test_ring_tiles_cut_temporaries(cp_mesh):
+    """Tiles of 8 of the 256 queries each device holds: the ring's temporaries,
+    forward and gradient, at most a third of one whole block's."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 1024, 4, 16), jnp.float32, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    ring = ft.partial(eqshard.dot_product_attention, is_causal=True, axis="cp")
+    block = _temporaries(ring, q, cp_mesh)
+    tiled = _temporaries(ft.partial(ring, block_size=8), q, cp_mesh)
+    assert tiled[0] <= block[0] / 3 and tiled[1] <= block[1] / 3, (tiled, block)
+
+
+@pytest.mark.slow
+def test_ring_tiles_stay_tiled_in_a_scan_over_layers(cp_mesh):
+    """The gradient of two layers scanned: JAX's partial evaluation must not
+    hoist the causal mask (it depends on positions only) out of the tiles and
+    stack every tile's (that was 2.3x one layer's temporaries)."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 1024, 4, 16), jnp.float32, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    attend = ft.partial(
+        eqshard.dot_product_attention, is_causal=True, axis="cp", block_size=8
+    )
+
+    def layers(x):
+        x, _ = jax.lax.scan(lambda h, _: (attend(h, h, h), None), x, None, length=2)
+        return jnp.sum(x**2)
+
+    found = []
+    for loss in (layers, lambda x: jnp.sum(attend(x, x, x) ** 2)):
+        with jax.set_mesh(cp_mesh):
+            compiled = jax.jit(jax.grad(loss)).lower(q).compile()
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        found.append(analysis.temp_size_in_bytes)
+    assert found[0] <= 1.5 * found[1], found
+
+
 def test_eager_cross_attention(cp_mesh):
     """Outside `jit`, queries shorter than the keys (causal as JAX's: top-left)."""
     import eqshard
@@ -350,3 +423,29 @@ def test_eager_cross_attention(cp_mesh):
         got = eqshard.dot_product_attention(q, k, v, is_causal=True, axis="cp")
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_all_gather_bfloat16_gradient_on_cpu(cp_mesh):
+    """bfloat16 keys gathered with the batch not manual: the gradient's
+    reduce-scatter in 16 bits aborted XLA:CPU at T=2048 (`AllReducePromotion`);
+    on the CPU backend the keys and values are gathered in float32."""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 2048, 8, 64), jnp.bfloat16, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    k = jax.ShapeDtypeStruct((2, 2048, 4, 64), jnp.bfloat16, sharding=q.sharding)
+
+    def loss(q, k, v):
+        out = eqshard.dot_product_attention(
+            q, k, v, is_causal=True, axis="cp", strategy="all_gather"
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(cp_mesh):
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        text = step.lower(q, k, k).compile().as_text()
+    assert text is not None
+    gathers = [line for line in text.splitlines() if "all-gather(" in line]
+    assert gathers and all("bf16[" not in line.split("=")[1] for line in gathers)

@@ -43,11 +43,12 @@ def test_rows_name_the_users_line(cp_mesh, strategy, kind):
     assert all(row.source.endswith(f"test_attention_tools.py:{line}") for row in rows)
 
 
-def _compiled_temporaries(mesh, strategy, query, key, gradients):
+def _compiled_temporaries(mesh, strategy, query, key, gradients, block_size=None):
     def forward(q, k, v):
         return eqshard.dot_product_attention(
-            q, k, v, is_causal=True, axis="cp", strategy=strategy
-        )
+            q, k, v, is_causal=True, axis="cp", strategy=strategy,
+            block_size=block_size,
+        )  # fmt: skip
 
     def step(q, k, v):
         loss = lambda q, k, v: forward(q, k, v).sum()  # noqa: E731
@@ -59,15 +60,23 @@ def _compiled_temporaries(mesh, strategy, query, key, gradients):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
-def test_plan_counts_the_compiled_attention(cp_mesh, strategy):
+@pytest.mark.parametrize(
+    "strategy, block_size",
+    [("ring", None), ("ring", 128), ("all_gather", None), ("ulysses", None)],
+)
+def test_plan_counts_the_compiled_attention(cp_mesh, strategy, block_size):
     """`plan_training(context=)`'s buffers against XLA's temporaries for the
-    attention's gradient (dp 2 x cp 4, GQA 8/4 heads, T = 2048)."""
+    attention's gradient (dp 2 x cp 4, GQA 8/4 heads, T = 2048; the ring whole
+    and in tiles of 128 of its 512 rows)."""
     split = NamedSharding(cp_mesh, P("dp", "cp"))
     query = jax.ShapeDtypeStruct((2, 2048, 8, 32), jnp.float32, sharding=split)
     key = jax.ShapeDtypeStruct((2, 2048, 4, 32), jnp.float32, sharding=split)
-    compiled = _compiled_temporaries(cp_mesh, strategy, query, key, gradients=True)
+    compiled = _compiled_temporaries(
+        cp_mesh, strategy, query, key, gradients=True, block_size=block_size
+    )
     context = {"query": query, "kv_heads": 4, "strategy": strategy, "axis": "cp"}
+    if block_size is not None:
+        context["block_size"] = block_size
     plan = eqshard.plan_training({}, mesh=cp_mesh, context=context)
     assert plan.context is not None
     assert abs(plan.context.total - compiled) <= 0.1 * compiled, (
@@ -75,7 +84,7 @@ def test_plan_counts_the_compiled_attention(cp_mesh, strategy):
         compiled,
     )
     # By hand: one device's float32 score array, batch 1 of 2 over 'dp'.
-    one = {"ring": 8 * 512 * 512, "all_gather": 8 * 512 * 2048}
+    one = {"ring": 8 * (block_size or 512) * 512, "all_gather": 8 * 512 * 2048}
     one["ulysses"] = 2 * 2048 * 2048
     assert plan.context.scores % (one[strategy] * 4) == 0
 
@@ -107,6 +116,12 @@ def test_plan_context_by_hand():
     assert forward.context is not None
     assert forward.context.scores == 2 * 2 * 8 * 256 * 256 * 4
     assert forward.context.accumulators == 0
+    tiled = eqshard.plan_training(
+        params, P(), mesh, context={**context, "block_size": 64}
+    ).context
+    assert tiled is not None  # four tiles of 64 x 256, six query-sized arrays
+    assert tiled.scores == 4 * 2 * 8 * 64 * 256 * 4
+    assert tiled.accumulators == 6 * (2 * 256 * 8 * 64) * 4
 
 
 @pytest.mark.parametrize(

@@ -432,7 +432,8 @@ def plan_training(
       `fsdp_gather` with `layers` and `layer_bytes`).
     - `offload_copy`: the share of host-memory arrays the step holds on device.
     - `context`: [`eqshard.dot_product_attention`][]'s split (`query`,
-      `kv_heads`, `axis`, `strategy`, `batch_axes`, `activation`, `layers`).
+      `kv_heads`, `axis`, `strategy`, `batch_axes`, `block_size`, `activation`,
+      `layers`).
 
     **Returns:**
 

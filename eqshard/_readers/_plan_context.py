@@ -7,22 +7,26 @@ key/value heads of size `H`), [`eqshard.dot_product_attention`][]'s buffers are
 float32 scores, whose shape depends on the strategy, and the keys and values it
 gathers or passes on:
 
-| strategy | one score array | keys and values | count (training / forward) |
+| strategy | one score array | keys and values | count |
 |---|---|---|---|
-| `ring` | `[b, N, t, s]`, one block | two blocks of K and V in flight | 5 / 2 |
+| `ring` | `[b, N, r, s]`, a tile of `r` rows | two K and V blocks in flight | 4 / 2 |
 | `all_gather` | `[b, N, t, S]` | the whole K and V | 4 / 3 |
 | `ulysses` | `[b, N/n, T, S]` | all tokens of `N/n` and `K/n` heads (Q, K, V) | 4 / 2 |
 
+The counts are for training / forward only. The ring takes its `t` queries `r`
+rows at a time (`r` from `block_size`, else the most rows, a divisor of `t`,
+whose scores fit in 256 MiB); when `r = t` (the whole block fits) it holds 5 / 2.
 The counts are those of the compiled programs: XLA:CPU on 8 devices holds that
 many score-sized arrays at its peak (training: the backward pass's score
 gradients beside the recomputed probabilities), within 10 % at `T >= 2048`
 (tests/test_attention_tools.py). XLA:GPU's programs for 8 H100s (deviceless, a
-Llama-3-8B-shaped step: benchmarks/bench_context.py) agree for the ring (2 %)
-and hold fewer for all-gather (the plan is 30 % over). Training adds the query's
-float32 gradient accumulators (8 query-sized arrays for the ring, one for the
-others). Only one layer's attention is live at a time, so this counts once; the
-activations the layers keep for the backward pass (`activation`, one per layer
-with rematerialisation) have their sequence split over the axis as well.
+Llama-3-8B-shaped step: benchmarks/bench_context.py) hold fewer for all-gather
+(the plan is 30 % over). Training adds the query's float32 gradient
+accumulators and tiles (query-sized arrays: 8 for the untiled ring, 6 tiled,
+one for the others). Only one layer's attention is live at a time, so this
+counts once; the activations the layers keep for the backward pass
+(`activation`, one per layer with rematerialisation) have their sequence split
+over the axis as well.
 """
 
 import dataclasses
@@ -36,9 +40,19 @@ import numpy as np
 from .._mesh._current import mesh_repr
 from .._report import format_bytes
 from .._transforms._attention_checks import STRATEGIES
+from .._transforms._attention_ring import tile_rows
 
 
-_KEYS = ("axis", "strategy", "query", "kv_heads", "batch_axes", "activation", "layers")
+_KEYS = (
+    "axis",
+    "strategy",
+    "query",
+    "kv_heads",
+    "batch_axes",
+    "activation",
+    "layers",
+    "block_size",
+)
 _DATA_AXES = ("dp", "fsdp", "data")
 # Score-sized float32 arrays at the compiled peak: (training, forward only).
 _SCORES = {"ring": (5, 2), "all_gather": (4, 3), "ulysses": (4, 2)}
@@ -153,8 +167,13 @@ def context_buffers(
     b = -(-b // batch)
     count = _SCORES[strategy][0 if gradients else 1]
     q_local, kv_local = b * (t // n) * heads * h, b * (t // n) * kv_heads * h
+    queries = 8 if strategy == "ring" else 1  # float32, query-sized
     if strategy == "ring":
-        scores = b * heads * (t // n) ** 2
+        local = t // n
+        rows = tile_rows(local, b * heads * local * 4, context.get("block_size"))
+        if rows < local:  # tiled
+            count, queries = (4 if gradients else 2), 6
+        scores = b * heads * rows * local
         keys_values = 2 * 2 * kv_local * item
     elif strategy == "all_gather":
         scores = b * heads * (t // n) * t
@@ -162,7 +181,7 @@ def context_buffers(
     else:
         scores = b * (heads // n) * t * t
         keys_values = (q_local + 2 * kv_local) * item
-    accumulators = (8 if strategy == "ring" else 1) * q_local * 4 if gradients else 0
+    accumulators = queries * q_local * 4 if gradients else 0
     activations = 0
     if context.get("activation") is not None:
         (ab, at, d), dtype = _shape_of(context["activation"], "activation", 3)

@@ -14,7 +14,8 @@ How a call goes:
    axes keep their layouts), with the query, keys and values split along the
    sequence, and inside it the strategy:
    - `ring` (`_attention_ring.py`): key/value blocks travel the axis by
-     `ppermute`, an online softmax over blocks, and its own backward pass;
+     `ppermute`, an online softmax over blocks taken a tile of query rows at a
+     time (`block_size`), and its own backward pass;
    - `all_gather`: keys and values (and their positions and segments) gathered,
      queries local, `jax.nn.dot_product_attention` on the local rows;
    - `ulysses`: two all-to-alls trade the sequence for heads (each device all
@@ -43,6 +44,7 @@ from .._typing import typecheck
 from ._attention_checks import (
     axis_count,
     check_batch_axes,
+    check_block_size,
     check_jax_only,
     check_masks,
     check_shapes,
@@ -79,8 +81,8 @@ def _combined(mask: Any, q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any) -> Any:
     return out
 
 
-def _ring_body(size: int, axis: str, scale: float) -> Any:
-    plan = RingPlan(axis, size, scale)
+def _ring_body(size: int, axis: str, scale: float, rows: int | None) -> Any:
+    plan = RingPlan(axis, size, scale, rows)
 
     def body(a: dict[str, Any]) -> Any:
         extra = (a.get("bias"), a.get("mask"), (a.get("q_pos"), a.get("q_seg")))
@@ -95,14 +97,28 @@ def _local_mask(a: dict[str, Any], k_pos: Any, k_seg: Any) -> Any:
     return _combined(a.get("mask"), a.get("q_pos"), k_pos, a.get("q_seg"), k_seg)
 
 
-def _gather_body(size: int, axis: str, scale: float) -> Any:
-    del size
+def _cpu_half(x: Any) -> bool:
+    """A 16-bit float gathered on the CPU backend: its gradient's reduce-scatter
+    in 16 bits aborts XLA:CPU (`AllReducePromotion`: "Invalid binary instruction
+    opcode copy") when the batch is not manual too, so it goes in float32."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) == "cpu"
+
+
+def _gather_body(size: int, axis: str, scale: float, rows: None) -> Any:
+    del size, rows
 
     def body(a: dict[str, Any]) -> Any:
         def gather(x: Any) -> Any:
             if x is None:
                 return None
-            return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+            wide = _cpu_half(x)
+            y = jax.lax.all_gather(
+                x.astype(jnp.float32) if wide else x, axis, axis=1, tiled=True
+            )
+            return y.astype(x.dtype) if wide else y
 
         k, v = gather(a["k"]), gather(a["v"])
         mask = _local_mask(a, gather(a.get("k_pos")), gather(a.get("k_seg")))
@@ -113,8 +129,8 @@ def _gather_body(size: int, axis: str, scale: float) -> Any:
     return body
 
 
-def _ulysses_body(size: int, axis: str, scale: float) -> Any:
-    del size
+def _ulysses_body(size: int, axis: str, scale: float, rows: None) -> Any:
+    del size, rows
 
     def body(a: dict[str, Any]) -> Any:
         def heads(x: Any) -> Any:  # [B, T/n, N, H] -> [B, T, N/n, H]
@@ -145,13 +161,14 @@ _BODIES = {"ring": _ring_body, "all_gather": _gather_body, "ulysses": _ulysses_b
 
 class _Split(NamedTuple):
     """How the map splits: the context axis and its size, the strategy, the
-    scale, and the mesh axes of the batch (manual too)."""
+    scale, the mesh axes of the batch (manual too) and the ring's tile rows."""
 
     axis: str
     size: int
     strategy: str
     scale: float
     batch: tuple[str, ...]
+    rows: int | None = None
 
 
 def _specs(a: dict[str, Any], split: _Split) -> dict[str, P]:
@@ -178,7 +195,7 @@ def _mapped(a: dict[str, Any], on: Any, split: _Split) -> Any:
         full = a["q"].shape[3 - at]  # heads (Ulysses) or queries, [B, T, N, H]
         a = dict(a, bias=jnp.broadcast_to(b, (*b.shape[:at], full, *b.shape[at + 1 :])))
     fn = jax.shard_map(
-        _BODIES[split.strategy](split.size, split.axis, split.scale),
+        _BODIES[split.strategy](split.size, split.axis, split.scale, split.rows),
         mesh=on,
         in_specs=(_specs(a, split),),
         out_specs=P(split.batch or None, split.axis),
@@ -271,6 +288,7 @@ def dot_product_attention(
     axis: str | None = None,
     strategy: str = "ring",
     batch_axes: str | tuple[str, ...] | None = None,
+    block_size: int | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> Array:
     """Scaled dot-product attention, `jax.nn.dot_product_attention`'s layout and
@@ -301,6 +319,10 @@ def dot_product_attention(
       map is manual over them too, so that XLA does not gather the batch for
       the all-gather and all-to-alls (the ring does not need them). Default:
       the query's typed layout on Explicit axes, else none.
+    - `block_size`: the ring's query rows per tile: each ring step takes the
+      local queries this many at a time, so one tile's `[B, N, rows, S/n]`
+      float32 scores are live, not the whole block's. Default: the most rows
+      (a divisor of `T/n`) whose scores fit in 256 MiB.
     - `mesh`: defaults to the mesh set with `jax.set_mesh`.
 
     **Returns:**
@@ -358,10 +380,10 @@ def dot_product_attention(
         query, key, value = query[None], key[None], value[None]
         segment_ids = None if segment_ids is None else segment_ids[None]
         positions = None if positions is None else positions[None]
+    check_block_size(block_size, strategy, query.shape[-3] // size)
     factor = query.shape[-1] ** -0.5 if scale is None else scale
-    split = _Split(
-        axis, size, strategy, factor, _batch_axes(batch_axes, on, axis, query)
-    )
+    batch = _batch_axes(batch_axes, on, axis, query)
+    split = _Split(axis, size, strategy, factor, batch, block_size)
     a = _arguments(query, key, value, (bias, mask), (segment_ids, positions, is_causal))
     out = _split_attention(a, on, split)
     return out[0] if unbatched else out

@@ -167,3 +167,21 @@ def check_masks(query: Any, key: Any, bias: Any, mask: Any) -> None:
                 f"{'[B, N, T, S]' if len(want) == 4 else '[N, T, S]'} = {want}",
                 "give each dimension its size or 1.",
             )
+
+
+def check_block_size(block_size: int | None, strategy: str, local: int) -> None:
+    """`block_size` positive, for the ring only, dividing the local queries."""
+    if block_size is None:
+        return
+    if strategy != "ring":
+        raise attention_error(
+            f"block_size={block_size} tiles the ring's scores, but "
+            f"strategy={strategy!r}",
+            "leave block_size=None, or use strategy='ring'.",
+        )
+    if block_size < 1 or local % block_size:
+        raise attention_error(
+            f"block_size={block_size} does not divide the {local} queries each "
+            "device holds",
+            "use a positive divisor of them, or block_size=None to choose one.",
+        )
