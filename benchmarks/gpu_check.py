@@ -63,6 +63,23 @@ def _shipped(kind: str) -> str | None:
     return None
 
 
+def _random_inputs(config, shardings):
+    """The scanned model's parameters, drawn on the device in `shardings`, and a
+    batch of token ids."""
+    import jax
+    from models import scan_params, scan_tokens
+
+    params = jax.jit(
+        lambda key: jax.tree.map(
+            lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
+            scan_params(config),
+        ),
+        out_shardings=shardings,
+    )(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), scan_tokens(config).shape, 0, 100)
+    return params, tokens
+
+
 def estimate_check(config, runs: int) -> list[tuple[str, str]]:
     """Part 3: the estimated seconds of a 1-GPU step against its median time
     on the GPU; returns (what, finding) rows."""
@@ -95,14 +112,7 @@ def estimate_check(config, runs: int) -> list[tuple[str, str]]:
         estimates[f"deviceless ({shipped!r} spec)"] = report(target)
     placed = eqshard.abstract(scan_params(config), specs, device_mesh)
     shardings = jax.tree.map(lambda s: s.sharding, placed)
-    params = jax.jit(
-        lambda key: jax.tree.map(
-            lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
-            scan_params(config),
-        ),
-        out_shardings=shardings,
-    )(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), scan_tokens(config).shape, 0, 100)
+    params, tokens = _random_inputs(config, shardings)
     times = []
     for i in range(runs + 2):
         start = time.perf_counter()
@@ -198,14 +208,7 @@ def compare(config, runs: int) -> list[tuple[str, str]]:
     device = jax.devices()[0]
     before = device.memory_stats() or {}
     shardings = jax.tree.map(lambda s: s.sharding, abstract(device_mesh)[0])
-    params = jax.jit(
-        lambda key: jax.tree.map(
-            lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
-            scan_params(config),
-        ),
-        out_shardings=shardings,
-    )(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), scan_tokens(config).shape, 0, 100)
+    params, tokens = _random_inputs(config, shardings)
     jax.block_until_ready(params)
     step = jax.jit(scan_step, donate_argnums=0)
     jax.block_until_ready(step(params, tokens))
