@@ -1,6 +1,7 @@
 """Checkpoints at odd paths, beside what is not theirs, and odd locks (issue 42:
 glob characters in a path, `overwrite=True` checking kinds, symlinked locks)."""
 
+import gc
 import json
 import os
 import socket
@@ -56,6 +57,9 @@ def test_every_directory_name_saves_and_restores(tmp_path, name):
     assert sorted(os.listdir(tmp_path / name)) == ["step_100"]
 
 
+# Forcing orbax's old failure leaves a tensorstore callback aimed at orbax's
+# closed event loop, raised later where nothing can catch it: orbax's, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_staged_checkpoint_that_does_not_read_back_is_not_swapped_in(
     tmp_path, monkeypatch
 ):
@@ -78,6 +82,7 @@ def test_a_staged_checkpoint_that_does_not_read_back_is_not_swapped_in(
     monkeypatch.undo()
     assert _values(path) == {1}
     assert sorted(os.listdir(tmp_path / "exp[1]")) == ["c"]
+    gc.collect()  # the callback above is raised here, inside this test's filter
 
 
 def test_overwrite_checks_the_kind_of_every_entry(tmp_path):

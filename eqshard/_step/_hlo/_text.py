@@ -281,7 +281,8 @@ def _fields(text: str) -> dict[str, str]:
 
 # eqshard's own source files: a frame in them (the attention's permutes, a
 # pipeline's, a constraint) is named by the user's line that called eqshard.
-_OWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+# (This module is `eqshard/_step/_hlo/_text.py`: the package is three folders up.)
+_OWN = os.path.join(os.path.abspath(os.path.join(__file__, *[os.pardir] * 3)), "")
 
 
 def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:
