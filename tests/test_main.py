@@ -171,7 +171,9 @@ def test_size_plans_an_abstract_model():
     assert abs(_total_parameters(out) - 10**9) <= 0.1 * 10**9
     assert "abstract" in out and "train [" not in result.stderr
     # A row per kind of array, not per layer: `blocks/*/...  xN`, N the layers.
-    layers = int(re.search(r"^model: (\d+) blocks", out, re.M)[1])
+    found = re.search(r"^model: (\d+) blocks", out, re.M)
+    assert found is not None, out
+    layers = int(found[1])
     assert _row(out, "blocks/*/attn/q/weight").split()[1] == f"x{layers}"
     assert len(re.findall(rf"^blocks/\*/\S+ +x{layers} ", out, re.M)) == 16
     assert "blocks/0/" not in out.split("training memory")[0]
