@@ -347,106 +347,47 @@ def pipeline(
     """Runs layers stacked on a leading axis as pipeline stages over the mesh axis
     `axis`: what `jax.lax.scan` over the layers returns, and its gradients.
 
-    The L layers are split into S stages (S the size of `axis`) and the batch into
-    M microbatches; stage `s` holds its layers on its devices, and the stages hand
-    activations on with `jax.lax.ppermute` inside a `jax.shard_map` manual over
-    `axis` only, so the other mesh axes keep their FSDP or tensor-parallel layouts
-    inside each stage (on Explicit axes the stages run with them made Auto, as
-    [`eqshard.auto_axes`][] does, and the result is typed like `x`). With
-    `schedule="gpipe"` stage `s` holds layers `[s·L/S, (s+1)·L/S)` and the loop
-    runs `M + S - 1` steps, a bubble (idle fraction) of `(S-1)/(M+S-1)`; with
-    `"circular"` each stage holds `repeats` chunks of `L/(R·S)` layers,
-    round-robin (chunk `c` on stage `c % S`), the loop runs `R·M + S - 1` steps
-    and the bubble is `(S-1)/(R·M+S-1)`. Microbatch `i` is the rows `x[i::M]`:
-    a batch laid out over a data axis keeps each microbatch spread over it, so
-    splitting moves nothing. Gradients run the loop backwards, recomputing each
-    chunk: a stage keeps its input for every step, `R·M + S - 1` activations of
-    one microbatch (no 1F1B bound in this SPMD form). The stack's layout that
-    moves nothing is `P(axis)` on the layer axis for GPipe
-    (`eqshard.stacked(spec, stages=axis)`), and for the circular schedule the
-    view [`eqshard.stage_view`][] with `P(None, axis)`, passed with
-    `staged=True`; otherwise XLA moves the stack into that layout at each call.
+    The L layers are split into S stages (S the size of `axis`), the batch into M
+    microbatches (rows `x[i::M]`); stages hand activations on with `ppermute` in
+    a `jax.shard_map` manual over `axis` only, so the other axes keep their
+    layouts inside each stage. Layouts, bubbles and what a stage keeps:
+    [the how-to](../how-to/pipeline.md); each option: [in full](#pipeline-in-full).
 
     **Arguments:**
 
-    - `layer`: `layer(block, h, *args_mb) -> h`, one layer; given `key`, it is
-      called with `key=` too. It must return an array of `h`'s shape and dtype
-      (with `has_aux=True`, a pair `(h, aux)`).
-    - `stack`: the layers stacked on a leading axis (an Equinox module built with
-      `eqx.filter_vmap`, or any pytree whose array leaves share that axis);
-      non-array leaves reach `layer` unchanged.
-    - `x`: the activations, batch first.
-    - `*args`: more arguments for `layer`, passed whole unless `batched_args`
-      marks them.
+    - `layer`: `layer(block, h, *args_mb) -> h` (and `key=` if `key` is given),
+      of `h`'s shape and dtype; with `has_aux=True`, a pair `(h, aux)`.
+    - `stack`: the layers stacked on a leading axis; `x`: the activations, batch
+      first; `*args`: more arguments for `layer`.
     - `microbatches`: M, dividing the batch (a multiple of S for `"circular"`).
-    - `batched_args`: which `args` are per row, split into microbatches with `x`
-      (padding masks, positions): one bool per argument (`(True, False)`), a
-      prefix tree of bools over them, or one bool for all. An array whose
-      leading axis has the batch's size must be declared either way.
-    - `has_aux`: `layer` returns `(h, aux)`, `aux` a pytree of floating-point
-      arrays, and `pipeline` returns `(y, aux)`: `aux`'s leaves summed over the
-      layers and averaged over the microbatches (what a load-balancing loss
-      needs; for per-layer values, give each layer its index as data, e.g. a
-      leaf `jnp.arange(L)` in the stack, and return `one_hot(index, L) * v`).
-    - `axis`: the stage axis of the mesh.
-    - `schedule`: `"gpipe"` or `"circular"` (interleaved).
-    - `repeats`: R, the chunks per stage of the circular schedule (1 for GPipe).
-    - `key`: a PRNG key; layer `l` on microbatch `m` gets
-      `jax.random.fold_in(jax.random.fold_in(key, l), m)`.
-    - `output`: `"all"` (default): the result on every stage, the last stage's
-      outputs summed over `axis` (an all-reduce of the result's bytes);
-      `"last"`: no such reduction, each stage's buffer returned stacked
-      `(S, B, ...)` over `axis`, where `[-1]` is the result and the others zero,
-      for a loss computed where the result is.
+    - `batched_args`: which `args` are per row, split into microbatches with `x`.
+    - `has_aux`: `aux` is returned summed over layers, averaged over microbatches.
+    - `axis`; `schedule` (`"gpipe"` or `"circular"`); `repeats`, R, its chunks.
+    - `key`: a PRNG key, folded in per layer and microbatch.
+    - `output`: `"all"` (the result on every stage) or `"last"` (one per stage).
     - `staged`: `stack` is already `stage_view(stack, stages=S, repeats=R)`.
-    - `fsdp_gather`: where the stage weights are split over data axes (FSDP
-      inside a stage), when they are all-gathered over them: `"per_step"`
-      (default) at every loop step, `R·M + S - 1` gathers of a chunk, holding
-      one chunk gathered; `"once"` before the loop, holding the stage's
-      `R·K` layers gathered through the forward and backward passes (one
-      gather); `"per_repeat"` per circular repeat, holding two chunks
-      (`2·K` layers) gathered, `2R` gathers of a chunk in the forward pass
-      and `2R` in the backward (for R <= 2 two chunks are the stage: it
-      gathers as `"once"` does).
-    - `fsdp_axes`: the data axes; by default those splitting `x`'s batch.
-    - `stack_specs`: the stack's PartitionSpecs (a tree of the stack's
-      structure, or one spec); by default read from the arrays (placed, or
-      typed on Explicit axes). In a jitted step on Auto axes neither is
-      visible: name both.
+    - `fsdp_gather`, `fsdp_axes`, `stack_specs`: when stage weights split over
+      data axes are gathered, those axes, and the stack's specs.
     - `mesh`: defaults to the mesh set with `jax.set_mesh`.
 
     **Returns:**
 
-    What the scan over the layers returns for `x`, with `x`'s shape and layout
-    (for `output="last"`, stacked `(S, ...)` as said); with `has_aux`, the pair
-    `(y, aux)`.
+    What the scan returns for `x`, with `x`'s shape and layout (`(S, ...)` for
+    `output="last"`); with `has_aux`, the pair `(y, aux)`.
 
     **Raises:**
 
-    `ValueError`, naming the leaf, the sizes and the fix, if the stack's leaves
-    disagree on the layer axis or L is not a multiple of S·R, if the batch is not
-    divisible by M, if the circular M is not a multiple of S, if `axis` is not in
-    the mesh or already manual, if `layer` returns another shape or dtype (or
-    aux that is not floating-point arrays), if an argument with the batch's
-    leading size is not in `batched_args`, or if a count or option is not one
-    (`schedule="1f1b"` is not offered: it needs the loss inside the schedule),
-    or if `fsdp_gather` needs layouts it cannot see; a warning if GPipe has
-    fewer microbatches than stages, or if `fsdp_gather` finds no stage weight
-    split over a data axis (naming them; nothing is gathered).
+    `ValueError`, naming the leaf, sizes and fix, for a stack, batch, axis,
+    layer output or option that does not fit ([the list](#pipeline-in-full)).
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((2, 4), ("pp", "dp"))
         blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
-            jax.random.split(jax.random.key(0), 4)
-        )
-        step = lambda block, h: jax.vmap(block)(h)
-        with jax.set_mesh(mesh):
-            y = jax.jit(eqshard.pipeline, static_argnums=0,
-                        static_argnames="microbatches")(
-                step, blocks, jnp.ones((16, 8)), microbatches=4
-            )
+            jax.random.split(jax.random.key(0), 4))
+        with jax.set_mesh(eqshard.create_mesh((2, 4), ("pp", "dp"))):
+            y = jax.jit(lambda b, x: eqshard.pipeline(lambda l, h: jax.vmap(l)(h), b, x,
+                        microbatches=4))(blocks, jnp.ones((16, 8)))
         ```
     """
     microbatches, repeats = (
