@@ -86,45 +86,27 @@ def analyze_step(
     program communicates and holds on each device, named by tree path.
 
     `fn` may be a plain function, a `jax.jit`, `eqx.filter_jit` or
-    [`eqshard.filter_jit`][] function, or a [`eqshard.t5x.PartitionedFn`][]; it is
-    compiled with the shardings and donations it would use when called.
-    Arguments may be arrays or abstract (`jax.ShapeDtypeStruct`s with shardings
-    on a concrete `Mesh`, such as [`eqshard.abstract`][] makes): nothing is
-    allocated. Paths start with the parameter's name in `fn`'s signature
-    (`params/b0/w1`), else its position; outputs with `out`. The report is kept:
-    a second call with the same function and arguments compiles nothing. The
-    how-to "What does my step communicate?" tells how collectives are tied to
-    leaves, and the figures' limits.
-
-    On a target mesh ([`eqshard.create_mesh`][]'s `target=`, such as
-    `"v5p-1024"` or `"h100:8x8"`), the step is compiled by that hardware's own
-    compiler, here, and the report reads its program: collectives inside
-    fusions and async pairs, loop trip counts, whether the schedule overlaps
-    each collective with computation, and the peak as that backend holds it;
-    `report.memory.fits()` then compares with the target's device memory,
-    and `report.time` estimates how long a step takes on its chips (a
-    [`StepTime`][eqshard.StepTime]: FLOPs, HBM bytes and collectives timed
-    from the program, MFU; `None` on CPU, `report.time_note` saying why).
+    [`eqshard.filter_jit`][] function, or a [`eqshard.t5x.PartitionedFn`][],
+    compiled with the shardings and donations it would use when called. Abstract
+    arguments (such as [`eqshard.abstract`][] makes) allocate nothing. Paths
+    start with the parameter's name in `fn`'s signature (`params/b0/w1`), else
+    its position; outputs with `out`. The report is kept: the same call again
+    compiles nothing. On a target mesh ([`eqshard.create_mesh`][]'s `target=`)
+    the step is compiled by that hardware's own compiler, here, and
+    `report.time` estimates its seconds ([`StepTime`][eqshard.StepTime]). How
+    collectives are tied to leaves, the figures' limits, warnings and compiler
+    options: [the how-to](../how-to/step-report.md#reading-the-report).
 
     **Arguments:**
 
     - `fn`: the step.
     - `*args`, `**kwargs`: its arguments, concrete or abstract.
     - `capture_warnings`: whether to capture XLA's warnings into
-      `report.warnings`. XLA logs them to the process's standard error (file
-      descriptor 2), so it is redirected to a temporary file while the step
-      compiles, and what was logged is written on to it afterwards. `False`
-      leaves standard error alone; `report.warnings` is then empty.
-    - `compiler_options`: XLA options to compile with (as
-      `jax.jit(...).lower(...).compile(compiler_options=...)` takes them),
-      recorded in the report. On a TPU target the step is compiled, by
-      default, with the async-collective options production runs set
-      (`xla_tpu_enable_async_collective_fusion` and its `_fuse_all_gather`
-      and `_multiple_steps`, `xla_tpu_overlap_compute_collective_tc`,
-      `xla_enable_async_all_gather`, `xla_enable_async_collective_permute`,
-      all true), so the schedule read is the one users run; these options
-      override them key by key, and an option named in `LIBTPU_INIT_ARGS` is
-      left to it. `report.compiler_options` lists what was used.
+      `report.warnings` (standard error is redirected while the step compiles);
+      `False` leaves standard error alone and `report.warnings` empty.
+    - `compiler_options`: XLA options to compile with, as `.compile()` takes
+      them; on a TPU target they override, key by key, the async-collective
+      options set by default.
 
     **Returns:**
 
