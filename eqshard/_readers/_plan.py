@@ -405,10 +405,9 @@ def plan_training(
     state, pipeline and attention buffers) against a budget, allocating nothing.
 
     `tree` may be abstract (`eqx.filter_eval_shape(Model, ..., key=key)` plans a
-    70B model on a laptop). Activations, temporaries and the program are not
-    counted: [`eqshard.analyze_step`][] gives the compiled step's figures.
-    [What `plan_training` counts](../how-to/will-it-fit.md#what-plan_training-counts)
-    tells each part.
+    70B model on a laptop). Activations, temporaries and the program are left to
+    [`eqshard.analyze_step`][]. [What it counts](../how-to/will-it-fit.md#what-plan_training-counts)
+    tells each part, and the keys of `pipeline` and `context`.
 
     **Arguments:**
 
@@ -417,46 +416,34 @@ def plan_training(
       parameters, or `None` for the arrays' own shardings.
     - `mesh`: a `Mesh` (a target's too) or an `AbstractMesh`; defaults to
       `jax.set_mesh`'s, then to the arrays'.
-    - `params`: in a whole state, the parameters: an index or a selector, as
-      [`eqshard.search_layout`][]'s; the rest is planned as optimizer state.
+    - `params`: in a whole state, the parameters (an index or a selector, as
+      [`eqshard.search_layout`][]'s); the rest is planned as optimizer state.
     - `optimizer`: an optax `GradientTransformation`, or `None`.
-    - `param_dtype`, `state_dtype`, `grad_dtype`: dtypes to plan in; by default
-      the parameters' own and what `optimizer.init` makes.
-    - `gradients`: whether to count gradients.
-    - `trainable`: which arrays are trained (`eqx.partition`'s `filter_spec`).
-    - `device_memory`: the budget (`"80GiB"` or bytes); on a target's mesh, the
-      target's by default.
+    - `param_dtype`, `state_dtype`, `grad_dtype`: dtypes to plan in (by default
+      the parameters' own and what `optimizer.init` makes).
+    - `gradients`: whether to count them; `trainable`: which arrays are trained.
+    - `device_memory`: the budget (`"80GiB"` or bytes; a target's by default).
     - `on_invalid`: `"ignore"`, `"warn"` or `"raise"` for specs that cannot apply.
-    - `pipeline`: [`eqshard.pipeline`][]'s schedule (`microbatches`,
-      `activation`, `activation_spec`, `axis`, `schedule`, `repeats`, and
-      `fsdp_gather` with `layers` and `layer_bytes`).
+    - `pipeline`, `context`: [`eqshard.pipeline`][]'s schedule and
+      [`eqshard.dot_product_attention`][]'s split, as dicts.
     - `offload_copy`: the share of host-memory arrays the step holds on device.
-    - `context`: [`eqshard.dot_product_attention`][]'s split (`query`,
-      `kv_heads`, `axis`, `strategy`, `batch_axes`, `block_size`, `activation`,
-      `layers`).
 
     **Returns:**
 
-    A [`eqshard.TrainingPlan`][]: `bytes_per_device`, `fits`, `headroom`, and
-    `print(plan)` for the summary and per-device view.
+    A [`eqshard.TrainingPlan`][] (`bytes_per_device`, `fits`, `headroom`; print it).
 
     **Raises:**
 
-    - `ValueError` for a spec that cannot apply (with `on_invalid="raise"`), a
-      budget that is no amount of memory, a `params` that selects nothing, or a
-      `pipeline` or `context` that [`eqshard.pipeline`][] or
-      [`eqshard.dot_product_attention`][] would refuse.
-    - `TypeError` if `optimizer` has no `.init` method.
+    `ValueError` for a spec that cannot apply (`on_invalid="raise"`), a budget
+    that is no amount of memory, a `params` selecting nothing, or a refused
+    `pipeline` or `context`; `TypeError` for an `optimizer` without `.init`.
 
     !!! Example
 
         ```python
         shapes = eqx.filter_eval_shape(make_model, jax.random.key(0))
-        mesh = jax.sharding.AbstractMesh((64,), ("fsdp",))
-        plan = eqshard.plan_training(
-            shapes, rules, mesh, optimizer=optax.adamw(1e-4),
-            param_dtype=jnp.bfloat16, device_memory="80GiB",
-        )
+        plan = eqshard.plan_training(shapes, rules, mesh, optimizer=optax.adamw(1e-4),
+                                     device_memory="80GiB")
         print(plan)  # per part, the total against 80 GiB, a bar per device
         ```
     """
