@@ -404,10 +404,10 @@ def plan_training(
     """Plans the memory of training per device (parameters, gradients, optimizer
     state, pipeline and attention buffers) against a budget, allocating nothing.
 
-    `tree` may be abstract (`eqx.filter_eval_shape(Model, ..., key=key)` plans a
-    70B model on a laptop). Activations, temporaries and the program are left to
-    [`eqshard.analyze_step`][]. [What it counts](../how-to/will-it-fit.md#what-plan_training-counts)
-    tells each part, and the keys of `pipeline` and `context`.
+    `tree` may be abstract (`eqx.filter_eval_shape`: a 70B model plans on a laptop);
+    activations, temporaries and the program are left to [`eqshard.analyze_step`][].
+    [The how-to](../how-to/will-it-fit.md#what-plan_training-counts) tells each
+    part, and the keys of `pipeline` and `context`.
 
     **Arguments:**
 

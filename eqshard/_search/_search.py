@@ -426,42 +426,34 @@ def search_layout(
     time_budget: int | float | None = None,
     progress: bool = True,
 ) -> LayoutSearch:
-    """Chooses a layout of the parameters by compiling the step `fn(*args)` for
-    each candidate: those whose compiled peak fits `device_memory`, ranked by a
-    step's estimated seconds on a target mesh, else by the communication XLA put
-    in.
+    """Chooses a layout of the parameters by compiling the step `fn(*args)` for each
+    candidate: those whose compiled peak fits `device_memory`, ranked by estimated
+    seconds on a target mesh, else by the communication XLA put in.
 
-    `fn` is the step as you call it (the same object goes to
-    [`eqshard.filter_jit`][] and [`eqshard.analyze_step`][]). The arrays that
-    follow the parameters (an optimizer state) follow each candidate; every other
-    array keeps its layout. Candidates are yours and built-in strategies
-    (replicated, FSDP, tensor parallel on pairs found from the step's matmuls).
-    [The how-to](../how-to/find-a-layout.md#how-candidates-are-compiled-and-ranked)
-    tells how candidates are made, compiled, skipped and ranked.
+    The arrays that follow the parameters (an optimizer state) follow each
+    candidate; every other array keeps its layout. Candidates are yours and
+    built-in ones (replicated, FSDP, tensor-parallel pairs from the step's matmuls):
+    [how-to](../how-to/find-a-layout.md#how-the-candidates-are-made).
 
     **Arguments:**
 
-    - `fn`: the step: a plain function, or an `eqx.filter_jit`,
-      [`eqshard.filter_jit`][] or `jax.jit` one.
+    - `fn`: the step as you call it (plain, or a `jax.jit` or filtered jit one).
     - `*args`: its arguments, concrete or abstract (the batch with its shardings).
     - `params`: the parameters among `args`: an index, or a function of the
       argument tuple returning them (`lambda args: args[1][0]`).
     - `mesh`: a concrete mesh (a target's too); defaults to `jax.set_mesh`'s.
-    - `device_memory`: the budget per device (`"16GiB"`, or bytes); on a target
-      mesh, one of its devices' by default.
-    - `candidates`: your rule lists, a list or a dict from names to lists.
-    - `builtin`: whether to add the built-in strategies.
-    - `bandwidth`: relative bandwidths of mesh axes (`{"dcn": 0.1}`) on this
-      machine's devices; refused on a target mesh, whose links decide.
-    - `max_candidates`: compile at most this many layouts (yours first).
-    - `time_budget`: start no compile after this many seconds.
-    - `progress`: show a progress bar on a terminal.
+    - `device_memory`: the budget per device (`"16GiB"`, bytes; a target's default).
+    - `candidates`: your rule lists, a list or a dict from names to lists;
+      `builtin`: whether to add the built-in strategies.
+    - `bandwidth`: relative bandwidths of mesh axes (`{"dcn": 0.1}`), not on a
+      target mesh.
+    - `max_candidates`, `time_budget`: at most this many layouts (yours first),
+      and no compile started after this many seconds; `progress`: a progress bar.
 
     **Returns:**
 
-    A [`eqshard.LayoutSearch`][]: `.best` (or `None`) and the ranked
-    `.candidates`, each with its `rules`, `rules_text()`, memory, bytes, `step_s`
-    on a target, and step `report`.
+    A [`eqshard.LayoutSearch`][]: `.best` (or `None`) and the ranked `.candidates`
+    (`rules`, `rules_text()`, memory, bytes, `step_s` on a target, the `report`).
 
     **Raises:**
 
@@ -474,13 +466,9 @@ def search_layout(
     !!! Example
 
         ```python
-        step = eqshard.filter_jit(
-            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()), mesh=mesh
-        )
-        result = eqshard.search_layout(
-            step, batch, (model, opt_state), params=lambda args: args[1][0],
-            mesh=mesh, device_memory="16GiB",
-        )
+        step = eqshard.filter_jit(train_step, in_specs=(P("dp"), rules), mesh=mesh)
+        result = eqshard.search_layout(step, batch, (model, opt_state),
+            params=lambda args: args[1][0], mesh=mesh, device_memory="16GiB")
         print(result)  # the layouts ranked, the best one's rules
         ```
     """
