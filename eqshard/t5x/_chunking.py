@@ -114,10 +114,8 @@ class LocalChunker:
 
     - `mesh`, `process_index`: as given.
     - `mesh_axes`: the mesh's axis names, in order.
-    - `num_chunks`: a read-only mapping from each mesh axis to the number of
-      chunks along it.
-    - `chunk_ids`: a read-only mapping from each mesh axis to this process's chunk
-      along it.
+    - `num_chunks`, `chunk_ids`: read-only mappings from each mesh axis to the
+      number of chunks along it, and to this process's chunk along it.
 
     **Raises:**
 

@@ -61,46 +61,34 @@ def _argnums(value: Int | Sequence[Int], name: str) -> tuple[int, ...]:
 class Partitioner:
     """A mesh, logical axis rules, and `jax.jit` on them: t5x's `PjitPartitioner`.
 
-    The mesh is `mesh` if given, else the one [`eqshard.t5x.default_mesh`][] picks for
-    the hardware, built once here: exactly one of `num_partitions`,
-    `model_parallel_submesh` and `mesh` is given. `axis_rules` (by default
+    The mesh is `mesh` if given, else the one [`eqshard.t5x.default_mesh`][] picks
+    for the hardware, built once here. `axis_rules` (by default
     [`eqshard.t5x.standard_logical_axis_rules`][], for a `('data', 'model')` mesh)
-    resolve the [`eqshard.AxisNames`][] in specs. With `ici_mesh_shape` and
-    `dcn_mesh_shape` (a multi-slice `('replica', 'data', 'model')` mesh), the rule
-    for `'batch'` becomes `('replica', 'data')`, as in t5x.
-
-    The *data axes* are the mesh axes that the rules map the logical axis
-    `'batch'` to (`'data'` with the standard rules): the data layout methods split
-    batches over them, and they must be axes of the mesh. With a mesh of your own
-    axis names, pass rules for it, e.g. `[("batch", "dp"), ...]`; without rules,
-    such a partitioner takes `PartitionSpec`s, and only resolving logical names
-    or asking for the data axes raises, asking for rules.
+    resolve the [`eqshard.AxisNames`][] in specs; the mesh axes they map `'batch'`
+    to are the *data axes* that batches are split over. Meshes of other axis
+    names, multi-slice meshes and the data axes in full:
+    [the mesh and the data axes](t5x.md#the-mesh-and-the-data-axes).
 
     **Arguments:**
 
-    - `num_partitions`: the size of the model-parallel part of the default mesh.
-      (On CPU, as in t5x, the default mesh is processes x local devices whatever
-      this is.)
-    - `model_parallel_submesh`: the tile of the hardware mesh that holds one model
-      replica, for the default mesh: `(x, y, z, core)` on TPU, `(processes, local
-      devices)` on other platforms (checked by [`eqshard.t5x.get_mesh`][]).
+    - `num_partitions`: the size of the model-parallel part of the default mesh
+      (on CPU, as in t5x, the default mesh is processes x local devices).
+    - `model_parallel_submesh`: the tile of the hardware mesh holding one model
+      replica: `(x, y, z, core)` on TPU, `(processes, local devices)` elsewhere.
     - `mesh`: a `jax.sharding.Mesh` to use as it is.
     - `backend`: the JAX backend whose devices the default mesh uses.
-    - `ici_mesh_shape`, `dcn_mesh_shape`: within-slice and across-slice shapes of
-      a multi-slice default mesh; both or neither.
-    - `axis_rules`: logical axis rules, `(logical_name, mesh_axes)` pairs in
-      priority order (t5x's `logical_axis_rules`).
-    - `params_on_devices`: t5x's flag telling training loops whether to keep
-      parameters on devices; stored, not acted on here.
+    - `ici_mesh_shape`, `dcn_mesh_shape`: within- and across-slice shapes of a
+      multi-slice default mesh; both or neither.
+    - `axis_rules`: `(logical_name, mesh_axes)` pairs in priority order.
+    - `params_on_devices`: t5x's flag for training loops; stored, not acted on.
 
     **Raises:**
 
-    `ValueError` if not exactly one of `num_partitions`, `model_parallel_submesh`
-    and `mesh` is given, for options that only shape the default mesh given with
-    `mesh`, for a `num_partitions` below 1, only one of the ICI/DCN shapes, or
-    data axes of the given `axis_rules` that the mesh lacks; the errors of
-    [`eqshard.t5x.default_mesh`][];
-    `TypeError` or `ValueError` naming a malformed rule.
+    `ValueError` unless exactly one of `num_partitions`, `model_parallel_submesh`
+    and `mesh` is given, for default-mesh options given with `mesh`, a
+    `num_partitions` below 1, one ICI/DCN shape alone, or data axes the mesh
+    lacks; [`eqshard.t5x.default_mesh`][]'s errors; `TypeError` or `ValueError`
+    naming a malformed rule.
 
     !!! Example
 
@@ -108,10 +96,8 @@ class Partitioner:
         mesh = eqshard.create_mesh((4, 2), ("data", "model"))
         partitioner = eqshard.t5x.Partitioner(mesh=mesh)
         step = partitioner.partition(
-            train_step,
-            in_specs=(model_specs, partitioner.data_partition_spec),
-            out_specs=(model_specs, P()),
-            donate_argnums=(0,),
+            train_step, in_specs=(model_specs, partitioner.data_partition_spec),
+            out_specs=(model_specs, P()), donate_argnums=(0,),
         )
         model, loss = step(model, batch)
         ```
@@ -395,25 +381,23 @@ class Partitioner:
         [`eqshard.with_sharding_constraint`][] works inside it. Arguments may be
         Equinox modules or any pytrees: array leaves are traced, other leaves are
         static (see [`eqshard.t5x.PartitionedFn`][]). A spec of `None` leaves the
-        sharding to JAX (the argument's own, or the compiler's choice); use `P()`
-        for replicated. Arrays that are already placed must have the sharding
-        their spec asks for (JAX does not move them): place them with
-        [`eqshard.t5x.Partitioner.move_to_devices`][].
+        sharding to JAX (the argument's own, or the compiler's); `P()` replicates.
+        Placed arrays must have the sharding their spec asks for (JAX does not move
+        them): place them with [`eqshard.t5x.Partitioner.move_to_devices`][].
 
         **Arguments:**
 
-        - `fn`: the function. Its arrays of its own (closed over, or in a module
-          that is `fn`) are compiled in as constants: pass them as arguments.
+        - `fn`: the function. Arrays of its own (closed over, or in a module that is
+          `fn`) are compiled in as constants: pass them as arguments.
         - `in_specs`: one entry per non-static positional argument (a tuple or
-          list), or one entry for all of them, as in `jax.jit`'s `in_shardings`.
-          Entries are spec trees or prefixes of them, with `PartitionSpec`,
-          `NamedSharding`, [`eqshard.AxisNames`][] (resolved with the rules) or
-          `None` leaves.
+          list), or one for all, as `jax.jit`'s `in_shardings`: spec trees or
+          prefixes with `PartitionSpec`, `NamedSharding`, [`eqshard.AxisNames`][]
+          (resolved with the rules) or `None` leaves.
         - `out_specs`: the same for the output.
-        - `static_argnums`: positions of arguments that are static (hashable, and
-          compiled in); they have no entry in `in_specs`.
-        - `donate_argnums`: positions of arguments whose arrays are donated: their
-          buffers may be reused for the output, and they are deleted.
+        - `static_argnums`: positions of static arguments (hashable, compiled in);
+          they have no entry in `in_specs`.
+        - `donate_argnums`: positions of arguments whose arrays are donated (their
+          buffers may be reused for the output, and they are deleted).
 
         **Returns:**
 
@@ -421,20 +405,17 @@ class Partitioner:
 
         **Raises:**
 
-        - `TypeError` naming the path of a spec leaf of another type.
-        - `ValueError` naming the path of a spec with a mesh axis the mesh lacks,
-          for bad or overlapping argnums; on call, naming every argument or output
-          whose spec does not fit its shape, or the first path where a spec tree
-          does not match the arguments or the output.
+        `TypeError` naming the path of a spec leaf of another type; `ValueError`
+        naming the path of a spec with a mesh axis the mesh lacks, for bad or
+        overlapping argnums, and on call naming every argument or output whose spec
+        does not fit its shape, or the first path where a spec tree does not match.
 
         !!! Example
 
             ```python
             step = partitioner.partition(
-                step,
-                in_specs=(model_axes, eqshard.AxisNames("batch", None)),
-                out_specs=(model_axes, P()),
-                donate_argnums=0,
+                step, in_specs=(model_axes, eqshard.AxisNames("batch", None)),
+                out_specs=(model_axes, P()), donate_argnums=0,
             )
             ```
         """
