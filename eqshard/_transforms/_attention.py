@@ -295,15 +295,12 @@ def dot_product_attention(
     result, with the sequence split over the mesh axis `axis` (context parallel).
 
     Queries are `[B, T, N, H]`, keys and values `[B, S, K, H]` with `N` a multiple
-    of `K` (grouped-query attention), or all three without `B` (Equinox's
-    attention under `vmap`). With `axis=None` this is JAX's function (with
-    `segment_ids` and `positions` folded into the mask). With an axis, inside a
-    `jax.shard_map` manual over it only: `"ring"` passes key/value blocks round the
-    axis by `ppermute`, an online softmax over `T/n x S/n` blocks and a blockwise
-    backward pass of its own; `"all_gather"` gathers keys and values; `"ulysses"`
-    trades the sequence for heads by two all-to-alls. `mask` and `bias`
-    (broadcastable to `[B, N, T, S]`) are split like the scores. Use
-    [`eqshard.balance_sequence`][] with `positions` for equal causal work.
+    of `K` (grouped-query), or all three without `B` (Equinox's, under `vmap`).
+    With `axis=None` this is JAX's function (`segment_ids` and `positions` folded
+    into the mask); with an axis it runs in a `jax.shard_map` manual over it,
+    `mask` and `bias` split like the scores, by one of three
+    [strategies](../how-to/context-parallel.md#three-strategies).
+    [`eqshard.balance_sequence`][] with `positions` evens the causal work.
 
     **Arguments:**
 
@@ -314,16 +311,12 @@ def dot_product_attention(
     - `query_seq_lengths`, `key_value_seq_lengths`, `local_window_size`,
       `implementation`: JAX's, with `axis=None` only.
     - `axis`: the mesh axis the sequence is split over; None for JAX's function.
-    - `strategy`: `"ring"`, `"all_gather"` or `"ulysses"`.
-    - `batch_axes`: the mesh axes the batch is split over (data parallel). The
-      map is manual over them too, so that XLA does not gather the batch for
-      the all-gather and all-to-alls (the ring does not need them). Default:
-      the query's typed layout on Explicit axes, else none.
-    - `block_size`: the ring's query rows per tile: each ring step takes the
-      local queries this many at a time, so one tile's `[B, N, rows, S/n]`
-      float32 scores are live, not the whole block's. Default: the most rows
-      (a divisor of `T/n`) whose scores fit in 256 MiB.
-    - `mesh`: defaults to the mesh set with `jax.set_mesh`.
+    - `strategy`: `"ring"` (key/value blocks passed round by `ppermute`, an
+      online softmax), `"all_gather"` or `"ulysses"` (two all-to-alls).
+    - `batch_axes`: the batch's mesh axes, also manual (default: the query's
+      typed layout on Explicit axes, else none).
+    - `block_size`: the ring's query rows per tile (default: the most whose
+      float32 scores fit in 256 MiB); `mesh`: by default `jax.set_mesh`'s.
 
     **Returns:**
 
@@ -331,20 +324,17 @@ def dot_product_attention(
 
     **Raises:**
 
-    `ValueError` naming the argument, the axis and its size and the fix: bad
-    shapes, `axis` not in the mesh or lengths it does not divide, heads Ulysses
-    cannot split, `positions` without `is_causal`, token arrays not `[B, T]`,
-    a mask not boolean or a mask or bias not broadcastable to the scores,
-    JAX-only arguments with an axis, or no mesh.
+    `ValueError` naming the argument, axis, size and fix: bad shapes, `axis` not in
+    the mesh or lengths it does not divide, heads Ulysses cannot split, `positions`
+    without `is_causal`, token arrays not `[B, T]`, a mask not boolean, a mask or
+    bias not broadcastable, JAX-only arguments with an axis, or no mesh.
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((2, 4), ("dp", "cp"))
-        q = jnp.ones((2, 32, 4, 8))
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(eqshard.create_mesh((2, 4), ("dp", "cp"))):
             out = jax.jit(lambda q: eqshard.dot_product_attention(
-                q, q, q, is_causal=True, axis="cp"))(q)
+                q, q, q, is_causal=True, axis="cp"))(jnp.ones((2, 32, 4, 8)))
         ```
     """
     check_shapes(query, key, value)
