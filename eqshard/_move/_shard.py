@@ -301,31 +301,26 @@ def shard(
     """Places the arrays of a pytree on a mesh.
 
     Every array leaf (`jax.Array` or NumPy) gets `NamedSharding(mesh, spec)`;
-    everything else is returned untouched, so an Equinox module comes back as a
-    module of the same type. Every spec is checked before anything moves, never
-    corrected: all the leaves whose specs cannot apply are reported together. NumPy
-    data loses nothing, and its buffers may be reused as soon as `shard` returns; a
-    placed state moves to any mesh of the job's devices (see
-    [what `shard` guarantees](../how-to/shard-modules.md#what-shard-guarantees)).
+    everything else is returned untouched (an Equinox module stays one). Specs
+    are checked before anything moves, never corrected: the leaves whose specs
+    cannot apply are reported together. NumPy data loses nothing; a placed state
+    moves to any mesh of the job's devices; see
+    [what `shard` guarantees](../how-to/shard-modules.md#what-shard-guarantees).
     Inside `jit`, use [`eqshard.with_sharding_constraint`][].
 
     **Arguments:**
 
     - `tree`: any pytree, e.g. an Equinox module.
-    - `specs`: a spec tree for `tree` or a prefix of one (`None` leaves a subtree
-      where it is), partition rules, or a function of the abstract tree (see
-      [the spec-tree family](specs.md)); [`eqshard.host`][]`(spec)` places in
-      host memory.
-    - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
-      `jax.set_mesh`. Not needed when `specs` holds only `NamedSharding`s.
-    - `dtype`: floating arrays cast to it while placed: a floating dtype, or a tree
-      of dtypes and `None`s (keep) that is a prefix of `tree`.
+    - `specs`: a spec tree or prefix (`None` leaves a subtree where it is),
+      partition rules, or a function of the abstract tree ([spec trees](specs.md));
+      [`eqshard.host`][]`(spec)` places in host memory.
+    - `mesh`: for `PartitionSpec`s (not needed for `NamedSharding`s); defaults to
+      the mesh set by `jax.set_mesh`.
+    - `dtype`: the floating dtype to cast floats to, or a prefix tree of them or `None`.
     - `donate`: delete each of the caller's JAX arrays once its new one is placed.
-    - `max_inflight_bytes`: move in batches that give no device more than this many
-      bytes of new blocks at once (see [`eqshard.shard_plan`][]).
-    - `check_values`, `timeout`: in a multi-process run, how much of the values the
-      processes compare (`"sample"` or `"full"`), and how many seconds to wait for
-      the others (see [Multi-host](../how-to/multi-host.md)).
+    - `max_inflight_bytes`: the most new bytes a device gets at once (`shard_plan`).
+    - `check_values`, `timeout`: across processes, how much of the values they
+      compare (`"sample"` or `"full"`) and the seconds to wait for the others.
 
     **Returns:**
 
@@ -333,23 +328,19 @@ def shard(
 
     **Raises:**
 
-    - `ValueError` if `specs` is not a prefix of `tree`, if no mesh is given or set,
-      or if specs cannot apply (naming every such leaf, its shape and spec, and
-      the nearest spec that fits); if NumPy data would lose values, an array was
-      deleted, or a block exceeds `max_inflight_bytes`; if an option is invalid; in
-      a multi-process run, if the processes' trees differ or one does not come in
-      time.
-    - `TypeError` if `tree` holds traced arrays or `jax.ShapeDtypeStruct`s, a leaf
-      of `specs` is not a spec, a mesh is abstract, or NumPy arrays have a dtype no
-      device holds.
+    `ValueError` if `specs` is not a prefix of `tree`, there is no mesh, specs
+    cannot apply (naming each leaf, its shape, spec and the nearest that fits),
+    NumPy data would lose values, an array was deleted, a block exceeds
+    `max_inflight_bytes`, an option is invalid, or processes' trees differ or one
+    is late; `TypeError` for traced arrays or `ShapeDtypeStruct`s, a spec leaf
+    that is no spec, an abstract mesh, or a NumPy dtype no device holds.
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
         model = eqx.nn.Linear(512, 256, key=jax.random.key(0))
         specs = eqshard.match_partition_rules([("weight", P("tp", None))], model)
-        model = eqshard.shard(model, specs, mesh)
+        model = eqshard.shard(model, specs, eqshard.create_mesh((2, 4), ("dp", "tp")))
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
