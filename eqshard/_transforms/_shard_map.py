@@ -393,55 +393,46 @@ def filter_shard_map(
     """`jax.shard_map` over any pytree: `fn` runs once per device, on that device's
     block of each array, with everything that is not an array passed through.
 
-    The arrays of the arguments get specs; everything else reaches `fn` unchanged,
-    and `fn` may return anything: its arrays are put together by `out_specs`, the
-    rest comes back as `fn` returned it. Inside `fn` the mesh axes are manual, so
-    collectives name them. It works eagerly and inside `jax.jit`, on Auto and
-    Explicit axes. Specs are resolved and checked before anything is traced, every
-    array whose spec cannot apply named in one error; what the kept program is
-    keyed by is told in [the how-to](../how-to/shard-map.md#what-is-kept).
+    `fn` may return anything: its arrays are put together by `out_specs`, the rest
+    comes back as returned. Inside `fn` the mesh axes are manual, so collectives
+    name them; it works eagerly and in `jax.jit`, on Auto and Explicit axes. Specs
+    are checked before tracing, every array whose spec cannot apply named in one
+    error ([the how-to](../how-to/shard-map.md#giving-the-specs): specs, what is kept).
 
     **Arguments:**
 
     - `fn`: the per-device function, called with the positional arguments.
     - `out_specs`: a spec tree for `fn`'s output or a prefix of it, partition
-      rules, a function of the abstract output (see
-      [the spec-tree family](specs.md)), or logical [`eqshard.AxisNames`][]. An
+      rules, a function of the abstract output, or [`eqshard.AxisNames`][]. An
       axis a spec leaves out promises that the output is the same along it.
-    - `in_specs`: the same for the tuple of arguments (`(model_specs, P('dp'))`).
-      `None` at an array, and the default for all, means its current layout (a
-      placed array's sharding, or on Explicit axes its type's); not
-      `jax.shard_map`'s `in_specs=None`, which makes every input static.
-    - `mesh`: the mesh; defaults to the one set by `jax.set_mesh`, else the one
-      the arguments are placed on.
+    - `in_specs`: the same for the arguments' tuple; `None` at an array (the
+      default) reads its layout, unlike `jax.shard_map`'s (every input static).
+    - `mesh`: defaults to the one set by `jax.set_mesh`, else the arguments'.
     - `axis_rules`: logical axis rules for `AxisNames`; defaults to the rules set
       by [`eqshard.logical_axis_rules`][] when the map is called.
     - `**jax_options`: passed to `jax.shard_map` (`axis_names`, `check_vma`).
 
     **Returns:**
 
-    A function taking the arguments positionally and returning what `fn` returns,
-    its arrays global arrays on the mesh.
+    A function of the positional arguments, returning what `fn` returns (its
+    arrays global arrays on the mesh).
 
     **Raises:**
 
-    - `ValueError` if a spec tree is not a prefix of the arguments or the output,
-      if specs cannot apply (naming the nearest spec that fits), if a layout cannot
-      be read (an array on no mesh, or traced on Auto axes), if arrays are on
-      another mesh or differ from `in_specs` on Explicit axes, if no mesh is
-      found, or if `AxisNames` meet no rules.
-    - `TypeError` for keyword arguments, unknown options, a spec leaf that is not
-      a spec, `fn` holding arrays, unhashable non-array arguments, or bad
-      `axis_rules`.
+    `ValueError` if a spec tree is not a prefix of the arguments or the output,
+    specs cannot apply (naming the nearest spec that fits), a layout cannot be
+    read (an array on no mesh, or traced on Auto axes), arrays are on another
+    mesh or differ from `in_specs` on Explicit axes, no mesh is found, or
+    `AxisNames` meet no rules; `TypeError` for keyword arguments, unknown
+    options, a spec leaf that is not a spec, `fn` holding arrays, unhashable
+    non-array arguments, or bad `axis_rules`.
 
     !!! Example
 
         ```python
-        x = eqshard.shard(jnp.ones((16, 4)), P("dp"), mesh)
-
         def local_sum(model, x):  # each device sees its rows of x
             return jax.lax.psum(jax.vmap(model)(x).sum(0), "dp")
-
+        x = eqshard.shard(jnp.ones((16, 4)), P("dp"), mesh)
         total = eqshard.filter_shard_map(local_sum, out_specs=P())(model, x)
         ```
     """
