@@ -245,31 +245,26 @@ def filter_jit(
     """`eqx.filter_jit` that places its inputs and outputs by spec trees: a step
     that keeps its layout without constraints written inside it.
 
-    Arrays among the arguments are traced, everything else held static, as
-    `eqx.filter_jit` does. The arguments are taken with the shardings `in_specs`
-    gives them and the output made in those of `out_specs`, so the updated state
-    comes back laid out as it went in and the step compiles once. `fn` is traced
-    with the mesh set, so [`eqshard.with_sharding_constraint`][] inside needs no
-    `mesh=`. When specs are resolved, and how rules match, is told in
-    [the how-to](../how-to/filter-jit.md#when-the-specs-are-resolved).
+    Arrays are traced, everything else held static, as in `eqx.filter_jit`; the
+    arguments take the shardings of `in_specs` and the output those of
+    `out_specs`, so the updated state comes back laid out as it went in and the
+    step compiles once. `fn` is traced with the mesh set (no `mesh=` needed by
+    [`eqshard.with_sharding_constraint`][] inside). Specs' resolution, rules and
+    `donate`: [the how-to](../how-to/filter-jit.md#when-the-specs-are-resolved).
 
     **Arguments:**
 
-    - `fn`: the function; `filter_jit(in_specs=..., ...)` without it gives a
-      decorator.
+    - `fn`: the function; without it, `filter_jit(in_specs=..., ...)` is a decorator.
     - `in_specs`: one entry per positional argument, or one for all: a spec tree
-      or a prefix of one, partition rules matched against the argument, or a
-      callable of the abstract argument; [`eqshard.host`][] leaves are moved to
-      the device inside the program. `None` takes an argument as it is placed.
-    - `out_specs`: the same for the output, where an integer `k` stands for the
-      layout of argument `k` (`out_specs=(0, P())`); `None` leaves an output's
-      layout to the compiler.
-    - `donate`: `"all"`, `"all-except-first"` (quiet about buffers no output
-      could reuse), `"warn"`, `"warn-except-first"` (reporting them) or `"none"`
-      (the default), as in `eqx.filter_jit`.
-    - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
-      `jax.set_mesh`, then to the mesh the arguments are placed on. An
-      `AbstractMesh` serves only a function called inside another `jax.jit`.
+      or prefix, partition rules, or a callable of the abstract argument
+      ([`eqshard.host`][] leaves move to the device in the program); `None`
+      takes an argument as it is placed.
+    - `out_specs`: the same for the output, where an integer `k` stands for
+      argument `k`'s layout (`(0, P())`); `None` leaves it to the compiler.
+    - `donate`: `"all"`, `"all-except-first"`, `"warn"`, `"warn-except-first"`
+      or `"none"` (the default), as in `eqx.filter_jit`.
+    - `mesh`: for `PartitionSpec`s; defaults to `jax.set_mesh`'s, then the
+      arguments'. An `AbstractMesh` serves only inside another `jax.jit`.
 
     **Returns:**
 
@@ -280,19 +275,16 @@ def filter_jit(
 
     At the first call with a structure: `ValueError` naming the first path where a
     spec tree does not match, every array whose spec cannot apply, an argument
-    placed otherwise than its spec asks, donation misuse (an array given twice,
-    shared buffers, a deleted array), an axis the mesh lacks, or no mesh found;
-    `TypeError` for keyword arguments, a spec leaf that is not a spec, an
-    unhashable non-array leaf, a `jax.ShapeDtypeStruct` argument (use `lower`),
-    or an `AbstractMesh` outside another `jit`.
+    placed against its spec, donation misuse (an array given twice, shared or
+    deleted buffers), an axis the mesh lacks, or no mesh; `TypeError` for keyword
+    arguments, a spec leaf that is no spec, an unhashable non-array leaf, a
+    `jax.ShapeDtypeStruct` argument (use `lower`), or an `AbstractMesh` outside `jit`.
 
     !!! Example
 
         ```python
-        step = eqshard.filter_jit(
-            train_step, in_specs=(P("dp"), rules), out_specs=(1, P()),
-            donate="all-except-first", mesh=mesh,
-        )
+        step = eqshard.filter_jit(train_step, in_specs=(P("dp"), rules),
+                                  out_specs=(1, P()), donate="all-except-first")
         state, loss = step(batch, state)
         ```
     """
