@@ -231,25 +231,21 @@ def create_mesh(
     The sizes are one per axis name, or a mesh string: `"dp:2,fsdp:-1"` (named
     axes) or `"2,-1"` (sizes alone); a leading `!` keeps the devices in the order
     given instead of arranging them by topology (`jax.make_mesh`'s). The sizes must
-    use every device; to use fewer, pass them as `devices`. Every axis is
-    `AxisType.Auto` unless `axis_types` says otherwise (`jax.make_mesh` defaults to
-    `Explicit`; see [Explicit axes](../how-to/explicit-axes.md)). With `target`,
-    the mesh is made of compile-only devices of hardware this process need not
-    have, for steps compiled with the real compiler and never run (see
-    [Will it fit?](../how-to/will-it-fit.md)).
+    use every device; to use fewer, pass them as `devices`. Every axis is `Auto`
+    unless `axis_types` says otherwise ([Explicit axes](../how-to/explicit-axes.md)).
+    With `target`, the devices are compile-only ones of hardware this process
+    need not have, for its real compiler ([Will it fit?](../how-to/will-it-fit.md)).
 
     **Arguments:**
 
     - `axis_dims`: the size of each axis (at most one is `-1`), or a mesh string.
     - `axis_names`: one distinct name per axis; by default `("dp", "fsdp", "tp",
       "sp")` for sizes, and the string's names for a string of `name:size` pairs.
-    - `devices`: the devices to use (default `jax.devices(backend)`).
-    - `backend`: the JAX backend to take devices from when `devices` is not given.
-    - `axis_types`: one `jax.sharding.AxisType` for every axis or one per axis
-      (default all `Auto`).
-    - `target`: hardware to compile for: a TPU slice (`"v5p-1024"`, `"v5e:2x4"`;
-      `pip install "eqshard[tpu]"`) or NVIDIA GPUs (`"h100"`, `"h100:8x8"`;
-      `pip install "eqshard[gpu]"` and `JAX_PLATFORMS=cpu`).
+    - `devices`: the devices to use (default `jax.devices(backend)`); `backend`:
+      the JAX backend to take them from otherwise.
+    - `axis_types`: one `jax.sharding.AxisType` for every axis or one per axis.
+    - `target`: a TPU slice (`"v5p-1024"`, `"v5e:2x4"`; the `tpu` extra) or NVIDIA
+      GPUs (`"h100"`, `"h100:8x8"`; the `gpu` extra and `JAX_PLATFORMS=cpu`).
     - `num_slices`: with a TPU `target`, that many slices over DCN; the first axis
       whose size is a multiple of it runs across them.
 
@@ -259,21 +255,19 @@ def create_mesh(
 
     **Raises:**
 
-    - `ValueError` if sizes, names and `axis_types` differ in length, a name
-      repeats, the sizes are invalid or do not fit the device count (giving both
-      numbers), a mesh string has a bad entry (naming it), or for an unknown or
-      invalid `target` (listing the names known) or one combined with `devices`,
-      `backend` or (GPU) `num_slices`.
-    - `ImportError` naming the extra to install when a target's compiler is missing.
-    - `TypeError` for a bare string as `axis_names`.
+    `ValueError` if sizes, names and `axis_types` differ in length, a name
+    repeats, the sizes are invalid or do not fit the device count (giving both
+    numbers), a mesh string has a bad entry (naming it), or for an unknown or
+    invalid `target` (listing the names known) or one combined with `devices`,
+    `backend` or (GPU) `num_slices`; `ImportError` naming the extra to install
+    when a target's compiler is missing; `TypeError` for a string `axis_names`.
 
     !!! Example
 
         ```python
         mesh = eqshard.create_mesh((2, -1), ("dp", "tp"))  # 8 devices
         dict(mesh.shape)  # {"dp": 2, "tp": 4}
-        mesh = eqshard.create_mesh("tp:2,dp:-1")
-        dict(mesh.shape)  # {"tp": 2, "dp": 4}
+        dict(eqshard.create_mesh("tp:2,dp:-1").shape)  # {"tp": 2, "dp": 4}
         pod = eqshard.create_mesh((64, 8), ("fsdp", "tp"), target="v5p-1024")
         ```
     """
