@@ -300,32 +300,27 @@ def match_partition_rules(
 ) -> PyTree:
     """Builds a spec tree for `tree` from regex partition rules.
 
-    Each array leaf (`jax.Array`, `numpy.ndarray` or `jax.ShapeDtypeStruct`) is
-    named by its path (`layers/3/attn/q/weight`) and gets the spec of the first
-    rule whose regex `re.search`es that name; scalars and arrays under `min_size`
-    elements are replicated, and everything that is not an array gets `None`. Only
-    shapes are read, so abstract trees work. In a tuple of trees built together,
-    such as `(model, opt_state)`, arrays that follow a parameter (`mu`, `nu`) get
-    its spec whatever the regexes say (see
-    [optimizer states](../how-to/shard-modules.md#optimizer-states-and-other-pytrees)).
-    A spec applies to the leading dimensions, as in JAX; one marked with
-    [`eqshard.stacked`][] to the last ones.
+    Each array leaf (`jax.Array`, NumPy or `jax.ShapeDtypeStruct`: only shapes are
+    read) is named by its path (`layers/3/attn/q/weight`) and gets the spec of the
+    first rule whose regex `re.search`es that name; scalars and arrays under
+    `min_size` elements are replicated, non-arrays get `None`. In a tuple of trees
+    built together (`(model, opt_state)`), arrays that follow a parameter (`mu`,
+    `nu`) get its spec whatever the regexes say ([optimizer
+    states](../how-to/shard-modules.md#optimizer-states-and-other-pytrees)). Specs
+    apply to the leading dimensions, as in JAX; [`eqshard.stacked`][] to the last.
 
     **Arguments:**
 
     - `rules`: `(regex, value)` pairs in priority order; the value is a
       `PartitionSpec`, logical [`eqshard.AxisNames`][], a [`eqshard.stacked`][]
       spec, or a function of the leaf's shape such as [`eqshard.auto_fsdp`][].
-    - `tree`: any pytree.
-    - `min_size`: arrays with fewer elements than this are replicated.
-    - `on_invalid`: a leaf no rule matches, or whose spec is longer than its rank:
-      `"raise"` (the default), `"warn"` (replicated or trimmed, with a warning) or
-      `"ignore"` (the same, silently).
-    - `sep`: the separator used to build the path strings.
+    - `tree`: any pytree; `min_size`: as above; `sep`: the paths' separator.
+    - `on_invalid`: for a leaf no rule matches, or whose spec outranks it: `"raise"`
+      (default), `"warn"` (replicated or trimmed, warning) or `"ignore"` (silently).
     - `mesh`: if given, a spec that cannot apply on it is a bad leaf too (corrected
       as [`eqshard.corrected_spec`][] does under `"warn"`/`"ignore"`).
-    - `exact_rank`: if `True`, a spec shorter than its array's rank (other than
-      `P()`) is a bad leaf too: it catches per-layer rules applied to stacked layers.
+    - `exact_rank`: if `True`, a spec shorter than its array's rank (not `P()`)
+      is a bad leaf too: it catches per-layer rules applied to stacked layers.
     - `on_unused`: rules that matched no leaf (often a typo or a shadowed rule):
       `"ignore"` (the default), `"warn"` or `"raise"`.
 
@@ -335,11 +330,10 @@ def match_partition_rules(
 
     **Raises:**
 
-    - `ValueError` listing every bad leaf (path, shape, problem) and the rules
-      tried, with `on_invalid="raise"`; naming each rule that matched nothing,
-      with `on_unused="raise"`; or naming each rule whose regex is invalid.
-    - `TypeError` if a rule is not a `(regex, value)` pair, or a function returns
-      something else than a `PartitionSpec`.
+    `ValueError` listing every bad leaf (path, shape, problem) and the rules tried
+    (`on_invalid="raise"`), each rule that matched nothing (`on_unused="raise"`),
+    or each invalid regex; `TypeError` if a rule is not a `(regex, value)` pair,
+    or a function returns something else than a `PartitionSpec`.
 
     !!! Example
 
