@@ -380,17 +380,15 @@ def restrict_specs(
     """A spec tree adapted to another mesh: axes renamed, missing axes dropped and,
     given the arrays, entries that no longer divide corrected.
 
-    Specs written for one mesh (a checkpoint saved on `("dp", "tp")`, rules for
-    a large cluster) name axes another mesh may lack or have in other sizes. Each
-    spec is first renamed by `rename`, then corrected for `mesh` as
-    [`eqshard.corrected_spec`][] does: mesh axes `mesh` does not have, or that a
-    spec names twice, are dropped. With `like`, the shapes are known too, so
-    entries beyond an array's rank are dropped, and of each dimension's axes only
-    those that keep it divisible on `mesh` are kept.
-
-    Renaming is what was asked for and is not reported; every other change is,
-    as `on_invalid` says: by default in one warning that lists each changed
-    spec's path, the spec before and after, and why.
+    Specs written for one mesh (a checkpoint saved on `("dp", "tp")`, rules for a
+    large cluster) name axes another mesh may lack or have in other sizes. Each
+    spec is renamed by `rename`, then corrected for `mesh` as
+    [`eqshard.corrected_spec`][] does: axes `mesh` lacks, or that a spec names
+    twice, are dropped. With `like` the shapes are known too: entries beyond an
+    array's rank are dropped, and of each dimension's axes only those that keep it
+    divisible on `mesh` are kept. Renaming is not reported; every other change
+    is, as `on_invalid` says (one warning listing each path, the spec before and
+    after, and why).
 
     **Arguments:**
 
@@ -398,34 +396,30 @@ def restrict_specs(
       with `like`, a prefix of `like`'s spec tree, partition rules, or a function
       of the abstract tree: see [the spec-tree family](specs.md)).
     - `mesh`: the mesh the specs are for (a `Mesh` or an `AbstractMesh`).
-    - `rename`: a mapping from an axis name in `specs` to the name it has on
-      `mesh`, a tuple of names (the dimension is split over all of them) or
-      `None` (the axis is dropped, without a report).
+    - `rename`: a mapping from an axis name in `specs` to its name on `mesh`, a
+      tuple of names (the dimension split over all) or `None` (dropped, unreported).
     - `like`: the tree the specs are for, concrete or abstract (only `.shape` is
-      read), to check divisibility. Without it, only axis names are checked.
-    - `on_invalid`: what to do with a spec that must change: `"warn"` (the
-      default) changes it and warns, `"ignore"` changes it silently, `"raise"`
-      raises a `ValueError` with the same list.
+      read); without it, only axis names are checked.
+    - `on_invalid`: a spec that must change: `"warn"` (default) changes it and
+      warns, `"ignore"` silently, `"raise"` raises with the same list.
 
     **Returns:**
 
-    The specs for `mesh`: without `like`, a tree of the structure of `specs`;
-    with it, a full spec tree for `like` (a spec at each array, `None`
-    elsewhere). A `NamedSharding` becomes one on `mesh`, with its memory kind.
+    The specs for `mesh`: the structure of `specs` without `like`, else a spec at
+    each array of `like`, `None` elsewhere; a `NamedSharding` keeps its memory kind.
 
     **Raises:**
 
-    - `ValueError` if `on_invalid="raise"` and a spec changed, if `on_invalid`
-      is not one of the three, or naming the first path where `specs` is not a
-      prefix of `like`.
-    - `TypeError` naming a leaf of `specs` that is not a spec.
+    `ValueError` if `on_invalid="raise"` and a spec changed, if `on_invalid` is
+    not one of the three, or naming the first path where `specs` is not a prefix
+    of `like`; `TypeError` naming a leaf of `specs` that is not a spec.
 
     !!! Example
 
         ```python
-        specs = {"w": P("dp", "tp"), "b": P("tp")}
         mesh = eqshard.create_mesh((8,), ("fsdp",))
-        eqshard.restrict_specs(specs, mesh, rename={"dp": "fsdp"})
+        eqshard.restrict_specs({"w": P("dp", "tp"), "b": P("tp")}, mesh,
+                               rename={"dp": "fsdp"})
         # {"w": P("fsdp"), "b": P()}, and a warning: 'tp' is not a mesh axis
         ```
     """
