@@ -406,7 +406,7 @@ def restrict_specs(
     **Returns:**
 
     The specs for `mesh`: the structure of `specs` without `like`, else a spec at
-    each array of `like`, `None` elsewhere; a `NamedSharding` keeps its memory kind.
+    each array of `like`, `None` elsewhere; `NamedSharding`s on `mesh`, same kind.
 
     **Raises:**
 
