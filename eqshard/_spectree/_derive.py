@@ -380,9 +380,8 @@ def restrict_specs(
     """A spec tree adapted to another mesh: axes renamed, missing axes dropped and,
     given the arrays, entries that no longer divide corrected.
 
-    Specs written for one mesh (a checkpoint saved on `("dp", "tp")`, rules for a
-    large cluster) name axes another mesh may lack or have in other sizes. Each
-    spec is renamed by `rename`, then corrected for `mesh` as
+    For specs written for another mesh (a checkpoint's, a large cluster's rules),
+    each spec is renamed by `rename`, then corrected for `mesh` as
     [`eqshard.corrected_spec`][] does: axes `mesh` lacks, or that a spec names
     twice, are dropped. With `like` the shapes are known too: entries beyond an
     array's rank are dropped, and of each dimension's axes only those that keep it
@@ -405,8 +404,9 @@ def restrict_specs(
 
     **Returns:**
 
-    The specs for `mesh`: the structure of `specs` without `like`, else a spec at
-    each array of `like`, `None` elsewhere; `NamedSharding`s on `mesh`, same kind.
+    The specs for `mesh`, of `specs`' structure (with `like`, a spec at each array
+    of `like`, `None` elsewhere); a `NamedSharding` becomes one on `mesh`, with its
+    memory kind.
 
     **Raises:**
 
