@@ -220,27 +220,23 @@ def with_sharding_constraint(
     this is `jax.lax.with_sharding_constraint`; on `Explicit` axes (the default of
     `jax.make_mesh`) it is `jax.sharding.reshard`. With no mesh given or set, specs
     that are `PartitionSpec`s are ignored, so the same code runs on one device.
-
     A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
     divide, more entries than the array's rank, an axis used twice) is corrected to
-    the nearest one that can (see [`eqshard.corrected_spec`][]), or raises, as
-    `on_invalid` says: unlike `jax.lax.with_sharding_constraint`, which always
-    raises, the default corrects it with a warning.
+    the nearest one that can ([`eqshard.corrected_spec`][]), or raises, as
+    `on_invalid` says: unlike JAX's, which always raises, the default corrects it
+    with a warning.
 
     **Arguments:**
 
     - `tree`: any pytree.
-    - `specs`: a spec tree for `tree` or a prefix of one, partition rules, or a
-      function of the abstract tree returning a spec tree (see
-      [the spec-tree family](specs.md)). Its leaves (and rules' values) may also
-      be [`eqshard.AxisNames`][] (logical axis names), resolved by `axis_rules`.
-    - `mesh`: defaults to the mesh set by `jax.set_mesh` (the abstract mesh inside
-      `jit`).
+    - `specs`: a spec tree for `tree` or a prefix, partition rules, or a function
+      of the abstract tree ([the spec-tree family](specs.md)); leaves (and rules'
+      values) may be logical [`eqshard.AxisNames`][], resolved by `axis_rules`.
+    - `mesh`: defaults to the mesh set by `jax.set_mesh` (abstract inside `jit`).
     - `on_invalid`: `"warn"` corrects and warns, naming each leaf; `"raise"` raises
       a `ValueError` naming them all; `"ignore"` corrects silently.
-    - `axis_rules`: logical axis rules for `AxisNames` leaves; defaults to the rules set
-      by [`eqshard.logical_axis_rules`][] (as inside a
-      [`eqshard.t5x.Partitioner`][]-partitioned function).
+    - `axis_rules`: defaults to the rules set by [`eqshard.logical_axis_rules`][]
+      (as inside a [`eqshard.t5x.Partitioner`][]-partitioned function).
 
     **Returns:**
 
@@ -248,12 +244,11 @@ def with_sharding_constraint(
 
     **Raises:**
 
-    - `ValueError` as `on_invalid="raise"` says, if `specs` is not a prefix of
-      `tree`, if a spec mixes Auto and Explicit mesh axes, if it names an axis
-      that an enclosing `shard_map` maps over, if it is on an abstract mesh whose
-      axes the mesh set with `jax.set_mesh` does not have, or naming the arrays
-      that were deleted (donated).
-    - `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
+    `ValueError` as `on_invalid="raise"` says, if `specs` is not a prefix of
+    `tree`, a spec mixes Auto and Explicit mesh axes, names an axis an enclosing
+    `shard_map` maps over, or is on an abstract mesh whose axes the mesh set with
+    `jax.set_mesh` lacks, or naming the arrays that were deleted (donated);
+    `TypeError` if `tree` holds `jax.ShapeDtypeStruct`s.
 
     !!! Example
 
