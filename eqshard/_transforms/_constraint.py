@@ -215,11 +215,10 @@ def with_sharding_constraint(
 ) -> PyTree:
     """Constrains the sharding of the arrays of a pytree, inside or outside `jit`.
 
-    Array leaves get their spec; everything else is returned untouched, so it works
-    on whole Equinox modules inside `eqx.filter_jit`. On mesh axes of type `Auto`
-    this is `jax.lax.with_sharding_constraint`; on `Explicit` axes (the default of
-    `jax.make_mesh`) it is `jax.sharding.reshard`. With no mesh given or set, specs
-    that are `PartitionSpec`s are ignored, so the same code runs on one device.
+    Array leaves get their spec; everything else is returned untouched (whole
+    Equinox modules, inside `eqx.filter_jit` too). On `Auto` mesh axes this is
+    `jax.lax.with_sharding_constraint`, on `Explicit` ones `jax.sharding.reshard`.
+    With no mesh given or set, `PartitionSpec`s are ignored: code runs on one device.
     A spec that cannot apply (an unknown mesh axis, a dimension its mesh axes do not
     divide, more entries than the array's rank, an axis used twice) is corrected to
     the nearest one that can ([`eqshard.corrected_spec`][]), or raises, as
