@@ -484,31 +484,29 @@ def init_sharded(
     mesh: Mesh | AbstractMesh | None = None,
     **kwargs: Any,
 ) -> PyTree:
-    """Builds a model (or any pytree) with its arrays created straight in their
-    shardings.
+    """Builds a model (or any pytree) with its arrays created in their shardings.
 
     `fn(*args, **kwargs)` (such as a module's constructor taking a PRNG key) is
     traced once to resolve and check the specs, then runs under `jax.jit` with
     `out_shardings`, so that each device computes only its own shards: a model
     larger than one device can be made. Everything that is not an array comes back
-    as eager construction makes it. The values are those of
-    `eqx.filter_jit(fn)(*args, **kwargs)`; the trace and its program are kept, so
-    building again with a new key compiles nothing, while a changed value `fn`
-    reads is traced again (see
-    [the how-to](../how-to/plan-large-model.md#what-init_sharded-computes-and-keeps)).
-    With an optimizer state returned beside the model, rules written for the model
-    place `mu` and `nu` like their parameters.
+    as eager construction makes it, and the values are those of
+    `eqx.filter_jit(fn)(*args, **kwargs)`. The program is kept: a new key compiles
+    nothing, a changed value `fn` reads is traced again
+    ([the how-to](../how-to/plan-large-model.md#what-init_sharded-computes-and-keeps)).
+    Rules written for the model place an optimizer state's `mu` and `nu`, returned
+    beside it, like their parameters.
 
     **Arguments:**
 
     - `fn`: a callable returning the pytree, e.g. an `eqx.Module` class.
     - `*args`, `**kwargs`: its arguments. Arrays among them (such as the key) are
       inputs of the compiled program; everything else is a constant of it.
-    - `specs`: a spec tree for the model or a prefix of it, partition rules, or a
-      function of the abstract model (see [the spec-tree family](specs.md));
-      [`eqshard.host`][] specs are built into host memory; a `None` spec replicates.
-    - `mesh`: the mesh for `PartitionSpec`s; defaults to the mesh set by
-      `jax.set_mesh`. Not needed when the specs are `NamedSharding`s.
+    - `specs`: a spec tree for the model or a prefix, partition rules, or a
+      function of the abstract model ([the spec-tree family](specs.md));
+      [`eqshard.host`][] specs are built into host memory; `None` replicates.
+    - `mesh`: for `PartitionSpec`s (not needed for `NamedSharding`s); defaults to
+      the mesh set by `jax.set_mesh`.
 
     **Returns:**
 
@@ -516,22 +514,19 @@ def init_sharded(
 
     **Raises:**
 
-    - `ValueError` if the spec tree is not a prefix of the model, if specs cannot
-      apply (naming every such leaf and the nearest spec that fits), if rules
-      match no path, if no mesh is given or set where one is needed, or if NumPy
-      data among the arguments or read by `fn` would change as JAX narrows it
-      (`jax_enable_x64` off), as [`eqshard.shard`][] refuses it.
-    - `TypeError` naming a leaf of the spec tree that is not a spec, or if `mesh`
-      is abstract.
+    `ValueError` if the spec tree is not a prefix of the model, specs cannot apply
+    (naming every such leaf and the nearest spec that fits), rules match no path,
+    no mesh is given or set where one is needed, or NumPy data among the
+    arguments or read by `fn` would change as JAX narrows it (`jax_enable_x64`
+    off), as [`eqshard.shard`][] refuses it; `TypeError` naming a spec leaf that
+    is not a spec, or if `mesh` is abstract.
 
     !!! Example
 
         ```python
-        mesh = eqshard.create_mesh((2, 4), ("dp", "tp"))
         rules = [("weight", P("tp", None)), (".*", P())]
-        model = eqshard.init_sharded(
-            eqx.nn.Linear, 512, 256, key=jax.random.key(0), specs=rules, mesh=mesh
-        )
+        model = eqshard.init_sharded(eqx.nn.Linear, 512, 256, key=jax.random.key(0),
+                                     specs=rules, mesh=mesh)
         model.weight.sharding  # NamedSharding(mesh, P('tp', None))
         ```
     """
