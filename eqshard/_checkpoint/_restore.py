@@ -447,17 +447,13 @@ def restore(
     **Arguments:**
 
     - `directory`: a checkpoint written by [`eqshard.save`][] (or by orbax).
-    - `like`: a tree of the saved tree's structure, concrete or abstract
-      (`eqx.filter_eval_shape`); or a function of no arguments making it, called
-      abstractly (`functools.partial(make, key)`).
+    - `like`: a tree of the saved tree's structure, concrete or abstract, or a
+      function of no arguments making it (`partial(make, key)`), called abstractly.
     - `specs`: a spec tree for `like` (or a prefix), partition rules, or a
-      function of the abstract tree (see [the spec-tree family](specs.md));
-      `None` (also at a leaf) keeps `like`'s own shardings.
-    - `mesh`: the (concrete) mesh for `PartitionSpec`s; defaults to the mesh set
-      by `jax.set_mesh`.
+      function of the abstract tree; `None` (also at a leaf) keeps `like`'s own.
+    - `mesh`: the (concrete) mesh for `PartitionSpec`s; defaults to `jax.set_mesh`'s.
     - `on_invalid`: a spec that cannot apply on `mesh` is corrected as
-      [`eqshard.restrict_specs`][] does, with a warning (`"warn"`), silently
-      (`"ignore"`), or refused (`"raise"`).
+      [`eqshard.restrict_specs`][] does: `"warn"`, `"ignore"` (silently) or `"raise"`.
     - `dtype`: floating arrays cast as they are read, as for [`eqshard.shard`][].
     - `timeout`: in a multi-process run, seconds each process waits for the others.
 
@@ -467,14 +463,13 @@ def restore(
 
     **Raises:**
 
-    - `ValueError` naming every array missing, extra, or of another shape or dtype;
-      the arrays with no sharding, or whose values would be lost; if the checkpoint
-      is missing or damaged; if a save to `directory` finished meanwhile (restore
-      again); as [`eqshard.shard`][] if `specs` does not fit; with
-      `on_invalid="raise"`, every spec that would change; or if another process
-      fails or does not come within `timeout` seconds.
-    - `TypeError` naming the arrays that would go on an `AbstractMesh`.
-    - `ImportError` if orbax-checkpoint is not installed.
+    `ValueError` naming every array missing, extra, or of another shape or dtype,
+    the arrays with no sharding or whose values would be lost; if the checkpoint
+    is missing or damaged, a save to `directory` finished meanwhile (restore
+    again), `specs` does not fit (as [`eqshard.shard`][]), with
+    `on_invalid="raise"` every spec that would change, or another process fails or
+    is late; `TypeError` naming the arrays that would go on an `AbstractMesh`;
+    `ImportError` if orbax-checkpoint is not installed.
 
     !!! Example
 
