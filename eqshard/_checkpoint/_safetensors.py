@@ -241,19 +241,17 @@ def load_safetensors(
     (after `rename`). Every tensor missing, extra, or of another shape or dtype is
     reported together before any data is read; then each device's block is read by
     slice and placed, so the host never holds a whole file. Everything that is not
-    an array comes from `like`. Only safetensors files are read, nothing is
-    unpickled (see
-    [the how-to](../how-to/checkpoints.md#what-the-loader-reads-and-what-it-does-not));
-    several processes: see [there](../how-to/checkpoints.md#several-processes).
+    an array comes from `like`. Only safetensors files are read, nothing unpickled
+    ([the how-to](../how-to/checkpoints.md#what-the-loader-reads-and-what-it-does-not);
+    [several processes](../how-to/checkpoints.md#several-processes)).
 
     **Arguments:**
 
     - `files`: a `.safetensors` file, a sequence of them, or a Hugging Face
       `model.safetensors.index.json` (its files are found next to it).
-    - `like`: a tree of the structure to load into, concrete or abstract.
+    - `like`: the tree to load into, concrete or abstract; `sep`: as above.
     - `specs`, `mesh`: where to put the arrays, as for [`eqshard.restore`][]
       (`None`: `like`'s own shardings).
-    - `sep`: the separator that joins a path into a tensor name.
     - `rename`: a function from a tensor's name in the files to the name of
       `like`'s array, or to `None` to skip the tensor (such as a tied head).
     - `dtype`: floating arrays cast as they are read, as for [`eqshard.shard`][].
@@ -265,14 +263,13 @@ def load_safetensors(
 
     **Raises:**
 
-    - `ValueError` naming every tensor missing, extra, or of another shape or
-      dtype than `like`'s array; two tensors of one name; a file missing, truncated
-      or damaged; an index that is malformed or names a file outside its directory
-      or not `.safetensors`; as [`eqshard.shard`][], specs that do not fit or values
-      that would be lost; or another process that fails or does not come in time.
-    - `TypeError` naming a tensor of a dtype eqshard cannot read (F4, F6).
-    - `ImportError` if safetensors is not installed
-      (`pip install "eqshard[safetensors]"`).
+    `ValueError` naming every tensor missing, extra, or of another shape or dtype
+    than `like`'s array; two tensors of one name; a file missing, truncated or
+    damaged; an index that is malformed or names a file outside its directory or
+    not `.safetensors`; as [`eqshard.shard`][], specs that do not fit or values
+    that would be lost; or another process that fails or does not come in time;
+    `TypeError` naming a tensor of a dtype eqshard cannot read (F4, F6);
+    `ImportError` if safetensors is not installed (the `safetensors` extra).
 
     !!! Example
 
@@ -280,8 +277,7 @@ def load_safetensors(
         like = eqx.filter_eval_shape(Model, key=jax.random.key(0))
         model = eqshard.load_safetensors(
             "model.safetensors.index.json", like, specs, mesh,
-            rename=lambda name: name.removeprefix("model."),
-        )
+            rename=lambda name: name.removeprefix("model."))
         ```
     """
     caller = "load_safetensors"
