@@ -165,14 +165,10 @@ def auto_fsdp(
 
         ```python
         mesh = jax.sharding.AbstractMesh((256, 8), ("fsdp", "tp"))
-        rules = [
-            ("mlp/up", eqshard.auto_fsdp("fsdp", base=P(None, "tp"), mesh=mesh)),
-            (".*", eqshard.auto_fsdp("fsdp", mesh=mesh)),
-        ]
-        params = {
-            "mlp": {"up": jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)},
-            "embed": jax.ShapeDtypeStruct((8192, 512), jnp.bfloat16),
-        }
+        rules = [("mlp/up", eqshard.auto_fsdp("fsdp", base=P(None, "tp"), mesh=mesh)),
+                 (".*", eqshard.auto_fsdp("fsdp", mesh=mesh))]
+        params = {"mlp": {"up": jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)},
+                  "embed": jax.ShapeDtypeStruct((8192, 512), jnp.bfloat16)}
         eqshard.match_partition_rules(rules, params)
         # {"mlp": {"up": P("fsdp", "tp")}, "embed": P("fsdp")}
         ```
