@@ -61,18 +61,11 @@ def host(spec: Any = None) -> Host:
     that use it: optimizer state offloaded by a rule.
 
     The layout is the spec's: every device holds its shard, in the host memory
-    attached to it rather than in its own. It is accepted wherever specs are:
-    in partition rules, as a leaf of a spec tree, by [`eqshard.shard`][],
-    [`eqshard.init_sharded`][] (built straight into host memory),
-    [`eqshard.named_shardings`][] (a `NamedSharding` with
-    `memory_kind="pinned_host"`), [`eqshard.check_layout`][] (an array in
-    device memory where host memory was asked is a mismatch),
-    [`eqshard.restore`][], [`eqshard.abstract`][] and
-    [`eqshard.plan_training`][] (host bytes counted apart). A step compiled by
-    [`eqshard.filter_jit`][] with such specs moves those arrays to device memory
-    for the computation and back for its outputs, inside its one program: the
-    step itself needs no change. (Plain `jax.jit` needs those moves written in
-    the step: `jax.device_put(x, sharding.with_memory_kind("device"))`.)
+    attached to it rather than in its own. It is accepted wherever specs are
+    ([where, and what each reader does](rules.md#where-host-layouts-are-accepted)).
+    A step compiled by [`eqshard.filter_jit`][] with such specs moves those arrays
+    to device memory for the computation and back for its outputs, inside its one
+    program: the step itself needs no change.
 
     In a rule matched against a tree built together (`(model, opt_state)`), a
     host rule is matched by the arrays that follow a parameter too: `host()`
