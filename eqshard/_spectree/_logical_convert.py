@@ -151,19 +151,14 @@ def logical_to_mesh_axes(
 
     The rules are tried in order. A rule `(name, mesh_axes)` sets the entry of the
     dimension called `name` if no earlier rule has set it and none of `mesh_axes`
-    shards another dimension yet; so a mesh axis is used at most once per spec,
-    and a later rule for the same name is a fallback for when its mesh axes are
-    taken. A rule mapping to `None` settles its dimension as unsharded. A
-    dimension that no rule sets is `None` (replicated): this includes names no
-    rule mentions (as in flax, this is not an error, so check the spelling of your
-    names if an array comes out unsharded), `None` entries of `axes`, and names
-    whose mesh axes were all taken. These are flax's `logical_to_mesh_axes`
-    semantics.
-
-    The result depends only on `axes` and `axis_rules`; with `axis_rules=None` it
-    reads
-    [`eqshard.get_logical_axis_rules`][], and with no rules set every entry is
-    `None`.
+    shards another dimension yet: a mesh axis is used at most once per spec, and a
+    later rule for the same name is a fallback for when its mesh axes are taken. A
+    rule mapping to `None` settles its dimension as unsharded. A dimension no rule
+    sets is `None` (replicated): names no rule mentions (as in flax, not an error:
+    check their spelling if an array comes out unsharded), `None` entries of
+    `axes`, names whose mesh axes were all taken. These are flax's semantics. The
+    result depends only on `axes` and `axis_rules` (`None` reads
+    [`eqshard.get_logical_axis_rules`][]; with no rules set every entry is `None`).
 
     **Arguments:**
 
@@ -180,10 +175,9 @@ def logical_to_mesh_axes(
 
     **Raises:**
 
-    - `ValueError` if a logical name appears twice in `axes`.
-    - `TypeError` if `axes` is a string or has an entry that is neither a `str` nor
-      `None`.
-    - `TypeError`/`ValueError` naming the first malformed rule.
+    `ValueError` if a logical name appears twice in `axes`; `TypeError` if `axes`
+    is a string or has an entry neither a `str` nor `None`; `TypeError` or
+    `ValueError` naming the first malformed rule.
 
     !!! Example
 
