@@ -182,10 +182,9 @@ def derive_specs(
 
     **Raises:**
 
-    - `ValueError` naming every large leaf that follows no parameter (with
-      `on_invalid="raise"`), or the first path where `param_specs` is not a
-      prefix of `params`.
-    - `TypeError` naming a leaf of `param_specs` that is not a spec.
+    `ValueError` naming every large leaf that follows no parameter (with
+    `on_invalid="raise"`), or the first path where `param_specs` is not a prefix of
+    `params`; `TypeError` naming a leaf of `param_specs` that is not a spec.
 
     !!! Example
 

@@ -180,8 +180,7 @@ def auto_axes(
 
     **Returns:**
 
-    A function taking what `fn` takes and returning what it returns, its arrays
-    laid out as `out_sharding` says.
+    `fn`'s function, its array outputs laid out as `out_sharding` says.
 
     **Raises:**
 
@@ -195,9 +194,8 @@ def auto_axes(
         ```python
         @jax.jit
         def forward(embed, tokens):  # jax.vmap(embed)(tokens) alone raises
-            lookup = eqshard.auto_axes(
-                lambda e, t: jax.vmap(e)(t), out_sharding=P("dp", "tp"), mesh=mesh
-            )
+            lookup = eqshard.auto_axes(lambda e, t: jax.vmap(e)(t),
+                                       out_sharding=P("dp", "tp"), mesh=mesh)
             return lookup(embed, tokens)  # float32[8@dp,32@tp]
         ```
     """
