@@ -180,7 +180,7 @@ def auto_axes(
 
     **Returns:**
 
-    `fn`'s function, its array outputs laid out as `out_sharding` says.
+    A function of `fn`'s arguments, returning its outputs laid out by `out_sharding`.
 
     **Raises:**
 
