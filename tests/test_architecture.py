@@ -648,6 +648,111 @@ def test_the_docstring_check_sees_an_unnamed_module():
     assert not named_in("init", text)
 
 
+# Public docstrings stay near 40 lines (CONTRIBUTING.md, "Write"): summary,
+# behaviour, Arguments, Returns, Raises and one example; the narrative lives in
+# the how-tos and on the API pages, linked from the docstring.
+MAX_DOCSTRING_LINES = 45
+NAMESPACES = ("eqshard", "eqshard.t5x", "eqshard.compat")
+
+
+def definition(module: str, name: str) -> ast.FunctionDef | ast.ClassDef | None:
+    """The `def` or `class` that `module`'s `name` is, following re-exports
+    (`from .x import name as name`); `None` for a value or a submodule."""
+    for node in _tree(module).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+    for node in _tree(module).body:
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}" in modules()
+                if (alias.asname or alias.name) == name and not submodule:
+                    return (
+                        definition(source, alias.name) if source in modules() else None
+                    )
+    return None
+
+
+def public_names(namespace: str) -> set[str]:
+    """A namespace's `__all__` and the public names it re-exports outside it
+    (the classes the root's readers return)."""
+    names = set()
+    for node in _tree(namespace).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names |= set(ast.literal_eval(node.value))
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname for a in node.names if a.asname == a.name}
+    return {n for n in names if not n.startswith("_")}
+
+
+def docstring_lengths(
+    namespace: str, definitions: dict[str, ast.AST]
+) -> dict[str, int]:
+    """Lines of each public function's and class's docstring, and of its
+    classes' public methods' (`__call__` included), by qualified name."""
+    lengths = {}
+    for name, node in definitions.items():
+        members = [(f"{namespace}.{name}", node)]
+        if isinstance(node, ast.ClassDef):
+            members += [
+                (f"{namespace}.{name}.{m.name}", m)
+                for m in node.body
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and (not m.name.startswith("_") or m.name == "__call__")
+            ]
+        for qualified, member in members:
+            doc = ast.get_docstring(member)  # type: ignore[arg-type]
+            if doc is not None:
+                lengths[qualified] = len(doc.splitlines())
+    return lengths
+
+
+def public_docstring_lengths() -> dict[str, int]:
+    lengths = {}
+    for namespace in NAMESPACES:
+        found = {n: definition(namespace, n) for n in sorted(public_names(namespace))}
+        defs = {n: d for n, d in found.items() if d is not None}
+        lengths |= docstring_lengths(namespace, defs)
+    return lengths
+
+
+def test_public_docstrings_stay_short():
+    lengths = public_docstring_lengths()
+    # The walk reaches the everyday path and both namespaces' families.
+    assert {"eqshard.shard", "eqshard.pipeline", "eqshard.StepReport"} <= set(lengths)
+    assert {"eqshard.t5x.Partitioner.partition", "eqshard.compat.get_metrics"} <= set(
+        lengths
+    )
+    long = {name: n for name, n in lengths.items() if n > MAX_DOCSTRING_LINES}
+    assert not long, (
+        f"public docstrings over {MAX_DOCSTRING_LINES} lines (keep the summary, "
+        "behaviour, Arguments, Returns, Raises and one example; move the narrative "
+        f"to the how-to or the API page and link it): {long}"
+    )
+
+
+def test_the_docstring_length_check_counts_methods():
+    # The check itself: a class's public methods and `__call__` count, private
+    # ones do not, and a docstring's lines are counted after dedenting.
+    source = (
+        "class C:\n"
+        '    """One.\n\n    Two."""\n'
+        '    def run(self):\n        """A\n        B\n        C"""\n'
+        '    def __call__(self):\n        """D"""\n'
+        '    def _hidden(self):\n        """E"""\n'
+        "def f():\n    pass\n"
+    )
+    tree = ast.parse(source)
+    defs = {node.name: node for node in tree.body}  # type: ignore[attr-defined]
+    assert docstring_lengths("ns", defs) == {
+        "ns.C": 3,
+        "ns.C.run": 3,
+        "ns.C.__call__": 1,
+    }
+
+
 def test_only_the_door_reads_jax_internals():
     _check(
         "reads of JAX's internals outside _internals/",
