@@ -22,7 +22,7 @@ import functools
 import io
 import re
 import tokenize
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
@@ -688,22 +688,24 @@ def public_names(namespace: str) -> set[str]:
 
 
 def docstring_lengths(
-    namespace: str, definitions: dict[str, ast.AST]
+    namespace: str, definitions: Mapping[str, ast.FunctionDef | ast.ClassDef]
 ) -> dict[str, int]:
     """Lines of each public function's and class's docstring, and of its
     classes' public methods' (`__call__` included), by qualified name."""
     lengths = {}
     for name, node in definitions.items():
-        members = [(f"{namespace}.{name}", node)]
+        members: list[tuple[str, ast.FunctionDef | ast.ClassDef]] = [
+            (f"{namespace}.{name}", node)
+        ]
         if isinstance(node, ast.ClassDef):
             members += [
                 (f"{namespace}.{name}.{m.name}", m)
                 for m in node.body
-                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                if isinstance(m, ast.FunctionDef)
                 and (not m.name.startswith("_") or m.name == "__call__")
             ]
         for qualified, member in members:
-            doc = ast.get_docstring(member)  # type: ignore[arg-type]
+            doc = ast.get_docstring(member)
             if doc is not None:
                 lengths[qualified] = len(doc.splitlines())
     return lengths
@@ -745,7 +747,11 @@ def test_the_docstring_length_check_counts_methods():
         "def f():\n    pass\n"
     )
     tree = ast.parse(source)
-    defs = {node.name: node for node in tree.body}  # type: ignore[attr-defined]
+    defs = {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+    }
     assert docstring_lengths("ns", defs) == {
         "ns.C": 3,
         "ns.C.run": 3,
