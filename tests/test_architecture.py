@@ -8,7 +8,8 @@ re-export), only `_internals/` reads JAX's moving parts or matches on an
 error's text, no module is over `MAX_MODULE_LINES` lines and no function over
 `MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded),
 and every module is named in its wing's `__init__.py` docstring (the map in the
-code) and in its wing's row of CONTRIBUTING.md's module map.
+code) and in its wing's row of CONTRIBUTING.md's module map. No public docstring
+is over `MAX_DOCSTRING_LINES` lines.
 
 Today's violations are data (`ALLOWED_*` below): the tests pass while they hold
 and fail when a new one appears, or when one listed is gone (then delete its
