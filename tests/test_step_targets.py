@@ -28,7 +28,7 @@ from eqshard._step._hlo._text import HloTextError
 from eqshard._step._records import CollectiveRow, StepLeaf
 from eqshard._step._report import StepReport
 from eqshard._step._rows import collective_row, memory
-from tests.fakes import host_mesh
+from tests.fakes import host_mesh, TpuDevice
 
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
@@ -123,6 +123,8 @@ def fixture(name: str) -> Fixture:
     if np.prod(sizes) <= len(jax.devices()):
         auto = (AxisType.Auto,) * len(axes)
         mesh = jax.make_mesh(sizes, tuple(axes), axis_types=auto)
+    elif "device_ids" in meta and meta["platform"] == "tpu":
+        mesh = slices_mesh(meta)
     else:  # more devices than this process has: stand-ins of the same shape
         mesh = host_mesh(np.zeros(sizes, int).tolist(), tuple(axes))
     arguments = tuple(map(_leaf, meta["arguments"]))
@@ -144,6 +146,27 @@ def fixture(name: str) -> Fixture:
         collectives=rows,
     )
     return Fixture(text, meta, program, report, [str(w.message) for w in warned])
+
+
+def slices_mesh(meta: dict) -> jax.sharding.Mesh:
+    """Stand-ins for a multi-slice TPU program's devices, in mesh order: the
+    compile-only device `100000 * (s + 1) + k` is device `k` of slice `s`, at
+    torus coordinates `(k % 2, k // 2)` of its v5e:2x4 slice."""
+    devices = [
+        TpuDevice(
+            i,
+            i // 100000 - 1,
+            (i % 100000 % 2, i % 100000 // 2, 0),
+            0,
+            meta["device_kind"],
+            slice_index=i // 100000 - 1,
+        )
+        for i in meta["device_ids"]
+    ]
+    axes = tuple(axis for axis, _ in meta["mesh"])
+    shape = tuple(size for _, size in meta["mesh"])
+    array = np.array(devices, dtype=object).reshape(shape)
+    return jax.sharding.Mesh(array, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def _loop_rows(report: StepReport, layers: int) -> list[CollectiveRow]:
@@ -295,7 +318,8 @@ def _chain_census(text: str) -> collections.Counter:
 
 def test_two_slice_rows_are_every_collective_whatever_its_channel_id():
     found = fixture("tpu_two_slices")
-    kinds = collections.Counter(row.kind for row in found.report.collectives)
+    rows = [row for row in found.report.collectives if not row.dcn]
+    kinds = collections.Counter(row.kind for row in rows)
     assert kinds == _chain_census(found.text)
     # The channel ids the reader must not key on: one of an async gather's is
     # also a plain reduce-scatter's.
@@ -305,6 +329,84 @@ def test_two_slice_rows_are_every_collective_whatever_its_channel_id():
     ):
         channels[number].add(kind)
     assert any(len(k) > 1 for k in channels.values())
+
+
+# Two slices: the parts of the collectives that cross the slices travel over
+# DCN as a `send` and a `recv` to the megascale runtime, tied by a rendezvous
+# key, each with its `-done`. Their data: `(array, u32[], token[])`.
+
+_TRANSFER = re.compile(
+    r"^\s*%\S+ = \((\w+)\[([\d,]*)\]\S*, u32\[\], token\[\]\) (send|recv)\(.*"
+    r'_xla_host_transfer_rendezvous="([^"]+)".*_xla_megascale_transfer_type="(\w+)"'
+)
+_ITEMSIZE = {"bf16": 2, "f32": 4}
+# Runs per step of the computations holding transfers, counted by hand: the
+# forward scan's body runs its 4 layers; the backward scan's first iteration
+# is peeled into the entry, so its body runs 3 times.
+_RUNS = {
+    "main.6_spmd": 1,
+    "wide.region_0.1_spmd.clone.sunk": 4,
+    "wide.region_2.3_spmd.clone.clone.sunk": 3,
+}
+
+
+def _transfer_census(text: str) -> dict[str, dict]:
+    """Each rendezvous key's transfer type, runs, and the bytes of its send's
+    operand and its recv's array, read from the text."""
+    found: dict[str, dict] = {}
+    computation = ""
+    for line in text.splitlines():
+        head = _COMPUTATION_HEAD.match(line)
+        if head is not None:
+            computation = head[1]
+        match = _TRANSFER.match(line)
+        if match is None:
+            continue
+        dtype, dims, op, key, kind = match.groups()
+        nbytes = _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",")]))
+        entry = found.setdefault(key, {"type": kind, "runs": _RUNS[computation]})
+        entry[op] = nbytes
+    return found
+
+
+def test_two_slice_transfers_over_dcn_are_rows_of_their_bytes_and_runs():
+    found = fixture("tpu_two_slices")
+    counted = _transfer_census(found.text)
+    assert (
+        len(counted) == 14 == found.text.count(" send(") == found.text.count(" recv(")
+    )
+    # The collectives the keys name were split: none is left in the program.
+    assert not any(f"%{key.rsplit('_', 1)[0]} " in found.text for key in counted)
+    rows = {row.name: row for row in found.report.collectives if row.dcn}
+    assert rows.keys() == counted.keys()
+    kinds = {"ALL_GATHER": "all-gather", "ALL_REDUCE": "all-reduce"}
+    kinds["ONE_TO_ONE"] = "collective-permute"
+    for key, row in rows.items():
+        expected = counted[key]
+        assert row.kind == kinds[expected["type"]]
+        assert (row.bytes, row.count) == (expected["recv"], expected["runs"])
+        # On two slices a gather receives two pieces and sends one; a
+        # reduction or permute sends and receives its whole buffer.
+        pieces = 2 if row.kind == "all-gather" else 1
+        assert expected["recv"] == pieces * expected["send"] == pieces * row.link_bytes
+        # 'dp' runs across the slices; a permute's pairs also differ in 'tp'.
+        axes = ("dp", "tp") if row.kind == "collective-permute" else ("dp",)
+        assert row.axes == axes and row.paths
+    report = found.report
+    total = sum(e["recv"] * e["runs"] for e in counted.values())
+    sent = sum(e["send"] * e["runs"] for e in counted.values())
+    # By hand: 16 gather runs of 256 KiB received (128 KiB sent); reductions
+    # of 64 KiB + 2 x 256 KiB + 512 B once and 2 x 256 KiB three times; two
+    # permutes of 128 KiB.
+    assert (total, sent) == (6_619_648, 4_522_496)
+    assert report.dcn_bytes == total
+    assert sum(r.link_bytes * r.count for r in rows.values()) == sent
+    # Everything else is the 25 collectives the program states as ops.
+    assert len(report.collectives) == 25 + 14
+    assert report.total_bytes == total + sum(
+        r.total_bytes for r in report.collectives if not r.dcn
+    )
+    assert "between slices over DCN: 6.3 MiB" in report.summary()
 
 
 # A mixture of experts on TPU v5p: scatters run on the SparseCore.

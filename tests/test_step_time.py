@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqshard
 from eqshard._mesh._chips import CHIPS
 from eqshard._step._hlo._flow import Program
+from eqshard._step._hlo._text import HloTextError
 from eqshard._step._options import step_options
 from eqshard._step._report import StepReport
 from eqshard._step._rows import collective_row, memory
@@ -32,8 +33,21 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 def _devices(name: str, meta: dict) -> list:
     """Stand-ins for the fixture's devices in mesh order: v5e:2x4 has device
-    `i` at torus coordinates `(i % 2, i // 2)`; the H100s are one host."""
+    `i` at torus coordinates `(i % 2, i // 2)` (of two slices, device
+    `100000 * (s + 1) + i` of slice `s`); the H100s are one host."""
     ids = meta["device_ids"]
+    if name.startswith("tpu") and min(ids) >= 100000:  # slices of compile-only ids
+        return [
+            TpuDevice(
+                i,
+                i // 100000 - 1,
+                (i % 2, i % 100000 // 2, 0),
+                0,
+                "TPU v5 lite",
+                slice_index=i // 100000 - 1,
+            )
+            for i in ids
+        ]
     if name.startswith("tpu"):
         return [TpuDevice(i, i // 4, (i % 2, i // 2, 0), 0, "TPU v5 lite") for i in ids]
     return [HostDevice(i, 0, "gpu", H100) for i in ids]
@@ -118,6 +132,94 @@ def test_an_all_gather_takes_the_ring_formula():
         n = row.group_size
         expected = (n - 1) / n * row.bytes / 4.5e11 + (n - 1) * 2e-6
         assert row.seconds == pytest.approx(expected)
+
+
+def test_transfers_between_slices_take_the_network():
+    # Two v5e-8 slices over DCN at 2.5e10 / 4 B/s a chip, 10 us a hop: a gather
+    # between one device of each slice sends half its result; a sum sends its
+    # whole buffer, there and back in latency; a permute its bytes.
+    report = fixture("tpu_two_slices")
+    assert report.time is not None
+    dcn = [r for r in report.collectives if r.dcn]
+    assert {r.kind for r in dcn} == {"all-gather", "all-reduce", "collective-permute"}
+    for row in dcn:
+        assert row.seconds is not None
+        if row.kind == "all-gather":
+            expected = 0.5 * row.bytes / 6.25e9 + 1e-5
+        elif row.kind == "all-reduce":
+            expected = row.bytes / 6.25e9 + 2e-5
+        else:
+            expected = row.bytes / 6.25e9 + 1e-5
+        assert row.seconds == pytest.approx(expected)
+    total = sum(r.seconds * r.count for r in report.collectives if r.seconds)
+    assert report.time.collective_s == pytest.approx(total)
+
+
+# Transfers between slices as libtpu writes them (shapes of a psum_scatter over
+# four slices, and of an all_to_all whose groups span two slices of two devices).
+_MEGASCALE = (
+    "is_host_transfer=true, frontend_attributes={{_xla_host_transfer_handler_name="
+    '"xla_megascale_runtime",_xla_host_transfer_rendezvous="{key}",'
+    '_xla_megascale_target={target},_xla_megascale_transfer_type="{kind}"}}'
+)
+_TRANSFERS = """HloModule m
+
+ENTRY %main (p: f32[8,1,128], q: f32[4,4,64]) -> (f32[2,1,128], f32[4,4,64]) {{
+  %p = f32[8,1,128]{{2,1,0}} parameter(0)
+  %q = f32[4,4,64]{{2,1,0}} parameter(1)
+  %a = token[] after-all()
+  %s = (f32[8,1,128]{{2,1,0}}, u32[], token[]) send(%p, %a), channel_id=1, {rs}
+  %r = (f32[2,1,128]{{2,1,0}}, u32[], token[]) recv(%a), channel_id=2, {rs}
+  %b = token[] after-all()
+  %s2 = (f32[4,4,64]{{2,1,0}}, u32[], token[]) send(%q, %b), channel_id=3, {a2a}
+  %r2 = (f32[4,4,64]{{2,1,0}}, u32[], token[]) recv(%b), channel_id=4, {a2a}
+  %sd = token[] send-done(%s), channel_id=1, is_host_transfer=true
+  %rd = (f32[2,1,128]{{2,1,0}}, token[]) recv-done(%r), channel_id=2
+  %sd2 = token[] send-done(%s2), channel_id=3, is_host_transfer=true
+  %rd2 = (f32[4,4,64]{{2,1,0}}, token[]) recv-done(%r2), channel_id=4
+  %x = f32[2,1,128]{{2,1,0}} get-tuple-element(%rd), index=0
+  %y = f32[4,4,64]{{2,1,0}} get-tuple-element(%rd2), index=0
+  ROOT %t = (f32[2,1,128]{{2,1,0}}, f32[4,4,64]{{2,1,0}}) tuple(%x, %y)
+}}
+"""
+
+
+def _transfers(kind: str = "REDUCE_SCATTER") -> str:
+    rs = _MEGASCALE.format(
+        key="reduce-scatter.1_0", target='"{1,2,3,4}x{0:1}"', kind=kind
+    )
+    a2a = _MEGASCALE.format(
+        key="all-to-all.2_0", target="{{0,1,4,5},{2,3,6,7}}", kind="ALL_TO_ALL"
+    )
+    return _TRANSFERS.format(rs=rs, a2a=a2a)
+
+
+def test_transfers_between_slices_are_read_from_their_attributes():
+    # Devices 2s and 2s+1 are slice s, a pair of chips side by side.
+    devices = [
+        TpuDevice(i, i // 2, (i % 2, 0, 0), 0, "TPU v5 lite", slice_index=i // 2)
+        for i in range(8)
+    ]
+    report = _report(_transfers(), devices)
+    scatter, a2a = report.collectives
+    assert (scatter.name, scatter.kind, scatter.dcn) == (
+        "reduce-scatter.1_0",
+        "reduce-scatter",
+        True,
+    )
+    # One device in each of 4 slices: each keeps a quarter (2 x 128 f32) of
+    # the 8 x 128 it sends, and sends the other three quarters.
+    assert (scatter.bytes, scatter.group_size, scatter.link_bytes) == (1024, 4, 3072)
+    assert scatter.paths == ("in", "out") and scatter.overlapped is False
+    assert scatter.seconds == pytest.approx(3072 / 6.25e9 + 3e-5)
+    # Groups of device ids: two devices in each of two slices. Inside a slice,
+    # a quarter of an all-gather of the array, over one ICI link and one hop
+    # (1 us); between them, half of each device's half, over DCN.
+    assert (a2a.kind, a2a.bytes, a2a.group_size) == ("all-to-all", 4096, 4)
+    local = 0.5 * 4096 / 4 / 4.5e10 + 1e-6
+    assert a2a.seconds == pytest.approx(local + 0.5 * 4096 / 2 / 6.25e9 + 1e-5)
+    with pytest.raises(HloTextError, match="unknown type 'BROADCAST'"):
+        Program(_transfers("BROADCAST"), caller="analyze_step", num_devices=8)
 
 
 def test_collective_s_sums_the_rows_seconds_times_their_runs():

@@ -183,7 +183,7 @@ def test_fits_without_a_budget_names_the_argument():
     with pytest.raises(ValueError, match=r"StepMemory.fits: device_memory is None"):
         report.memory.fits()
     data = json.loads(report.to_json())
-    assert data["format"] == 3
+    assert data["format"] == 4
     # A format-1 report (before this release) reads, with the new fields' defaults.
     for field in ("host_argument_bytes", "host_output_bytes", "host_temp_bytes"):
         del data["memory"][field]
@@ -192,7 +192,7 @@ def test_fits_without_a_budget_names_the_argument():
     data["format"] = 1
     old = eqshard.StepReport.from_json(json.dumps(data))
     assert old.memory == report.memory and old.versions == ()
-    data["format"] = 3
+    data["format"] = 4
     with pytest.raises(ValueError, match=r"at 'memory/platform': expected a string"):
         eqshard.StepReport.from_json(json.dumps(data))
 

@@ -14,12 +14,13 @@ import typing
 from typing import Any
 
 
-FORMAT = 3  # the version of `to_json`'s format
+FORMAT = 4  # the version of `to_json`'s format
 # Earlier formats still read: their reports lack fields added since, which
 # take their defaults (format 1: the host bytes, platform and device memory,
 # versions and compiler options, whether a collective overlaps; format 2: the
-# step's time and each collective's seconds).
-_READABLE = (1, 2, 3)
+# step's time and each collective's seconds; format 3: whether a collective
+# is a transfer between slices over DCN).
+_READABLE = (1, 2, 3, 4)
 
 MISSING: Any = object()  # a field not in the document
 UNSHOWN: Any = object()  # a problem with the text, not with a value

@@ -24,6 +24,10 @@ NVLink and InfiniBand, as NCCL runs it, for GPUs):
   full rate); a step per device of the ring.
 - A permute sends its bytes over one link (the network between units); its
   hops are the distance between source and target on the torus.
+- A transfer between TPU slices that the program states as a megascale
+  `send`/`recv` pair (a `dcn` row): the same model over its groups of device
+  ids; where its target names only slices (one device in each), the network
+  part alone, `s` units of `m = 1` device.
 
 Where the links are unknown (TPU devices without coordinates, a group that is
 no block of the torus), `UnknownLinks` says so; nothing is guessed.
@@ -97,6 +101,32 @@ class Links:
             seen.add(key)
             worst = max(worst, self._group(kind, nbytes, list(group)))
         return worst
+
+    def transfer_seconds(
+        self, kind: str, nbytes: int, groups: Sequence[Sequence[int]], slices: int
+    ) -> float:
+        """One run of a transfer between TPU slices (`_hlo._megascale`) whose
+        result is `nbytes` per device: over `groups` of device ids (a permute:
+        pairs), or, without groups, between one device in each of `slices`
+        slices, over DCN alone."""
+        if not groups:
+            if slices <= 1 or nbytes == 0:
+                return 0.0
+            network = _ring(kind, slices) * _array(kind, nbytes, slices)
+            latency = (slices - 1) * self.chip.network_latency
+            if kind == "all-reduce":
+                latency *= 2
+            return network / self.chip.network + latency
+        position = {int(d.id): k for k, d in enumerate(self.devices)}
+        for i in (i for group in groups for i in group):
+            if i not in position:
+                raise UnknownLinks(
+                    f"a transfer between slices names the device id {i}, which "
+                    "is not one of the program's devices"
+                )
+        return self.seconds(
+            kind, nbytes, [[position[i] for i in group] for group in groups]
+        )
 
     def _check(self, ids: Sequence[int]) -> None:
         if any(i >= len(self.devices) for i in ids):

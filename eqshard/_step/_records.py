@@ -62,6 +62,17 @@ class CollectiveRow:
     it receives. A `kernel` row is a Pallas/Mosaic custom-call, without bytes:
     what it communicates is not in the program's text.
 
+    `dcn` marks a transfer between TPU slices over the data-center network,
+    which a multi-slice program states as a `send`/`recv` pair to the megascale
+    runtime, not as a collective op: one row per pair, named by its rendezvous
+    key (`all-gather.16_0`: XLA split the collective `all-gather.16` into this
+    transfer and, where its groups also span devices of one slice, a collective
+    over ICI, a row of its own), its kind the transfer's type, `group_size`
+    its devices (one per slice for the cross-slice part of a gather or
+    reduction). `bytes` is the recv's array, as for any row; what each device
+    sends over DCN is `link_bytes`, on two slices the send's operand for an
+    all-gather (half the gathered array), all-reduce or permute.
+
     `seconds` is how long one run takes on the target's links (`None` where
     the report has no `time`: on CPU, or for a kernel), as
     [`StepReport.time`][eqshard.StepReport] estimates it.
@@ -79,6 +90,7 @@ class CollectiveRow:
     unknown_trip_count: bool = False
     overlapped: bool | None = None
     seconds: float | None = None
+    dcn: bool = False
 
     @property
     def shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
@@ -207,7 +219,8 @@ class StepChange:
     `"spec"`, `"shape"`, `"dtype"`, `"added"` or `"removed"`), its communication
     per step (`what` is a collective kind), a memory figure (`path` is
     `"memory"`), or a total of the communication (`path` is `"communication"`,
-    `what` is `"total_bytes"`, `"exposed_bytes"` or `"unknown_overlap_bytes"`)."""
+    `what` is `"total_bytes"`, `"dcn_bytes"`, `"exposed_bytes"` or
+    `"unknown_overlap_bytes"`)."""
 
     path: str
     what: str

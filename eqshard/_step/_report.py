@@ -56,7 +56,8 @@ class StepReport(Report):
     - `memory`: a [`StepMemory`][eqshard._step._records.StepMemory]: per-device
       bytes and `fits()`.
     - `collectives`: one [`CollectiveRow`][eqshard._step._records.CollectiveRow]
-      per collective instruction, in program order.
+      per collective instruction, and per transfer between TPU slices over
+      DCN (`dcn`), in program order.
     - `moved`: the [`MovedInput`][eqshard._step._records.MovedInput]s JAX moves
       at every call.
     - `warnings`: XLA's [`StepWarning`][eqshard._step._records.StepWarning]s of
@@ -112,6 +113,13 @@ class StepReport(Report):
         """`total_bytes` per set of mesh axes communicated over (`"tp"`,
         `"dp+tp"`), largest first: a collective over two axes counts once."""
         return self._totals(lambda row: "+".join(row.axes))
+
+    @property
+    def dcn_bytes(self) -> int:
+        """The bytes of `total_bytes` that move between TPU slices over DCN
+        (rows whose `dcn` is set); what each device sends over it is the sum
+        of those rows' `link_bytes * count`."""
+        return sum(r.total_bytes for r in self.collectives if r.dcn)
 
     @property
     def exposed_bytes(self) -> int:
@@ -190,7 +198,12 @@ class StepReport(Report):
             x, y = sums[0].get((path, kind), 0), sums[1].get((path, kind), 0)
             if x != y:
                 changes.append(StepChange(path, kind, x, y))
-        for field in ("total_bytes", "exposed_bytes", "unknown_overlap_bytes"):
+        for field in (
+            "total_bytes",
+            "dcn_bytes",
+            "exposed_bytes",
+            "unknown_overlap_bytes",
+        ):
             x, y = getattr(self, field), getattr(other, field)
             if x != y:
                 changes.append(StepChange(COMMUNICATION, field, x, y))
@@ -259,6 +272,11 @@ class StepReport(Report):
             f"{format_bytes(self.total_bytes)} per device per step; "
             f"{self.attributed_share:.1%} of the bytes belong to a leaf",
         ]
+        if self.dcn_bytes:
+            lines.append(
+                f"between slices over DCN: {format_bytes(self.dcn_bytes)} per "
+                "device per step"
+            )
         if self.exposed_bytes != self.total_bytes:
             lines.append(
                 f"overlap with computation: {format_bytes(self.exposed_bytes)} "

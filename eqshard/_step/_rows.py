@@ -147,20 +147,28 @@ def collective_row(
     )
     if collective.kind == "collective-permute":
         group_size = 2
+    elif collective.groups:
+        group_size = len(collective.groups[0])
     else:
-        group_size = len(collective.groups[0]) if collective.groups else 1
+        group_size = max(collective.slices, 1)
+    axes = (
+        _dcn_axes(collective.groups, mesh)
+        if collective.dcn
+        else _axes(collective.groups, mesh)
+    )
     return CollectiveRow(
         name=collective.name,
         kind=collective.kind,
         parts=parts,
         count=collective.count,
-        axes=_axes(collective.groups, mesh),
+        axes=axes,
         group_size=group_size,
         op_name=collective.op_name,
         source=relative_source(collective.source),
         conditional=collective.conditional,
         unknown_trip_count=collective.unknown_trips,
         overlapped=collective.overlapped,
+        dcn=collective.dcn,
     )
 
 
@@ -206,6 +214,25 @@ def _axes(groups: Sequence[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]
         coords = np.array(np.unravel_index(list(group), shape))
         varying.update(int(a) for a in np.nonzero(coords.min(1) != coords.max(1))[0])
     return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
+
+
+def _dcn_axes(groups: Sequence[Sequence[int]], mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes of a transfer between slices: those along which its
+    groups' devices (ids) differ where the mesh holds them, else those along
+    which the mesh's slices differ (its groups are one device per slice)."""
+    if mesh is None:
+        return ()
+    position = {int(d.id): k for k, d in enumerate(mesh.devices.flat)}
+    if groups and all(i in position for group in groups for i in group):
+        return _axes([[position[i] for i in group] for group in groups], mesh)
+    slices = np.vectorize(lambda d: int(getattr(d, "slice_index", 0) or 0))(
+        mesh.devices
+    )
+    return tuple(
+        name
+        for a, name in enumerate(mesh.axis_names)
+        if (np.diff(slices, axis=a) != 0).any()
+    )
 
 
 def _installed() -> list[str]:

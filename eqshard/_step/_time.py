@@ -13,8 +13,9 @@ The estimate (`estimate_time`):
    bytes at the HBM bandwidth. `compute_s` sums the FLOPs' times of all ops,
    `memory_s` the bytes' times of the ops the bandwidth bounds.
 3. **Collectives** (`_links.Links`): each row's `seconds` per run from
-   its bytes, its devices' links and a ring algorithm; `collective_s` sums
-   them times their runs. What the schedule does not overlap with computation
+   its bytes, its devices' links and a ring algorithm (a transfer between
+   TPU slices, a `dcn` row, over DCN); `collective_s` sums them times their
+   runs. What the schedule does not overlap with computation
    (rows whose `overlapped` is not True) is exposed, and so is the part of
    the overlapped time that exceeds the ops' time.
 4. `step_s` = the ops' roofline + the exposed collective time: between
@@ -150,7 +151,11 @@ def estimate_time(
         timed = []
         for collective, row in zip(collectives, rows, strict=True):
             seconds = None
-            if row.kind != "kernel":
+            if collective.dcn:
+                seconds = links.transfer_seconds(
+                    row.kind, row.bytes, collective.groups, collective.slices
+                )
+            elif row.kind != "kernel":
                 seconds = links.seconds(row.kind, row.bytes, collective.groups)
             timed.append(dataclasses.replace(row, seconds=seconds))
     except (UnknownLinks, ValueError) as error:

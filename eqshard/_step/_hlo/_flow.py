@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 
 from ._forms import (
+    computes_between,
     is_scatter_fusion,
     KERNELS,
     overlapped,
@@ -34,6 +35,7 @@ from ._forms import (
 )
 from ._graph import DONES, Graph, Graphs, KINDS, span, STARTS
 from ._loops import loop_trips
+from ._megascale import Transfer, transfers
 from ._text import (
     ArrayShape,
     BadLine,
@@ -286,6 +288,10 @@ class Collective:
     source: str
     # Whether the schedule overlaps it with computation (`None`: not known).
     overlapped: bool | None = None
+    # A transfer between TPU slices over DCN (`_megascale`): its `groups` are
+    # device ids, or none with `slices`: one device in each of `slices` slices.
+    dcn: bool = False
+    slices: int = 0
 
 
 def _result_slots(
@@ -376,9 +382,17 @@ class Program:
 
     def _collectives(self) -> list[Collective]:
         forms = read_forms(self.module, self._order)
+        moves = {
+            (name, t.first): t
+            for name in self._order
+            for t in transfers(self.module.computations[name])
+        }
         out = []
         for name, position, instruction in self.instructions():
             opcode = instruction.opcode
+            if (name, position) in moves:
+                out.append(self._transfer(name, moves[name, position]))
+                continue
             kind = KINDS.get(opcode) or STARTS.get(opcode)
             if opcode == "ragged-all-to-all" or opcode == "ragged-all-to-all-start":
                 kind = "ragged-all-to-all"  # its bytes: the output buffer, at most
@@ -429,6 +443,34 @@ class Program:
         groups = _groups(inner, "reduce-scatter", self.num_devices)
         return dataclasses.replace(
             collective, parts=parts, groups=groups, overlapped=False
+        )
+
+    def _transfer(self, name: str, transfer: Transfer) -> Collective:
+        """A megascale transfer between TPU slices: one row, whose array is
+        the recv's (the send's where the computation has no recv)."""
+        computation = self.module.computations[name]
+        data, instruction = transfer.data, computation.instructions[transfer.head]
+        runs = self._runs[name]
+        overlapped = None
+        if transfer.done:
+            overlapped = computes_between(
+                self.module, computation, transfer.first, transfer.last
+            )
+        slot = self._graphs[name].base[data]
+        shape = computation.instructions[data].slots[0]
+        return Collective(
+            name=transfer.key,
+            kind=transfer.kind,
+            parts=(self._part(name, shape, slot),),
+            count=runs.count,
+            conditional=runs.conditional,
+            unknown_trips=runs.unknown_trips,
+            groups=transfer.groups,
+            op_name=op_name(instruction.attrs),
+            source=source(instruction.attrs, self.module.sources),
+            overlapped=overlapped,
+            dcn=True,
+            slices=transfer.slices,
         )
 
     def _kernel(self, name: str, instruction: Instruction) -> Collective:

@@ -25,7 +25,8 @@ The forms (JAX 0.10.2):
 
 Overlap (`overlapped`): `False` for a plain op, or a start whose
 `backend_config` says `"is_sync":true`; for an async pair, whether the schedule
-(the text's order) places computation between the start and its done; `None`
+(the text's order) places computation between the start and its done (a
+transfer between slices, `send`/`recv`, computes nothing); `None`
 when the done is not found in the start's computation (a loop that carries it
 across iterations).
 """
@@ -67,6 +68,10 @@ _IDLE = (
         "partition-id",
         "replica-id",
         "async-update",
+        "send",
+        "recv",
+        "send-done",
+        "recv-done",
     }
     | set(STARTS)
     | DONES
@@ -216,7 +221,10 @@ def _computes(module: Module, instruction: Instruction) -> bool:
     return any(i.opcode not in _IDLE for i in callee.instructions)
 
 
-def _between(module: Module, computation: Computation, start: int, done: int) -> bool:
+def computes_between(
+    module: Module, computation: Computation, start: int, done: int
+) -> bool:
+    """Whether an op between positions `start` and `done` computes."""
     return any(
         _computes(module, computation.instructions[k]) for k in range(start + 1, done)
     )
@@ -270,7 +278,9 @@ def overlapped(
     if _SYNC.search(instruction.rest):
         return False
     done = _done_of(computation, position)
-    return None if done is None else _between(module, computation, position, done)
+    return (
+        None if done is None else computes_between(module, computation, position, done)
+    )
 
 
 def _site_overlap(
@@ -287,4 +297,4 @@ def _site_overlap(
     else:
         channels = {c for c in [channel(inner)] if c is not None}
         done = _fusion_done_of(module, caller, position, channels)
-    return None if done is None else _between(module, caller, position, done)
+    return None if done is None else computes_between(module, caller, position, done)

@@ -23,6 +23,7 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
+from ._megascale import linked_sends
 from ._text import (
     branches,
     called,
@@ -87,6 +88,8 @@ _ARITHMETIC = set(_ELEMENTWISE) - {
 _CALLING = {"fusion", "call", "while", "conditional"}
 # Ops whose result is their operands, slot for slot.
 _PASS = {"opt-barrier", "domain"}
+# The ops of a transfer between TPU slices (`_megascale`), whose data flows.
+_TRANSFERS = {"send", "recv", "recv-done"}
 # Ops that pick, gather or pass on their operands' slots.
 _PICKING = {"get-tuple-element", "tuple", "broadcast"} | _PASS
 # The ops of asynchronous pairs, and collectives' other than `KINDS`: their
@@ -369,6 +372,12 @@ class Graphs:
             self.operand_slots(computation, instruction, base)
             for instruction in computation.instructions
         ]
+        # A megascale recv receives its send's data (its operand is a token).
+        sends = linked_sends(computation)
+        for position, instruction in enumerate(computation.instructions):
+            if instruction.opcode == "recv":
+                send = sends.get(position)
+                operands[position] = [[] if send is None else [base[send]]]
         wires: list[_Wires] = []
         for instruction, slots in zip(computation.instructions, operands, strict=True):
             loose = strict = self._inputs(computation, instruction, slots, False)
@@ -401,6 +410,11 @@ class Graphs:
             return self._called_inputs(instruction, slots, strict)
         if opcode in _PICKING:
             return self._picked_inputs(computation, instruction, slots)
+        if opcode in _TRANSFERS and slots:
+            # (data, context..., token): the data is the operand's, the recv's
+            # its send's, a recv-done's its recv's data.
+            data = slots[0][:1] if opcode == "recv-done" else slots[0]
+            return [list(data)] + [[] for _ in range(n - 1)]
         if strict and opcode in _ARITHMETIC:
             return _each(n, [])
         if opcode in _FLOWS:

@@ -502,6 +502,22 @@ def source_target_pairs(attrs: dict[str, str]) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in pairs]
 
 
+def frontend_attributes(attrs: dict[str, str]) -> dict[str, str]:
+    """The `frontend_attributes={key="value",...}` of an instruction, values
+    unquoted (`{}` without them); `ValueError` on a piece that is no `key=`."""
+    text = attrs.get("frontend_attributes", "").strip()
+    if not text.startswith("{"):
+        return {}
+    out: dict[str, str] = {}
+    for piece in _split_top(text, 1, "}")[0]:
+        key, equals, value = piece.partition("=")
+        if piece.strip() and not equals:
+            raise ValueError(f"a frontend attribute without a name: {piece[:60]!r}")
+        if equals:
+            out[key.strip()] = _unquote(value)
+    return out
+
+
 def trip_count(attrs: dict[str, str]) -> int | None:
     found = re.search(
         r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)',
