@@ -22,5 +22,8 @@ Everything eqshard reads beyond their public API lives here, one module per part
 A read that meets something it does not recognise does not guess: it raises
 `Unrecognised`, and the fast path that made it takes its plain route, saying so
 once in a warning (`routes.fall_back`). Nothing outside this package reads these
-parts (`tests/test_architecture.py` checks).
+parts (`tests/test_architecture.py` checks). The door is the lowest wing: it
+imports nothing of eqshard's, so the base modules use it too (`_typing.py` knows
+JAX's errors by `errors`), and `cpu`'s caches are registered with `_caches` by
+the copy engine that reads them (`_move/_copies.py`).
 """
