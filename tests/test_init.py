@@ -563,6 +563,22 @@ def test_64_bit_numpy_data_that_would_change_is_refused(mesh):
     np.testing.assert_array_equal(built["s"], [1.5])
 
 
+class _Maker(eqx.Module):
+    table: np.ndarray
+
+    def __call__(self, key):
+        return {"t": self.table + jax.random.randint(key, (2,), 0, 1)}
+
+
+def test_64_bit_numpy_data_of_a_callable_constructor_is_refused(mesh):
+    # A callable module's own data is read as its closure's: JAX would narrow
+    # 2**40 + 7 to 7 while tracing, out of sight.
+    with pytest.raises(ValueError, match=r"'the called _Maker/table' \(int64"):
+        eqshard.init_sharded(
+            _Maker(_BEYOND_INT32), jax.random.key(0), specs=P(), mesh=mesh
+        )
+
+
 # ------------------------------------------------- constructors as written
 
 
