@@ -289,7 +289,7 @@ def _captured_losses(
     of sight), as `_host.loss_error` lists it. Only data the trace captured is
     reported: a value `fn` reads counts if, narrowed, it is one of the trace's
     constants. Nothing is looked for if the trace captured no NumPy data, and a
-    value that cannot be looked into (JAX cannot flatten it) is skipped."""
+    dict whose keys JAX cannot sort (so cannot flatten) is skipped."""
     captured = {
         _digest(c)
         for c in jaxprs.nested_consts(closed)
@@ -301,8 +301,8 @@ def _captured_losses(
     for name, value in read.values:
         try:
             leaves = jtu.tree_leaves_with_path(value)
-        except Exception:  # not data (e.g. a cache whose keys cannot be sorted)
-            continue
+        except (ValueError, TypeError):
+            continue  # keys JAX cannot sort (a dict's, a defaultdict's): not data
         for path, leaf in leaves:
             if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "biufc":
                 narrowed, loss = converted(np.asarray(leaf), None)
