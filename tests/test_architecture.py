@@ -1,14 +1,16 @@
 """The layout rules of `eqshard/`, read from the source's ASTs (nothing is imported).
 
-The package is a house with wings (CONTRIBUTING.md, "Where things are"): base
-modules at the root, then one private package per concern. Imports run one way,
-down `WINGS`; there are no cycles, no `_private` name is imported from another
-module, every name is imported from the module that defines it (packages
-re-export), only `_internals/` reads JAX's moving parts or matches on an
-error's text, no module is over `MAX_MODULE_LINES` lines and no function over
-`MAX_FUNCTION_LINES` lines of code (non-blank, non-comment, docstring excluded),
-and every module is named in its wing's `__init__.py` docstring (the map in the
-code) and in its wing's row of CONTRIBUTING.md's module map.
+The package is a house with wings (CONTRIBUTING.md, "Where things are"): the
+door to JAX's moving parts (`_internals/`) at the bottom, importing nothing of
+eqshard's, base modules at the root, then one private package per concern.
+Imports run one way, down `WINGS`; there are no cycles, no `_private` name is
+imported from another module, every name is imported from the module that
+defines it (packages re-export), only `_internals/` reads JAX's moving parts or
+matches on an error's text, no module is over `MAX_MODULE_LINES` lines and no
+function over `MAX_FUNCTION_LINES` lines of code (non-blank, non-comment,
+docstring excluded), and every module is named in its wing's `__init__.py`
+docstring (the map in the code) and in its wing's row of CONTRIBUTING.md's
+module map.
 
 Today's violations are data (`ALLOWED_*` below): the tests pass while they hold
 and fail when a new one appears, or when one listed is gone (then delete its
