@@ -10,10 +10,12 @@ of `eqshard.analyze_step` (which reads the compiled program and estimates
   CPU time of the call alone, in a fresh process each run. Target (issue
   43): at most 1.2x, medians.
 - **the command against the compile alone**: the whole process's CPU time of
-  the command, against a process that builds the command's step (its built-in
-  model, from `eqshard._cli._estimate`: the command's own step is what is
-  compared) and compiles it with `jax.jit(...).lower(...).compile()`. Target:
-  at most 1.3x, medians.
+  the command, against a process that builds the command's step from public
+  APIs (its built-in model written again: `models.command_step`, on the mesh
+  the command chooses for `--batch 256`) and compiles it with
+  `jax.jit(...).lower(...).compile()`. The model and mesh the command prints
+  are checked against that step's, so the same step is compared. Target: at
+  most 1.3x, medians.
 
 Runs are fresh processes, interleaved (`--runs` rounds of every variant in
 turn), so JAX's and eqshard's caches start cold and load from other
@@ -35,10 +37,14 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from _timing import add_json_option, as_table, RESULTS, write_json
+from models import CommandShape
 
 
 TARGETS = {"v5p-1024": "fsdp:64,tp:8", "h100:8x8": "fsdp:8,tp:8"}
 COMMAND = ["--size", "70B", "--target", "v5p-1024", "--batch", "256", "--seq", "4096"]
+# The model and mesh the command builds for `COMMAND` (it prints them; checked).
+COMMAND_SHAPE = CommandShape(vocab=32768, dim=8192, layers=86)
+COMMAND_MESH = "fsdp:256,tp:2"
 
 
 def _cpu() -> float:
@@ -66,30 +72,49 @@ def _child_step(mode: str, target: str) -> float:
     return _cpu() - start
 
 
-def _child_command_compile() -> None:
-    """The command's step, compiled alone (the whole process is timed)."""
+def _child_command_compile() -> str:
+    """The command's step, compiled alone (the whole process is timed); what
+    the command would print of its model and mesh."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from models import command_state, command_step
 
     import eqshard
-    from eqshard._cli._estimate import (
-        _spec,
-        abstract_state,
-        estimate_mesh,
-        shape_for_size,
-        train_step,
+
+    shape = COMMAND_SHAPE
+    mesh = eqshard.create_mesh(COMMAND_MESH, target="v5p-1024")
+    params, state = command_state(shape, mesh)
+    sharding = NamedSharding(mesh, P("fsdp"))
+    tokens = jax.ShapeDtypeStruct((256, 4097), jnp.int32, sharding=sharding)
+    command_step(shape, mesh).lower(params, state, tokens).compile()
+    return _described(shape, str(dict(mesh.shape)))
+
+
+def _described(shape: CommandShape, mesh: str) -> str:
+    """The command's lines naming its mesh and model, as it prints them."""
+    return (
+        f"mesh for --batch 256: {mesh}\n({shape.layers} layers scanned and "
+        f"rematerialised, width {shape.dim}, {shape.heads} heads, MLP "
+        f"{shape.hidden}, vocabulary {shape.vocab})"
     )
 
-    args = argparse.Namespace(mesh=None, batch=256, seq=4096)
-    mesh = eqshard.create_mesh(estimate_mesh(args, 512), target="v5p-1024")
-    shape = shape_for_size(70 * 10**9)
-    params, state = abstract_state(shape, mesh)
-    tokens = jax.ShapeDtypeStruct((256, 4097), jnp.int32, sharding=_spec(mesh, "fsdp"))
-    train_step(shape, mesh).lower(params, state, tokens).compile()
+
+def _check_same_step(printed: str, described: str) -> None:
+    """Stops unless the command printed the model and mesh `described` (else the
+    command's model changed: update `COMMAND_SHAPE` and `models.command_step`)."""
+    mesh, model = described.split("\n")
+    if mesh not in printed or model not in printed:
+        raise SystemExit(
+            f"the command's step is no longer the one compiled alone: it printed\n"
+            f"{printed[:2000]}\nexpected {described!r}; update COMMAND_SHAPE, "
+            "COMMAND_MESH and models.command_step"
+        )
 
 
-def _process(argv: list[str]) -> tuple[float, float | None]:
-    """(whole process CPU seconds, the CPU seconds it printed, if any)."""
+def _process(argv: list[str]) -> tuple[float, float | None, str]:
+    """(whole process CPU seconds, the CPU seconds it printed, if any, and what
+    it printed)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(argv, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -100,7 +125,7 @@ def _process(argv: list[str]) -> tuple[float, float | None]:
     printed = (
         json.loads(lines[-1]).get("cpu") if lines and lines[-1][:1] == "{" else None
     )
-    return total, printed
+    return total, printed, out.stdout
 
 
 def _row(case: str, ours: list[float], theirs: list[float], target: str) -> tuple:
@@ -131,8 +156,7 @@ def main() -> int:
     if args.child is not None:
         mode, target = args.child
         if mode == "command-compile":
-            _child_command_compile()
-            print("{}")
+            print(json.dumps({"described": _child_command_compile()}))
         else:
             print(json.dumps({"cpu": _child_step(mode, target)}))
         return 0
@@ -146,12 +170,16 @@ def main() -> int:
         variants["command"] = [sys.executable, "-m", "eqshard", *COMMAND]
         variants["command compile"] = me + ["command-compile", "-"]
     times: dict[str, list[float]] = {name: [] for name in variants}
+    outputs: dict[str, str] = {}
     for round_ in range(args.runs):
         for name, argv in variants.items():
-            total, printed = _process(argv)
+            total, printed, outputs[name] = _process(argv)
             seconds = printed if printed is not None else total
             times[name].append(seconds)
             print(f"run {round_ + 1} {name}: {seconds:.1f} s CPU", flush=True)
+    if not args.h100:
+        described = json.loads(outputs["command compile"].splitlines()[-1])
+        _check_same_step(outputs["command"], described["described"])
     rows = [
         _row(
             f"{t} analyze_step with time, 80 layers",

@@ -6,17 +6,21 @@
 no forward pass. Its `Block`s (and their `Attention` and `MLP`) do: the step
 benchmarks (`bench_step.py`, `bench_search.py`) build their models from them.
 `config_for_size` sizes it, and `RULES` shard every matrix over both axes of an
-('fsdp', 'tp') mesh.
+('fsdp', 'tp') mesh. `scan_step` is a scan-stacked step for targets, and
+`command_step` the step `python -m eqshard --size ... --batch ... --seq ...`
+compiles, written again from public APIs (`bench_estimate_cpu.py` checks its
+shape against the command's).
 """
 
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 
@@ -231,3 +235,115 @@ def scan_step(params: dict, tokens: Array) -> tuple[dict, Array]:
 
     value, grads = jax.value_and_grad(loss)(params)
     return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value
+
+
+# The step `python -m eqshard --size N --target T --batch B --seq S` compiles (its
+# built-in model), written again here from public APIs: a decoder of
+# `layers` x (4 attention matrices and a 4x MLP), its layers stacked, scanned and
+# rematerialised, f32 parameters with bf16 compute, RMS norms, 128-wide heads,
+# AdamW in f32; FSDP over `fsdp` x tensor parallelism over `tp`.
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandShape:
+    vocab: int
+    dim: int
+    layers: int
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.dim
+
+    @property
+    def heads(self) -> int:
+        return self.dim // 128
+
+
+def _laid_out(mesh: Mesh, *axes: object) -> NamedSharding:
+    import eqshard
+
+    return NamedSharding(
+        mesh, eqshard.restrict_specs(P(*axes), mesh, on_invalid="ignore")
+    )
+
+
+def command_state(shape: CommandShape, mesh: Mesh) -> tuple[dict, dict]:
+    """The parameters (f32) and AdamW's state, abstract, laid out."""
+    L, D, F, V = shape.layers, shape.dim, shape.hidden, shape.vocab
+
+    def array(dims: tuple[int, ...], *axes: object) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(dims, jnp.float32, sharding=_laid_out(mesh, *axes))
+
+    wide, narrow = (None, "fsdp", "tp"), (None, "tp", "fsdp")
+    attn = {n: array((L, D, D), *wide) for n in "qkv"} | {
+        "o": array((L, D, D), *narrow)
+    }
+    params = {
+        "embed": array((V, D), "tp", "fsdp"),
+        "blocks": {
+            "attn": attn,
+            "mlp": {"up": array((L, D, F), *wide), "down": array((L, F, D), *narrow)},
+            "norm1": array((L, D), None, None),
+            "norm2": array((L, D), None, None),
+        },
+        "norm": array((D,), None),
+        "head": array((D, V), "fsdp", "tp"),
+    }
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=_laid_out(mesh))
+    return params, {"mu": params, "nu": params, "count": count}
+
+
+def _rms(x: Array, scale: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return (x32 * scale).astype(jnp.bfloat16)
+
+
+def _command_layer(heads: int, batch: NamedSharding) -> Callable:
+    def layer(x: Array, w: dict) -> tuple[Array, None]:
+        x = jax.lax.with_sharding_constraint(x, batch)
+        bf = {k: v.astype(jnp.bfloat16) for k, v in w["attn"].items()}
+        b, s, d = x.shape
+        h = _rms(x, w["norm1"])
+        q, k, v = ((h @ bf[n]).reshape(b, s, heads, -1) for n in "qkv")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        scores = scores / math.sqrt(d // heads)
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), -1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(jnp.bfloat16), v)
+        x = x + out.reshape(b, s, d) @ bf["o"]
+        h = _rms(x, w["norm2"])
+        up = jax.nn.gelu(h @ w["mlp"]["up"].astype(jnp.bfloat16))
+        return x + up @ w["mlp"]["down"].astype(jnp.bfloat16), None
+
+    return jax.checkpoint(layer)
+
+
+def command_step(shape: CommandShape, mesh: Mesh) -> Any:
+    """One AdamW step of the model on tokens of `(batch, seq + 1)`, jitted with
+    the parameters and state donated: `step(params, state, tokens)`."""
+
+    def loss(params: dict, tokens: Array) -> Array:
+        x = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]
+        batch = _laid_out(mesh, "fsdp", None, None)
+        x, _ = jax.lax.scan(_command_layer(shape.heads, batch), x, params["blocks"])
+        normed = _rms(x, params["norm"])
+        logits = (normed @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
+        gold = jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - gold)
+
+    def step(params: dict, state: dict, tokens: Array) -> tuple[dict, dict, Array]:
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        count = state["count"] + 1
+        mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["mu"], grads)
+        nu = jax.tree.map(lambda n, g: 0.999 * n + 0.001 * g * g, state["nu"], grads)
+        c = count.astype(jnp.float32)
+
+        def update(p: Array, m: Array, n: Array) -> Array:
+            m_hat, n_hat = m / (1 - 0.9**c), n / (1 - 0.999**c)
+            return p - 1e-4 * (m_hat / (jnp.sqrt(n_hat) + 1e-8) + 0.1 * p)
+
+        params = jax.tree.map(update, params, mu, nu)
+        return params, {"mu": mu, "nu": nu, "count": count}, value
+
+    return jax.jit(step, donate_argnums=(0, 1))

@@ -3,7 +3,9 @@
 A module that keeps something between calls (compiled programs, step reports,
 `functools.lru_cache`s over shardings, meshes or devices, a dict keyed by type)
 registers its clearer here when it is imported, one line beside the cache:
-`register(_PROGRAMS.clear)`, `register(_placed.cache_clear)`. The root's
+`register(_PROGRAMS.clear)`, `register(_placed.cache_clear)` (the door,
+`_internals/`, sits below this module: its caches are registered by the modules
+that use them). The root's
 `__init__.py` imports every wing, so by the time a user can call
 [`eqshard.clear_caches`][], every cache is registered. State that is not a cache
 (the logical-rules context, the counters that keep processes' barriers in step)

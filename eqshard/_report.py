@@ -1,6 +1,6 @@
 """What every report shares: `str`, a one-line `repr`, `show` and `to_json`; and
-amounts of memory, written (`format_bytes`) and read (`parse_bytes`), and aligned
-text tables (`text_table`).
+amounts of memory, written (`format_bytes`; a summary's row, `memory_row`) and
+read (`parse_bytes`), and aligned text tables (`text_table`).
 
 The reports (`ShardingReport`, `TrainingPlan`, `RulesReport`, `LayoutReport`,
 `StepReport`) are frozen dataclasses deriving from `Report`, which gives them one
@@ -37,6 +37,12 @@ def format_bytes(n: int) -> str:
         if abs(value) < 1024 or unit == "PiB":
             break
     return f"{value:.1f} {unit}"
+
+
+def memory_row(name: str, nbytes: int, more: str = "") -> str:
+    """A row of a memory summary (`TrainingPlan.summary`): the part's name, its
+    bytes, then what `more` says of them (`"(...)"`, `"of 16.0 GiB: fits"`)."""
+    return f"  {name:<16} {format_bytes(nbytes):>10}" + (f"   {more}" if more else "")
 
 
 _BYTE_UNITS = {

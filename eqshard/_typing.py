@@ -21,6 +21,8 @@ from beartype.roar import BeartypeException
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import jaxtyped, TypeCheckError
 
+from ._internals.errors import is_unsortable_keys
+
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -63,7 +65,7 @@ def typecheck(fn: _F) -> _F:
                 raise
             raise found from None
         except ValueError as error:
-            if _UNSORTABLE not in str(error):
+            if not is_unsortable_keys(error):
                 raise
             found = _unsortable_dict_error(caller, names, args, kwargs)
             if found is None:
@@ -186,10 +188,6 @@ def _mesh_type_error(caller: str, mesh: Any) -> TypeError:
         "'tp'))`), an `AbstractMesh` where devices are not needed, or None for "
         "the mesh set by `jax.set_mesh`."
     )
-
-
-# JAX's words when a dict's keys cannot be sorted to flatten it.
-_UNSORTABLE = "Comparator raised exception while sorting pytree dictionary keys"
 
 
 def _is_unsortable(x: Any) -> bool:

@@ -928,6 +928,27 @@ def test_overwrite_keeps_what_is_not_the_checkpoints(tmp_path):
         eqshard.save(tmp_path / "file" / "sub" / "c", _values_tree(1))
 
 
+@pytest.mark.parametrize(
+    "damage",
+    ["{not json", "[1, 2]", "{}", json.dumps({"tree_metadata": 5}), b"\xff\xfe"],
+    ids=["not-json", "a-list", "no-tree", "tree-of-int", "not-utf8"],
+)
+def test_overwrite_with_damaged_metadata_still_names_what_is_not_the_checkpoints(
+    tmp_path, damage
+):
+    # orbax's reader of the damaged `_METADATA` fails (ValueError, AttributeError,
+    # KeyError, ...): the checkpoint's own entries are then not told apart, and
+    # the file beside them is still named, not orbax's error.
+    path = tmp_path / "c"
+    eqshard.save(path, _values_tree(1))
+    (path / "config.yaml").write_text("lr: 0.1")
+    meta = path / "_METADATA"
+    meta.write_bytes(damage) if isinstance(damage, bytes) else meta.write_text(damage)
+    with pytest.raises(ValueError, match=r"also 'config.yaml', which is not part"):
+        eqshard.save(path, _values_tree(2), overwrite=True)
+    assert (path / "config.yaml").read_text() == "lr: 0.1"
+
+
 def test_a_fifo_named_eqshard_json_is_refused(tmp_path):
     path = tmp_path / "c"
     eqshard.save(path, _values_tree(1))

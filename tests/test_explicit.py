@@ -3,6 +3,7 @@
 # or raw JAX. One small model (an embedding, multi-head attention and a head,
 # split Megatron-style over 'tp'), built once; few compiles.
 
+import collections
 import contextlib
 import pathlib
 import re
@@ -500,6 +501,18 @@ def test_auto_axes_with_a_model_read_from_outside(explicit_mesh):
         r"Pass those arrays as arguments",
     ):
         eqshard.auto_axes(closing_over, out_sharding=P("dp"), mesh=explicit_mesh)(xs)
+    # Read beside it, dicts JAX cannot flatten (keys of several types) are passed
+    # over: the model is still named.
+    mixed = {1: "one", "two": 2}
+    mixed_default = collections.defaultdict(int, {1: 1, "two": 2})
+
+    def closing_over_dicts(x):
+        return jax.vmap(head)(x) if mixed and mixed_default else x
+
+    with pytest.raises(ValueError, match=r"(?s)closing_over_dicts` reads .*`head`"):
+        eqshard.auto_axes(closing_over_dicts, out_sharding=P("dp"), mesh=explicit_mesh)(
+            xs
+        )
     _HEAD = head
     try:
         with pytest.raises(ValueError, match=r"(?s)`_global_head` reads .*`_HEAD`"):

@@ -1,3 +1,4 @@
+import collections
 import importlib.util
 import math
 import pathlib
@@ -561,6 +562,36 @@ def test_64_bit_numpy_data_that_would_change_is_refused(mesh):
     assert built["t"]["big"].dtype == np.int32 and built["s"].dtype == np.float32
     np.testing.assert_array_equal(built["t"]["big"], [5, -6])
     np.testing.assert_array_equal(built["s"], [1.5])
+
+
+# Dicts JAX cannot flatten (keys of several types): read, but not data.
+_MIXED_KEYS = {1: "one", "two": 2}
+_MIXED_DEFAULT = collections.defaultdict(int, {1: 1, "two": 2})
+
+
+def test_64_bit_check_skips_dicts_jax_cannot_flatten(mesh):
+    def reads_mixed(key):
+        assert _MIXED_KEYS and _MIXED_DEFAULT  # read, not traced
+        return {"t": _BEYOND_INT32 + jax.random.randint(key, (2,), 0, 1)}
+
+    with pytest.raises(ValueError, match=r"'_BEYOND_INT32 \(read by .*reads_mixed\)'"):
+        eqshard.init_sharded(reads_mixed, jax.random.key(0), specs=P(), mesh=mesh)
+
+
+class _Maker(eqx.Module):
+    table: np.ndarray
+
+    def __call__(self, key):
+        return {"t": self.table + jax.random.randint(key, (2,), 0, 1)}
+
+
+def test_64_bit_numpy_data_of_a_callable_constructor_is_refused(mesh):
+    # A callable module's own data is read as its closure's: JAX would narrow
+    # 2**40 + 7 to 7 while tracing, out of sight.
+    with pytest.raises(ValueError, match=r"'the called _Maker/table' \(int64"):
+        eqshard.init_sharded(
+            _Maker(_BEYOND_INT32), jax.random.key(0), specs=P(), mesh=mesh
+        )
 
 
 # ------------------------------------------------- constructors as written

@@ -10,8 +10,9 @@ of a list), it runs in pieces instead, each distinct piece compiled once
 (`_init_pieces.py`; the whole program is the plain route, `_pieces`). NumPy data
 among the arguments, or read by `fn`, is checked first as `shard` checks host
 data (`_narrowed` before the trace; `_captured_losses` after it, for the NumPy
-data the trace captured, looked for by `_internals.closures.closed_over`): JAX
-would narrow it to 32 bits while tracing, out of sight.
+data the trace captured, looked for among what `fn` reads): JAX would narrow it
+to 32 bits while tracing, out of sight. What `fn` reads is found once per call
+(`_internals.closures.find_reads`), for this check and for the key below.
 
 The trace, its specs and its program are kept (`_BUILT`) under what the trace
 depends on (`_built_key`: `fn` and what it reads, keyed by value by
@@ -42,7 +43,8 @@ from jaxtyping import PyTree
 from .._caches import register
 from .._internals import jaxpr as jaxprs, routes
 from .._internals.closures import (
-    closed_over,
+    find_reads,
+    Reads,
     reads_key,
     trace_context,
     Unkeyable,
@@ -113,11 +115,13 @@ def sharded_init(
     dynamic, static_args = eqx.partition((tuple(args), kwargs), eqx.is_array)
     flat, in_def = jtu.tree_flatten(dynamic)
 
-    key, keep = _built_key(fn, (static_args, in_def, flat), specs, mesh, caller)
+    read = find_reads(fn)
+    key, keep = _built_key(read, (static_args, in_def, flat), specs, mesh, caller)
 
     def make() -> tuple[ShardedInit, list[Any]]:
         # What the key holds by identity lives as long as it is kept.
-        return _build(fn, args, kwargs, specs=specs, mesh=mesh, caller=caller), keep
+        built = _build(fn, args, kwargs, read, specs=specs, mesh=mesh, caller=caller)
+        return built, keep
 
     built, _ = make() if key is None else _BUILT.get(key, make)
     return dataclasses.replace(built, arrays=flat)
@@ -127,15 +131,16 @@ def _build(
     fn: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
+    read: Reads,
     *,
     specs: Any,
     mesh: Mesh | None,
     caller: str,
 ) -> ShardedInit:
     """`sharded_init`'s parts, traced and compiled (or found compiled) for these
-    arguments, without the arrays among them."""
+    arguments, without the arrays among them (`read`: what `fn` reads)."""
     closed, _, shapes, outputs = _trace(fn, args, kwargs)
-    lost = _captured_losses(fn, closed)
+    lost = _captured_losses(read, closed)
     if lost:
         raise loss_error(caller, lost, fix=_NARROWED_FIX)
     spec_tree = resolve_specs(specs, shapes, caller=caller, mesh=mesh)
@@ -277,14 +282,14 @@ def _digest(data: np.ndarray) -> Hashable:
 
 
 def _captured_losses(
-    fn: Callable[..., Any], closed: ClosedJaxpr
+    read: Reads, closed: ClosedJaxpr
 ) -> list[tuple[KeyPath, np.dtype, np.dtype, str, bool]]:
-    """The NumPy data that `fn` reads (`closed_over`), that its trace (`closed`)
+    """The NumPy data that `fn` reads (`read`), that its trace (`closed`)
     captured as a constant, and that JAX narrowed with a loss while tracing (out
     of sight), as `_host.loss_error` lists it. Only data the trace captured is
     reported: a value `fn` reads counts if, narrowed, it is one of the trace's
     constants. Nothing is looked for if the trace captured no NumPy data, and a
-    value that cannot be looked into (JAX cannot flatten it) is skipped."""
+    dict whose keys JAX cannot sort (so cannot flatten) is skipped."""
     captured = {
         _digest(c)
         for c in jaxprs.nested_consts(closed)
@@ -293,15 +298,11 @@ def _captured_losses(
     if not captured:
         return []
     lost: list[tuple[KeyPath, np.dtype, np.dtype, str, bool]] = []
-    try:
-        read = closed_over(fn)
-    except Exception:  # the check cannot run: the build goes on
-        return []
-    for name, value in read:
+    for name, value in read.values:
         try:
             leaves = jtu.tree_leaves_with_path(value)
-        except Exception:  # not data (e.g. a cache whose keys cannot be sorted)
-            continue
+        except (ValueError, TypeError):
+            continue  # keys JAX cannot sort (a dict's, a defaultdict's): not data
         for path, leaf in leaves:
             if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "biufc":
                 narrowed, loss = converted(np.asarray(leaf), None)
@@ -409,7 +410,7 @@ register(_BUILT.clear)
 
 
 def _built_key(
-    fn: Callable[..., Any],
+    read: Reads,
     arguments: tuple[Any, Any, list[Any]],
     specs: Any,
     mesh: Mesh | None,
@@ -423,7 +424,7 @@ def _built_key(
     static_args, in_def, flat = arguments
     try:
         key = (
-            reads_key(fn, value, keep),
+            reads_key(read, value, keep),
             value(static_args),
             in_def,
             tuple(map(_array_type, flat)),
@@ -460,7 +461,7 @@ def _specs_key(
 ) -> Hashable:
     """`specs` by value: a function of the abstract model by what it reads."""
     if callable(specs) and not isinstance(specs, PartitionSpec | NamedSharding):
-        return ("function", reads_key(specs, value, keep))
+        return ("function", reads_key(find_reads(specs), value, keep))
     leaves, treedef = jtu.tree_flatten(
         specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
     )

@@ -115,6 +115,12 @@ def check_directory(path: str, overwrite: bool, caller: str) -> None:
         )
 
 
+# What orbax's reader of a damaged metadata file raises: no file or a directory
+# (OSError), text that is not JSON or not UTF-8 (ValueError), JSON of another
+# shape (KeyError, AttributeError, TypeError).
+_DAMAGED = (OSError, ValueError, LookupError, AttributeError, TypeError)
+
+
 def _array_entries(path: str) -> set[str]:
     """The names of the arrays orbax's metadata describes at `path` (the names of
     their directories, where the checkpoint is not OCDBT's); none if it cannot be
@@ -124,7 +130,7 @@ def _array_entries(path: str) -> set[str]:
     handler = ocp.PyTreeCheckpointHandler()
     try:
         tree = handler.metadata(epath.Path(path)).tree
-    except Exception:  # a damaged checkpoint: its directories are not told apart
+    except _DAMAGED:  # a damaged checkpoint: its directories are not told apart
         return set()
     finally:
         handler.close()

@@ -9,9 +9,9 @@ Everything eqshard reads beyond their public API lives here, one module per part
 - `program_keys`: what tells two traced programs apart, the key of a kept
   program (`init_sharded`, eager `filter_shard_map`).
 - `closures`: what a function reads besides its arguments (closure cells,
-  globals), for `init_sharded`'s check of the NumPy data its trace captured,
-  and keyed by value (`reads_key`), for the traces `init_sharded` and eager
-  `filter_shard_map` keep.
+  globals), found by one walk (`find_reads`): keyed by value (`reads_key`), for
+  the traces `init_sharded` and eager `filter_shard_map` keep, and searched for
+  the NumPy data `init_sharded`'s trace captured.
 - `xla`: XLA's warnings, captured from the process's stderr around a compile.
 - `errors`: JAX's and XLA's errors, known by their words or class name.
 - `distributed`: the distributed client's key-value store.
@@ -22,5 +22,8 @@ Everything eqshard reads beyond their public API lives here, one module per part
 A read that meets something it does not recognise does not guess: it raises
 `Unrecognised`, and the fast path that made it takes its plain route, saying so
 once in a warning (`routes.fall_back`). Nothing outside this package reads these
-parts (`tests/test_architecture.py` checks).
+parts (`tests/test_architecture.py` checks). The door is the lowest wing: it
+imports nothing of eqshard's, so the base modules use it too (`_typing.py` knows
+JAX's errors by `errors`), and `cpu`'s caches are registered with `_caches` by
+the copy engine that reads them (`_move/_copies.py`).
 """

@@ -1,14 +1,15 @@
 """What a function reads besides its arguments: its closure's variables, the
 globals its code names, default values, a `functools.partial`'s arguments.
 
-`init_sharded` looks there for the NumPy data its trace captured (to refuse data
-that JAX would narrow with a loss, out of sight), and `init_sharded` and eager
-`filter_shard_map` key the traces they keep by it (`reads_key`): a value read
-that has changed is traced again, never served stale. The scan reads
-`__closure__`, `__globals__` and code objects; a value it cannot read is skipped
-by the caller (the check cannot run: the build goes on).
+One walk finds it (`find_reads`). `init_sharded` and eager `filter_shard_map`
+key the traces they keep by it (`reads_key`): a value read that has changed is
+traced again, never served stale; and `init_sharded` looks among the same
+values for the NumPy data its trace captured (to refuse data that JAX would
+narrow with a loss, out of sight). The walk reads `__closure__`, `__globals__` and code
+objects.
 """
 
+import dataclasses
 import enum
 import functools as ft
 import hashlib
@@ -23,17 +24,32 @@ from jax._src import config as jax_config
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 
-# Modules whose functions are not searched for the NumPy data they close over.
+# Modules whose functions are not looked into (taken as they are).
 _LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "eqshard", "optax", "builtins")
 
 
-def closed_over(fn: Any) -> list[tuple[str, Any]]:
-    """What `fn` reads besides its arguments, by name: its closure's variables, the
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What a function reads besides its arguments, found by one walk
+    (`find_reads`): `objects`, the functions, classes, partials and methods
+    met, in order; `values`, each value read, by name (a list of arrays is one
+    value; a callable object is a value too); `modules`, the names of modules
+    of the user's that are read."""
+
+    objects: tuple[Any, ...]
+    values: tuple[tuple[str, Any], ...]
+    modules: tuple[str, ...]
+
+
+def find_reads(fn: Any) -> Reads:
+    """What `fn` reads besides its arguments: its closure's variables, the
     globals its code names, default values, a `functools.partial`'s arguments,
-    a bound method's object; and so on through the functions and classes found
-    there (not those of JAX, NumPy, Equinox or eqshard). Values are given whole
-    (a list of arrays is one value)."""
-    found: list[tuple[str, Any]] = []
+    a bound method's object, a callable object's data, a class's constants; and
+    so on through the functions and classes found there (not into those of JAX,
+    NumPy, Equinox or eqshard, which are taken as they are)."""
+    objects: list[Any] = []
+    values: list[tuple[str, Any]] = []
+    modules: list[str] = []
     seen: set[int] = set()
     todo: list[Any] = [fn]
     while todo:
@@ -41,20 +57,27 @@ def closed_over(fn: Any) -> list[tuple[str, Any]]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        module = getattr(obj, "__module__", None) or ""
-        if module.split(".")[0] in _LIBRARIES:
+        if not _is_followed(obj):  # a callable object: its data, then its class
+            values.append((f"the called {type(obj).__name__}", obj))
+            todo.append(type(obj))
+            func = getattr(obj, "__func__", None)  # Equinox's bound methods
+            if inspect.isfunction(func):
+                todo.append(func)
             continue
-        values = _read_by(obj, todo)
-        for name, value in values:
-            if (
-                inspect.isfunction(value)
-                or inspect.isclass(value)
-                or isinstance(value, ft.partial)
-            ):
+        objects.append(obj)
+        if _in_library(obj):
+            continue
+        if inspect.isclass(obj):
+            values += _class_values(obj, todo)
+        for name, value in _read_by(obj, todo):
+            if _is_followed(value):
                 todo.append(value)
-            elif not inspect.ismodule(value):
-                found.append((name, value))
-    return found
+            elif inspect.ismodule(value):
+                if not _in_library(value):
+                    modules.append(name)
+            else:
+                values.append((name, value))
+    return Reads(tuple(objects), tuple(values), tuple(modules))
 
 
 def _read_by(obj: Any, todo: list[Any]) -> list[tuple[str, Any]]:
@@ -142,50 +165,20 @@ def trace_context() -> Hashable:
 
 
 def reads_key(
-    fn: Any, value_key: Callable[[Any], Hashable], keep: list[Any]
+    read: Reads, value_key: Callable[[Any], Hashable], keep: list[Any]
 ) -> Hashable:
-    """A key of everything `fn` reads besides its arguments, as `closed_over`
-    finds it: each function, class and partial met, by identity (kept alive in
-    `keep`); each value read by `value_key`; a callable object by `value_key`
-    too. Raises `Unkeyable` where a value cannot be keyed, or where `fn` reads a
-    module of the user's (whose attributes may change out of sight). Functions
-    of JAX, NumPy, Equinox and eqshard are taken as they are."""
-    parts: list[Hashable] = []
-    seen: set[int] = set()
-    todo: list[Any] = [fn]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        keep.append(obj)
-        callable_kind = (
-            inspect.isfunction(obj)
-            or inspect.isclass(obj)
-            or inspect.ismethod(obj)
-            or isinstance(obj, ft.partial)
-        )
-        if not callable_kind:  # a callable object: its data, then its class
-            parts.append(("value", value_key(obj)))
-            todo.append(type(obj))
-            func = getattr(obj, "__func__", None)  # Equinox's bound methods
-            if inspect.isfunction(func):
-                todo.append(func)
-            continue
-        parts.append(("object", id(obj), getattr(obj, "__code__", None)))
-        if _in_library(obj):
-            continue
-        if inspect.isclass(obj):
-            parts.append(("class", _class_key(obj, value_key, todo)))
-        for name, value in _read_by(obj, todo):
-            if _is_followed(value):
-                todo.append(value)
-            elif inspect.ismodule(value):
-                if not _in_library(value):
-                    raise Unkeyable(f"{name}: a module")
-            else:
-                parts.append((name, value_key(value)))
-    return tuple(parts)
+    """A key of everything a function reads besides its arguments (`read`, from
+    `find_reads`): each function, class and partial met, by identity (kept alive in
+    `keep`); each value read by `value_key`. Raises `Unkeyable` where a value
+    cannot be keyed, or where the function reads a module of the user's (whose
+    attributes may change out of sight)."""
+    if read.modules:
+        raise Unkeyable(f"{read.modules[0]}: a module")
+    keep.extend(read.objects)
+    return (
+        tuple((id(obj), getattr(obj, "__code__", None)) for obj in read.objects),
+        tuple((name, value_key(value)) for name, value in read.values),
+    )
 
 
 def _in_library(obj: Any) -> bool:
@@ -202,13 +195,11 @@ def _is_followed(value: Any) -> bool:
     )
 
 
-def _class_key(
-    cls: type, value_key: Callable[[Any], Hashable], todo: list[Any]
-) -> Hashable:
+def _class_values(cls: type, todo: list[Any]) -> list[tuple[str, Any]]:
     """A user class's own attributes that are not functions (class constants),
-    by `value_key`; the functions of properties, static and class methods and
+    by name; the functions of properties, static and class methods and
     Equinox's wrapped methods go to `todo`."""
-    parts = []
+    values = []
     for name, value in vars(cls).items():
         if name.startswith("__") or inspect.isfunction(value):
             continue
@@ -220,8 +211,8 @@ def _class_key(
         if wrapped:  # a property, static or class method, Equinox's methods
             todo.extend(wrapped)
         elif name != "_abc_impl":  # (the registry of an abstract base class)
-            parts.append((name, value_key(value)))
-    return tuple(parts)
+            values.append((f"{name} (of {cls.__qualname__})", value))
+    return values
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)

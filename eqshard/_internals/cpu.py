@@ -24,7 +24,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._caches import register
 from .routes import Unrecognised
 
 
@@ -89,9 +88,6 @@ def may_alias(sharding: NamedSharding) -> bool:
     )
 
 
-register(may_alias.cache_clear)
-
-
 def has_dense_block(leaf: np.ndarray, sharding: NamedSharding) -> bool:
     """Whether a block of `sharding` is a dense run of `leaf`'s memory (in C or
     Fortran order), which `jax.device_put` may take in place on CPU; it copies a
@@ -119,7 +115,10 @@ def _dense_block(
     )
 
 
-register(_dense_block.cache_clear)
+# This module's caches' clearers, which the copy engine registers with
+# `_caches.register` (the door imports nothing of eqshard's: it sits below the
+# base modules).
+CACHE_CLEARERS = (may_alias.cache_clear, _dense_block.cache_clear)
 
 
 def takes_in_place(leaf: np.ndarray, sharding: NamedSharding) -> bool:

@@ -7,6 +7,9 @@ words are JAX's or XLA's of the installed version. Nothing outside this package
 matches on an error's text or class name (`tests/test_architecture.py` checks).
 """
 
+# JAX's words when a dict's keys cannot be sorted to flatten it.
+_UNSORTABLE = "Comparator raised exception while sorting pytree dictionary keys"
+
 # JAX's words for an operation mixing arrays typed on another mesh (the Explicit
 # one) with the Auto axes `auto_axes` sets.
 _MIXED_MESHES = "should match the aval mesh"
@@ -27,3 +30,9 @@ def is_mixed_meshes(error: BaseException) -> bool:
 def is_resource_exhausted(error: BaseException) -> bool:
     """Whether `error` is XLA's refusal of a program that does not fit a device."""
     return str(error).startswith("RESOURCE_EXHAUSTED")
+
+
+def is_unsortable_keys(error: BaseException) -> bool:
+    """Whether `error` is JAX's on flattening a dict whose keys it cannot sort
+    (keys of several types)."""
+    return _UNSORTABLE in str(error)

@@ -91,6 +91,15 @@ class Chip:
 # DCN per host [SB]: about 2.5e10 B/s; a TPU host holds 4 chips [TPU].
 _DCN = 2.5e10 / 4
 
+# The Tensor Cores' dense peaks that two chips share (one silicon, other HBM).
+# [H100] SXM5, dense: BF16 989.4 TF, FP8 1978.9 TF, INT8 1978.9 TOPS, TF32
+# 494.7 TF, FP32 66.9 TF (the H200's, [H200]).
+_HOPPER = {"bf16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T,
+           "tf32": 494.7 * _T, "f32": 66.9 * _T}  # fmt: skip
+# [A100] SXM, dense: BF16 312 TF, INT8 624 TOPS, TF32 156 TF, FP32 19.5 TF (the
+# 40 GB and 80 GB A100s'). No FP8.
+_AMPERE = {"bf16": 312 * _T, "int8": 624 * _T, "tf32": 156 * _T, "f32": 19.5 * _T}
+
 CHIPS: tuple[Chip, ...] = (
     Chip(
         "TPU v4", "TPU v4", "tpu",
@@ -134,21 +143,16 @@ CHIPS: tuple[Chip, ...] = (
     ),
     Chip(
         "H100 SXM", "NVIDIA H100 80GB HBM3", "gpu",
-        # [H100] SXM5, dense: BF16 989.4 TF, FP8 1978.9 TF, INT8 1978.9 TOPS,
-        # TF32 494.7 TF, FP32 66.9 TF; HBM3 3.35 TB/s.
-        {"bf16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T,
-         "tf32": 494.7 * _T, "f32": 66.9 * _T},
-        hbm=3.35e12,
+        _HOPPER,
+        hbm=3.35e12,  # [H100] HBM3 3.35 TB/s
         link=4.5e11,  # [H100] NVLink 900 GB/s both ways
         link_latency=2e-6,  # [NCCL]
         network=5e10, network_latency=5e-6,  # 400 Gb/s NDR per GPU; [NCCL]
     ),
     Chip(
         "H200 SXM", "NVIDIA H200 141GB HBM3e", "gpu",
-        # [H200] SXM: the H100's Tensor Cores; HBM3e 4.8 TB/s.
-        {"bf16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T,
-         "tf32": 494.7 * _T, "f32": 66.9 * _T},
-        hbm=4.8e12,
+        _HOPPER,  # [H200] SXM: the H100's Tensor Cores
+        hbm=4.8e12,  # [H200] HBM3e 4.8 TB/s
         link=4.5e11,  # [H200] NVLink 900 GB/s both ways
         link_latency=2e-6,
         network=5e10, network_latency=5e-6,
@@ -166,19 +170,16 @@ CHIPS: tuple[Chip, ...] = (
     ),
     Chip(
         "A100 40GB SXM", "NVIDIA A100-SXM4-40GB", "gpu",
-        # [A100] SXM, dense: BF16 312 TF, INT8 624 TOPS, TF32 156 TF, FP32
-        # 19.5 TF; HBM2 1555 GB/s. No FP8.
-        {"bf16": 312 * _T, "int8": 624 * _T, "tf32": 156 * _T, "f32": 19.5 * _T},
-        hbm=1.555e12,
+        _AMPERE,
+        hbm=1.555e12,  # [A100] HBM2 1555 GB/s
         link=3e11,  # [A100] NVLink 3: 600 GB/s both ways
         link_latency=2e-6,
         network=2.5e10, network_latency=5e-6,  # 200 Gb/s HDR per GPU
     ),
     Chip(
         "A100 80GB SXM", "NVIDIA A100-SXM4-80GB", "gpu",
-        # [A100] SXM 80GB: the same Tensor Cores; HBM2e 2039 GB/s.
-        {"bf16": 312 * _T, "int8": 624 * _T, "tf32": 156 * _T, "f32": 19.5 * _T},
-        hbm=2.039e12,
+        _AMPERE,  # [A100] SXM 80GB: the same Tensor Cores
+        hbm=2.039e12,  # [A100] HBM2e 2039 GB/s
         link=3e11,
         link_latency=2e-6,
         network=2.5e10, network_latency=5e-6,

@@ -39,6 +39,10 @@ from ._resident import move_blocks
 from ._threads import device_put as spread_device_put, split_above, spread
 
 
+for _clear in cpu.CACHE_CLEARERS:  # XLA:CPU's reads, cached where they are made
+    register(_clear)
+
+
 # Places values on shardings (`jax.device_put`, or one process's shards of each).
 Put = Callable[[list[Any], list[NamedSharding]], list[jax.Array]]
 

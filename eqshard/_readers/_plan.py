@@ -19,7 +19,7 @@ from jaxtyping import PyTree
 
 from .._mesh._current import mesh_repr
 from .._mesh._targets import device_memory as device_memory_of
-from .._report import format_bytes, parse_bytes, Report
+from .._report import format_bytes, memory_row, parse_bytes, Report
 from .._spectree._check_spec import leaf_specs, ShardingProblem, spec_error_message
 from .._spectree._resolve import is_partition_rules, resolve_specs
 from .._spectree._select import split_state
@@ -208,29 +208,34 @@ class TrainingPlan(Report):
         for name, report in self.parts:
             dtypes = sorted({row.dtype for row in report.rows})
             lines.append(
-                f"  {name:<16} {format_bytes(report.bytes_per_device[fullest]):>10}"
-                f"   ({report.total_parameters:,} elements, {'/'.join(dtypes)})"
+                memory_row(
+                    name,
+                    report.bytes_per_device[fullest],
+                    f"({report.total_parameters:,} elements, {'/'.join(dtypes)})",
+                )
             )
         if self.pipeline is not None:
             lines.append(self.pipeline.line())
         if self.context is not None:
             lines.append(self.context.line())
-        total = format_bytes(self.max_bytes_per_device)
-        line = f"  {'total':<16} {total:>10}"
+        verdict = ""
         headroom = self.headroom
         if self.device_memory is not None and headroom is not None:
             budget = format_bytes(self.device_memory)
             if headroom >= 0:
-                line += f"   of {budget}: fits, {format_bytes(headroom)} to spare"
+                verdict = f"of {budget}: fits, {format_bytes(headroom)} to spare"
             else:
-                line += f"   of {budget}: DOES NOT FIT, {format_bytes(-headroom)} over"
-        lines.append(line)
+                verdict = f"of {budget}: DOES NOT FIT, {format_bytes(-headroom)} over"
+        lines.append(memory_row("total", self.max_bytes_per_device, verdict))
         if any(self.host_bytes_per_device):
-            host = format_bytes(self.host_bytes_per_device[fullest])
             copy = format_bytes(self.copy_bytes_per_device[fullest])
             lines.append(
-                f"  {'in host memory':<16} {host:>10}   (offloaded between steps; "
-                f"the total counts the update's device copy, {copy})"
+                memory_row(
+                    "in host memory",
+                    self.host_bytes_per_device[fullest],
+                    "(offloaded between steps; the total counts the update's "
+                    f"device copy, {copy})",
+                )
             )
         other = "other " if self.context is not None else ""
         lines.append(

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from .._mesh._current import mesh_repr
-from .._report import format_bytes
+from .._report import format_bytes, memory_row
 from .._transforms._attention_checks import STRATEGIES
 from .._transforms._attention_ring import tile_rows
 
@@ -89,12 +89,14 @@ class ContextBuffers:
 
     def line(self) -> str:
         """The plan's summary line."""
-        return (
-            f"  {'context':<16} {format_bytes(self.total):>10}   ({self.strategy} "
-            f"over {self.axis!r} of {self.size}: scores {format_bytes(self.scores)}, "
-            f"keys/values {format_bytes(self.keys_values)}, accumulators "
+        return memory_row(
+            "context",
+            self.total,
+            f"({self.strategy} over {self.axis!r} of {self.size}: scores "
+            f"{format_bytes(self.scores)}, keys/values "
+            f"{format_bytes(self.keys_values)}, accumulators "
             f"{format_bytes(self.accumulators)}, activations "
-            f"{format_bytes(self.activations)})"
+            f"{format_bytes(self.activations)})",
         )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._mesh._current import mesh_repr
-from .._report import format_bytes
+from .._report import format_bytes, memory_row
 from .._transforms._pipeline_checks import count, GATHERS, schedule_counts, SCHEDULES
 
 
@@ -94,16 +94,18 @@ class PipelineBuffers:
 
     def line(self) -> str:
         """The plan's summary line."""
-        return (
-            f"  {'pipeline':<16} {format_bytes(self.total):>10}   ({self.schedule} "
-            f"over {self.axis!r}: {self.steps} steps, bubble {self.bubble:.1%}; "
-            f"stage inputs kept {format_bytes(self.kept)}, buffers "
-            f"{format_bytes(self.buffers)}, in flight {format_bytes(self.in_flight)}"
-            + (
-                f", weights gathered {self.fsdp_gather} {format_bytes(self.gathered)})"
-                if self.gathered
-                else ")"
-            )
+        gathered = (
+            f", weights gathered {self.fsdp_gather} {format_bytes(self.gathered)}"
+            if self.gathered
+            else ""
+        )
+        return memory_row(
+            "pipeline",
+            self.total,
+            f"({self.schedule} over {self.axis!r}: {self.steps} steps, bubble "
+            f"{self.bubble:.1%}; stage inputs kept {format_bytes(self.kept)}, "
+            f"buffers {format_bytes(self.buffers)}, in flight "
+            f"{format_bytes(self.in_flight)}{gathered})",
         )
 
 

@@ -82,8 +82,8 @@ def _closed_over_error(
     for var, value in direct_reads(fn):
         try:
             leaves = jtu.tree_leaves_with_path(value)
-        except Exception:  # a value JAX cannot flatten
-            continue
+        except (ValueError, TypeError):
+            continue  # keys JAX cannot sort (a dict's, a defaultdict's): not data
         paths = [
             path_str(path)
             for path, leaf in leaves

@@ -45,7 +45,13 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._caches import register
-from .._internals.closures import reads_key, trace_context, Unkeyable, value_key
+from .._internals.closures import (
+    find_reads,
+    reads_key,
+    trace_context,
+    Unkeyable,
+    value_key,
+)
 from .._internals.jaxpr import as_function, consts_of
 from .._internals.program_keys import program_key
 from .._mesh._targets import require_traced_or_runnable
@@ -342,7 +348,7 @@ def _call_key(
             is_leaf=lambda x: is_spec_leaf(x) or isinstance(x, AxisNames),
         )
         key = (
-            reads_key(config.fn, value, keep),
+            reads_key(find_reads(config.fn), value, keep),
             config._replace(
                 fn=None, options=None, out_specs=(out_def, tuple(out_leaves))
             ),
