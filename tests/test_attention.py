@@ -413,6 +413,48 @@ def test_ring_tiles_stay_tiled_in_a_scan_over_layers(cp_mesh):
     assert found[0] <= 1.5 * found[1], found
 
 
+@pytest.mark.slow
+def test_all_gather_keeps_no_mask_per_layer_in_a_scan(cp_mesh):
+    """All-gather attention in a differentiated scan over layers, with and
+    without remat: the causal mask (depending on positions only) is not stacked
+    per layer as the ring's tiles once stacked theirs. Per device: one row of
+    the batch, 512 of T=2048 queries, one head of 16, so the mask is
+    512·2048 bools (1 MiB) and a layer's input 512·16 float32 (32 KiB). Each
+    layer beyond the second adds, by hand: with remat its input only; without,
+    the softmax's two float32 score arrays (2·512·2048·4 bytes), the gathered
+    keys and values (2·2048·16·4), the queries (512·16·4) and the rows' max and
+    sum (2·512·4). A mask per layer would add 1 MiB more each. (From 2 layers
+    on, not 1: a scan of one layer is inlined, and the loop holds the mask
+    once.)"""
+    import eqshard
+
+    q = jax.ShapeDtypeStruct(
+        (2, 2048, 1, 16), jnp.float32, sharding=NamedSharding(cp_mesh, P("dp", "cp"))
+    )
+    attend = ft.partial(
+        eqshard.dot_product_attention, is_causal=True, axis="cp", strategy="all_gather"
+    )
+
+    def temporaries(layers, remat):
+        def layer(h, _):
+            return attend(h, h, h), None
+
+        def loss(x):
+            body = jax.checkpoint(layer) if remat else layer
+            return jnp.sum(jax.lax.scan(body, x, None, length=layers)[0] ** 2)
+
+        with jax.set_mesh(cp_mesh):
+            analysis = jax.jit(jax.grad(loss)).lower(q).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    mask, inputs = 512 * 2048, 512 * 16 * 4
+    kept = 2 * 512 * 2048 * 4 + 2 * 2048 * 16 * 4 + inputs + 2 * 512 * 4
+    for remat, per_layer in ((True, inputs), (False, kept)):
+        grown = (temporaries(4, remat) - temporaries(2, remat)) / 2
+        assert grown <= per_layer + mask / 4, (remat, grown, per_layer)
+
+
 def test_eager_cross_attention(cp_mesh):
     """Outside `jit`, queries shorter than the keys (causal as JAX's: top-left)."""
     import eqshard

@@ -201,6 +201,36 @@ def test_pipeline_equals_scan(case):
     close(got, want, dtype)
 
 
+def test_pipeline_last_output_with_auto_stages_and_explicit_data():
+    """`output="last"` on a mesh with an Auto stage axis and an Explicit data
+    axis (the result's type can name no Auto axis): values and gradients equal
+    the scan's, the result typed like `x` after the stages' dimension."""
+    import eqshard
+
+    mesh = mesh_of((2, 4), ("pp", "dp"), explicit=("dp",))
+    stack = {"w": jax.random.normal(jax.random.key(0), (2, D, D)) / 3}
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def layer(block, h):
+        return jnp.tanh(h @ block["w"])
+
+    def piped(stack, x):
+        return eqshard.pipeline(layer, stack, x, microbatches=4, output="last")
+
+    want = value_and_grads(lambda s, x: scan_reference(layer, s, x), stack, x, (), cot)
+    with jax.set_mesh(mesh):
+        placed = eqshard.shard(stack, P("pp"), mesh)
+        xp = eqshard.shard(x, P("dp"), mesh)
+        # Stage 0's buffer weighted 0: the gradients are those of the result's.
+        cotp = eqshard.shard(jnp.stack([0 * cot, cot]), P(None, "dp"), mesh)
+        staged, grads = value_and_grads(piped, placed, xp, (), cotp)
+    assert staged.shape == (2, 16, D)
+    assert tuple(jax.typeof(staged).sharding.spec) == (None, "dp", None)
+    assert tuple(jax.typeof(grads[1]).sharding.spec) == ("dp", None)
+    close((staged[-1], grads), want, jnp.float32)
+
+
 def linear_layer(block, h):
     return h @ block["w"]
 

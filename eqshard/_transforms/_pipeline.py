@@ -30,7 +30,9 @@ How a call goes:
    all-reduce of the whole result) so every stage holds them; `output="last"`
    returns each stage's buffer instead, stacked `(S, B, ...)` over `axis`, of
    which `[-1]` is the result. On a mesh with Explicit axes all of this runs as
-   `auto_axes` runs a function, and the result is typed like `x`.
+   `auto_axes` runs a function, and the result is typed like `x` (the stages'
+   dimension typed over `axis` only where that axis is Explicit: a type names
+   no Auto axis).
 """
 
 import functools as ft
@@ -444,7 +446,11 @@ def pipeline(
     if not explicit:
         return go(dyn, key, x, arrays)
     spec = _typed_spec(x)
-    out_spec = PartitionSpec(axis, *spec) if output == "last" else spec
+    # A type names no Auto axis: with the stage axis Auto, the stages'
+    # dimension of `output="last"` is laid out over it by XLA, not by its type.
+    types = dict(zip(base.axis_names, base.axis_types, strict=True))
+    stage = axis if types[axis] == AxisType.Explicit else None
+    out_spec = PartitionSpec(stage, *spec) if output == "last" else spec
     if has_aux:
         out_spec = (out_spec, PartitionSpec())
     return auto_axes(go, out_sharding=out_spec, mesh=on)(dyn, key, x, arrays)
