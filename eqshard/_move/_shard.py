@@ -136,10 +136,10 @@ def _stage(moves: list[_Move], *, plain: bool) -> list[_Loss]:
     `"host"` route are fetched to host first. Returns what the conversions would
     lose. `plain`: the copy engine's plain route (`_copies.py`)."""
     by_host = [m for m in moves if m.route == "host"]
-    for move, value in zip(
-        by_host, to_host([m.leaf.value for m in by_host]), strict=True
-    ):
-        move.source = value
+    if by_host:
+        values = to_host([m.leaf.value for m in by_host])
+        for move, value in zip(by_host, values, strict=True):
+            move.source = value
     lost = []
     for move in moves:
         if move.route in ("program", "blocks"):
@@ -253,10 +253,12 @@ def _place(
     anything moves, if a bound is too small or NumPy data would lose values; a
     cast of JAX arrays that loses values raises before its batch is released."""
     moves, of_leaf = _distinct(leaves)
-    sizes = [move_size(m.leaf) for m in moves]
-    paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
-    check_inflight(caller, paths, max_inflight_bytes)
-    groups = batches(sizes, max_inflight_bytes)
+    groups = [list(range(len(moves)))]  # one batch without a bound
+    if max_inflight_bytes is not None:
+        sizes = [move_size(m.leaf) for m in moves]
+        paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
+        check_inflight(caller, paths, max_inflight_bytes)
+        groups = batches(sizes, max_inflight_bytes)
     on_host = [m for m in moves if not isinstance(m.leaf.value, jax.Array)]
     lost = _stage(on_host, plain=copies_plain())  # NumPy data: checked first
     if lost and len(groups) > 1:
