@@ -43,9 +43,9 @@ def typecheck(fn: _F) -> _F:
     `beartype(fn)` checks the arguments and the return value once per call;
     `jaxtyped(typechecker=beartype)` also binds the arguments to the signature,
     records array dimensions and checks the arguments again with the return
-    value (three times the cost of a call of `shard` itself), so it is kept for
-    the functions whose annotations name jaxtyping's arrays (`Float[Array,
-    "n"]`), whose dimensions must agree across arguments."""
+    value (several times beartype's own cost), so it is kept only for the
+    functions whose annotations name jaxtyping's arrays (`Float[Array, "n"]`),
+    whose dimensions must agree across arguments."""
     checked = _checker(fn)
     caller = fn.__qualname__
     signature = inspect.signature(fn)
