@@ -17,9 +17,14 @@ import jax.tree_util as jtu
 import numpy as np
 from beartype import beartype
 from beartype.door import is_bearable
-from beartype.roar import BeartypeException
+from beartype.roar import BeartypeCallHintParamViolation, BeartypeException
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
-from jaxtyping import jaxtyped, TypeCheckError
+from jaxtyping import (
+    AbstractArray,
+    config as jaxtyping_config,
+    jaxtyped,
+    TypeCheckError,
+)
 
 from ._internals.errors import is_unsortable_keys
 
@@ -31,18 +36,27 @@ def typecheck(fn: _F) -> _F:
     """The decorator of every public function: its annotations checked with
     beartype at call time (`JAXTYPING_DISABLE=1` turns that off), an argument
     of the wrong type reported in one line (the function, the argument, what
-    was given and what is expected) rather than as jaxtyping's dump of the
-    whole call, and two mistakes that would otherwise surface in beartype's or
-    JAX's words, whatever the function, reported as eqshard's, in the
-    function's name: a `mesh` argument that is not a mesh, and a dict whose keys
-    JAX cannot sort (keys of several types), named by its path."""
-    checked = jaxtyped(typechecker=beartype)(fn)
+    was given and what is expected) rather than as beartype's or jaxtyping's
+    dump of the whole call, and two mistakes that would otherwise surface in
+    beartype's or JAX's words, whatever the function, reported as eqshard's, in
+    the function's name: a `mesh` argument that is not a mesh, and a dict whose
+    keys JAX cannot sort (keys of several types), named by its path.
+
+    `beartype(fn)` checks the arguments and the return value once per call;
+    `jaxtyped(typechecker=beartype)` also binds the arguments to the signature,
+    records array dimensions and checks the arguments again with the return
+    value (several times beartype's own cost), so it is kept only for the
+    functions whose annotations name jaxtyping's arrays (`Float[Array, "n"]`),
+    whose dimensions must agree across arguments."""
+    checked = _checker(fn)
     caller = fn.__qualname__
     signature = inspect.signature(fn)
     parameters = signature.parameters
-    # The end of the first line of jaxtyping's message on this function's own
-    # arguments (or on its return value, which it checks with the arguments).
-    own = f" of {fn.__module__}.{fn.__qualname__}."
+    # How beartype's message on this function's own arguments begins, and how the
+    # first line of jaxtyping's ends (also on the return value, which it checks
+    # with the arguments).
+    where = f"{fn.__module__}.{fn.__qualname__}"
+    own = (f" {where}() parameter ", f" of {where}.")
     names = list(parameters)
     takes_mesh = "mesh" in parameters
     # Where `mesh` is among the positional arguments, if it can be one.
@@ -58,8 +72,10 @@ def typecheck(fn: _F) -> _F:
             if mesh is not None and not isinstance(mesh, _MESHES):
                 raise _mesh_type_error(caller, mesh)
         try:
+            if jaxtyping_config.jaxtyping_disable:
+                return fn(*args, **kwargs)
             return checked(*args, **kwargs)
-        except TypeCheckError as error:
+        except (BeartypeCallHintParamViolation, TypeCheckError) as error:
             found = _argument_type_error(caller, own, signature, args, kwargs, error)
             if found is None:
                 raise
@@ -75,28 +91,57 @@ def typecheck(fn: _F) -> _F:
     return typing.cast(_F, wrapper)
 
 
+def _checker(fn: _F) -> _F:
+    """`fn` with its annotations checked at call time: by beartype alone, or
+    within jaxtyping's `jaxtyped` where an annotation names jaxtyping's arrays
+    (whose dimensions it records across the arguments)."""
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True).values()
+    except (NameError, TypeError):  # jaxtyping reads what it can of them
+        return jaxtyped(typechecker=beartype)(fn)
+    if any(_names_arrays(hint) for hint in hints):
+        return jaxtyped(typechecker=beartype)(fn)
+    return beartype(fn)
+
+
+def _names_arrays(hint: Any) -> bool:
+    """Whether `hint` names a jaxtyping array (`Float[Array, "n"]`), in it or in
+    one of its members."""
+    if isinstance(hint, type) and issubclass(hint, AbstractArray):
+        return True
+    return any(_names_arrays(member) for member in typing.get_args(hint))
+
+
 _MESHES = (Mesh, AbstractMesh)
 
 
 def _argument_type_error(
     caller: str,
-    own: str,
+    own: tuple[str, str],
     signature: inspect.Signature,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
-    error: TypeCheckError,
+    error: BeartypeCallHintParamViolation | TypeCheckError,
 ) -> TypeError | None:
-    """jaxtyping's error on one of `caller`'s own arguments, in one line: the
-    argument, what was given and what its annotation expects (`None` for any
-    other error, such as one raised inside the function)."""
+    """beartype's or jaxtyping's error on one of `caller`'s own arguments, in one
+    line: the argument, what was given and what its annotation expects (`None`
+    for any other error, such as one raised inside the function). `own`: how
+    the first line of beartype's message on them reads in its middle
+    (`" module.name() parameter "`), and how jaxtyping's ends."""
     text = str(error)
-    if not text.split("\n", 1)[0].endswith(own):
-        return None
+    first = text.split("\n", 1)[0]
+    if isinstance(error, BeartypeCallHintParamViolation):
+        named = re.search(r"\(\) parameter (\w+)=", first)
+        if own[0] not in first or not first.startswith(("Function ", "Method ")):
+            return None
+    else:
+        named = re.search(r"typechecking parameter '(\w+)'", text)
+        if not first.endswith(own[1]):
+            return None
     try:
         bound = signature.bind(*args, **kwargs).arguments
     except TypeError:
         return None
-    named = re.search(r"typechecking parameter '(\w+)'", text)
     if named is not None:
         name: str | None = named.group(1)
     else:  # jaxtyping could not tell which (beartype checks one item of a list,

@@ -1,13 +1,16 @@
 # The shared `@typecheck` of public functions (eqshard/_typing.py): a wrong type
 # for a public entry point's argument is eqshard's one-line TypeError naming the
 # function, the argument, what was given and what is expected, never jaxtyping's
-# dump of the whole call; jaxtyping's check itself is kept.
+# dump of the whole call. beartype checks the annotations, within jaxtyping's
+# `jaxtyped` where they name jaxtyping's arrays (whose dimensions must agree).
 
 import re
 from collections.abc import Sequence
 from typing import Literal
 
 import jax
+import jaxtyping
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
@@ -106,3 +109,26 @@ def test_only_the_functions_own_arguments_are_rewritten():
     assert _inner("x") == "x"
     mesh = eqshard.create_mesh((8,), ("x",), axis_types=AxisType.Auto)
     assert mesh.shape == {"x": 8}
+
+
+@typecheck
+def _rows(
+    a: jaxtyping.Float[np.ndarray, "n 2"], b: jaxtyping.Float[np.ndarray, "n 2"]
+) -> int:
+    return a.shape[0]
+
+
+def test_array_dimensions_agree_across_arguments():
+    assert _rows(np.zeros((3, 2)), np.zeros((3, 2))) == 3
+    with pytest.raises(TypeError, match=r"^eqshard\._rows: `b` is "):
+        _rows(np.zeros((3, 2)), np.zeros((4, 2)))
+
+
+def test_jaxtyping_disable_turns_the_check_off():
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        assert _inner(1) == 1  # pyright: ignore[reportArgumentType]
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    with pytest.raises(TypeError, match=r"^eqshard\._inner: `name` is 1 \(int\)"):
+        _inner(1)  # pyright: ignore[reportArgumentType]

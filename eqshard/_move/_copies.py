@@ -65,14 +65,18 @@ def to_devices(
     donate: Sequence[bool] | None = None,
     put: Put | None = None,
     host_local: bool = False,
+    plain_route: bool | None = None,
 ) -> list[jax.Array]:
     """`values` placed on `shardings`, once nothing of `sources` (the caller's
     leaves that `values` were staged from) is read by a device or is a device
     buffer. `donate`: which JAX arrays give up their buffers (one process);
     `put`: how a multi-process run places one process's shards, of a full copy
-    or (`host_local`) of this process's block."""
+    or (`host_local`) of this process's block; `plain_route`: whether the plain
+    route is forced, where the caller has read the switch for its call already."""
     values, shardings = list(values), list(shardings)
-    if plain():
+    if plain_route is None:
+        plain_route = plain()
+    if plain_route:
         return _to_devices_plain(values, shardings, sources, donate, put)
     if put is None and donate is not None and any(donate):
         placed = jax.device_put(values, shardings, donate=list(donate))

@@ -367,6 +367,9 @@ def host_ready(
         return leaf, None, False
     allocate = cpu.aligned_empty if private and not plain else np.empty
     out = allocate(leaf.shape, target)
+    if target == leaf.dtype:  # a copy alone, which loses nothing
+        np.copyto(out, leaf)
+        return out, None, False
     with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         np.copyto(out, leaf, casting="unsafe")
     lost = cast_lost(leaf, out)

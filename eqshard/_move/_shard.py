@@ -136,10 +136,10 @@ def _stage(moves: list[_Move], *, plain: bool) -> list[_Loss]:
     `"host"` route are fetched to host first. Returns what the conversions would
     lose. `plain`: the copy engine's plain route (`_copies.py`)."""
     by_host = [m for m in moves if m.route == "host"]
-    for move, value in zip(
-        by_host, to_host([m.leaf.value for m in by_host]), strict=True
-    ):
-        move.source = value
+    if by_host:
+        values = to_host([m.leaf.value for m in by_host])
+        for move, value in zip(by_host, values, strict=True):
+            move.source = value
     lost = []
     for move in moves:
         if move.route in ("program", "blocks"):
@@ -189,13 +189,15 @@ def _put(
     host_local: bool,
     donate: bool,
     moved_from: collections.Counter[int],
+    plain: bool,
 ) -> None:
-    """Placing, by the copy engine (`_copies.to_devices`): the moves not placed
-    yet, in one batched `jax.device_put` in one process, or one process's shards
-    of each in a multi-process run. It returns once no device reads the caller's
-    NumPy memory, nor holds it as a buffer. With `donate` (one process), JAX
-    arrays give up their old buffers, but an array that stands in several moves
-    (`moved_from`: how many, by `id`) cannot give its buffer twice."""
+    """Placing, by the copy engine (`_copies.to_devices`; `plain`: its plain
+    route): the moves not placed yet, in one batched `jax.device_put` in one
+    process, or one process's shards of each in a multi-process run. It returns
+    once no device reads the caller's NumPy memory, nor holds it as a buffer.
+    With `donate` (one process), JAX arrays give up their old buffers, but an
+    array that stands in several moves (`moved_from`: how many, by `id`) cannot
+    give its buffer twice."""
     rest = [m for m in moves if m.placed is None]
     donated = None
     if donate:
@@ -216,6 +218,7 @@ def _put(
         donate=donated,
         put=None if jax.process_count() == 1 else put,
         host_local=host_local,
+        plain_route=plain,
     )
     for move, array in zip(rest, placed, strict=True):
         move.placed = array
@@ -253,26 +256,40 @@ def _place(
     anything moves, if a bound is too small or NumPy data would lose values; a
     cast of JAX arrays that loses values raises before its batch is released."""
     moves, of_leaf = _distinct(leaves)
-    sizes = [move_size(m.leaf) for m in moves]
-    paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
-    check_inflight(caller, paths, max_inflight_bytes)
-    groups = batches(sizes, max_inflight_bytes)
+    groups = [list(range(len(moves)))]  # one batch without a bound
+    if max_inflight_bytes is not None:
+        sizes = [move_size(m.leaf) for m in moves]
+        paths = [(m.leaf.path, n) for m, (_, n) in zip(moves, sizes, strict=True)]
+        check_inflight(caller, paths, max_inflight_bytes)
+        groups = batches(sizes, max_inflight_bytes)
+    plain = copies_plain()  # the switch read once a call
     on_host = [m for m in moves if not isinstance(m.leaf.value, jax.Array)]
-    lost = _stage(on_host, plain=copies_plain())  # NumPy data: checked first
+    lost = _stage(on_host, plain=plain)  # NumPy data: checked first
     if lost and len(groups) > 1:
         raise loss_error(caller, lost)
-    moved_from = collections.Counter(id(m.leaf.value) for m in moves)
-    left = collections.Counter(moved_from)
-    kept = {id(leaf.value) for leaf in leaves if leaf.sharding is None}
+    moved_from: collections.Counter[int] = collections.Counter()
+    left: collections.Counter[int] = collections.Counter()
+    kept: set[int] = set()
+    if donate or release_sources:
+        moved_from.update(id(m.leaf.value) for m in moves)
+        left.update(moved_from)
+        kept = {id(leaf.value) for leaf in leaves if leaf.sharding is None}
     for group in groups:
         batch = [moves[i] for i in group]
         resident = [m for m in batch if isinstance(m.leaf.value, jax.Array)]
-        lost += _stage(resident, plain=copies_plain())  # one error for all
-        lost += _move_in_programs(batch)
+        if resident:
+            lost += _stage(resident, plain=plain)  # one error for all
+            lost += _move_in_programs(resident)
         if lost:
             raise loss_error(caller, lost)
         donating = donate and jax.process_count() == 1
-        _put(batch, host_local=host_local, donate=donating, moved_from=moved_from)
+        _put(
+            batch,
+            host_local=host_local,
+            donate=donating,
+            moved_from=moved_from,
+            plain=plain,
+        )
         if release_sources:
             release(
                 [(m.leaf.value, m.placed) for m in batch],

@@ -175,6 +175,8 @@ def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Arra
         and movable(value.dtype)
         for value, sharding in zip(values, shardings, strict=True)
     ]
+    if not any(strided):  # nothing to spread
+        return jax.device_put(values, shardings)
     return spread(
         lambda indices: jax.device_put(
             [values[i] for i in indices], [shardings[i] for i in indices]
