@@ -1,5 +1,6 @@
 """The keys of `JitFunction`'s caches (`_jit.py`): what a call's arguments are
-made of, and the `Layout` kept per structure of them.
+made of, and the `Layout` kept per structure of them (its shardings, and its
+programs per set of non-array values).
 
 A call's key holds only what the shardings' resolution reads (`KeyReads`): the
 argument's tree structure and leaf types always; each array's shape, dtype and
@@ -15,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
@@ -206,35 +206,11 @@ def unwrap(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(x.value if isinstance(x, Static) else x for x in args)
 
 
-class OutStatics:
-    """What puts a traced output back together: its structure and non-array
-    leaves, returned next to its arrays.
-
-    Registered as a static pytree node: `jax.jit` keeps it in the output structure
-    of the trace that made it, so each compiled function gives back its own."""
-
-    __slots__ = ("treedef", "template", "array_index")
-
-    def __init__(self, treedef: PyTreeDef, template: list[Any], array_index: list[int]):
-        self.treedef = treedef
-        self.template = template
-        self.array_index = array_index
-
-    def rebuild(self, dynamic: PyTree) -> PyTree:
-        leaves = list(self.template)
-        for i, array in zip(self.array_index, jtu.tree_leaves(dynamic), strict=True):
-            leaves[i] = array
-        return self.treedef.unflatten(leaves)
-
-
-jtu.register_static(OutStatics)
-
-
 class Layout:
     """The structure of a call's (non-static) arguments: which flat leaves are
     arrays, which of those are donated, the shardings of the arguments and the
     output (and the mesh they are on), and one `jax.jit` per set of values of the
-    non-array leaves."""
+    non-array leaves. `donated` says, per leaf, whether its argument is donated."""
 
     __slots__ = (
         "treedef",
@@ -259,15 +235,14 @@ class Layout:
         treedef: PyTreeDef,
         paths: list[KeyPath],
         leaves: list[Any],
-        donated_args: Callable[[int], bool],
-        shardings: "Shardings",
+        donated: Sequence[bool],
+        shardings: Shardings,
     ):
         self.treedef = treedef
         self.paths = paths
         flags = [is_array(leaf) for leaf in leaves]
         self.array_index = [i for i, flag in enumerate(flags) if flag]
         self.static_index = [i for i, flag in enumerate(flags) if not flag]
-        donated = [donated_args(paths[i][0].idx) for i in range(len(leaves))]
         self.donated_index = [i for i in self.array_index if donated[i]]
         self.kept_index = [i for i in self.array_index if not donated[i]]
         self.get_static = getter(self.static_index)
