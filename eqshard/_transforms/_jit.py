@@ -296,7 +296,7 @@ class JitFunction:
             raise abstract_error(self._caller, self.__name__, layout.abstract_paths)
         # 3. Look up the program of its non-array values; on a miss, make it.
         statics = layout.get_static(leaves)
-        jit_key = (tuple(map(typed, statics)), typed_args)
+        jit_key = (layout.static_key(statics), typed_args)
         try:
             program = layout.jitted.get(jit_key)
         except TypeError:

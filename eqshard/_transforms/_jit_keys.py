@@ -6,13 +6,16 @@ A call's key holds only what the shardings' resolution reads (`KeyReads`): the
 argument's tree structure and leaf types always; each array's shape, dtype and
 placement, the values of non-array leaves, and the mesh set, where read. The
 non-array leaves then pick one `jax.jit` of the layout (`Layout.jitted`), keyed by
-`typed` values, so that `True`, `1` and `1.0` (and `0.0` and `-0.0`) compile
-apart; so do static fields of the structure (`structure_key`).
+their types and, for floats and complexes, their bits (`Layout.static_key`, as
+`typed` tells them apart), so that `True`, `1` and `1.0` (and `0.0` and `-0.0`)
+compile apart; so do static fields of the structure (`structure_key`). Both keys
+read the types in bulk: they run on every call.
 """
 
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import jax
@@ -59,6 +62,21 @@ def typed(value: Any) -> Any:
     return (type(value), value)
 
 
+def _itself(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return values
+
+
+def static_plan(kinds: tuple[type, ...]) -> tuple[Callable[..., Any], ...]:
+    """How `Layout.static_key` reads non-array values of types `kinds`: the
+    values `typed` keys as `(type, value)` (no tuple, float or complex), taken
+    as they are, and the others, keyed by `typed`."""
+    flags = [issubclass(kind, tuple | float | complex) for kind in kinds]
+    if not any(flags):
+        return _itself, getter(())
+    plain = [i for i, flag in enumerate(flags) if not flag]
+    return getter(plain), getter([i for i, flag in enumerate(flags) if flag])
+
+
 _NUMBERS = (float, complex)
 
 
@@ -80,14 +98,26 @@ def structure_key(treedef: PyTreeDef, leaves: Sequence[Any]) -> tuple[Any, ...]:
     """What the static data of `treedef`'s nodes (an Equinox module's static
     fields, a dict's keys) holds that comparing treedefs does not tell apart
     (see `_exact`): a static `1.0` after `1`, or `-0.0` after `0.0`, must compile
-    again. `leaves` are `treedef`'s."""
+    again. `leaves` are `treedef`'s.
+
+    This runs on every call, so where no node's data holds a float or a complex
+    (nor a tuple or list inside a tuple or list), the types are read in bulk: the
+    types of the data, the lengths of the tuples and lists among them, and the
+    types of what those hold (which tell equal treedefs apart as `_exact` does).
+    Otherwise, every node's `_exact`."""
     found: list[Any] = []
-    treedef.walk(lambda _, data: found.append(data), _nothing, leaves)
-    return tuple(map(_exact, found))
-
-
-def _nothing(leaf: Any) -> None:
-    return None
+    treedef.walk(lambda _, data: found.append(data), id, leaves)
+    kinds = tuple(map(type, found))
+    if float not in kinds and complex not in kinds:
+        sequences = [
+            data
+            for data, kind in zip(found, kinds, strict=True)
+            if kind is tuple or kind is list
+        ]
+        inner = tuple(map(type, chain.from_iterable(sequences)))
+        if not (float in inner or complex in inner or tuple in inner or list in inner):
+            return (kinds, tuple(map(len, sequences)), inner)
+    return (None, tuple(map(_exact, found)))
 
 
 # Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
@@ -224,6 +254,7 @@ class Layout:
         "get_kept",
         "signature",
         "jitted",
+        "static_plans",
         "in_shardings",
         "out_shardings",
         "mesh",
@@ -250,6 +281,7 @@ class Layout:
         self.get_kept = getter(self.kept_index)
         self.signature = (treedef, tuple(self.array_index))
         self.jitted: dict[tuple[Any, ...], Any] = {}
+        self.static_plans: dict[tuple[type, ...], tuple[Callable[..., Any], ...]] = {}
         self.in_shardings = shardings.in_shardings
         self.out_shardings = shardings.out_shardings
         self.mesh = shardings.mesh
@@ -259,3 +291,15 @@ class Layout:
             for path, leaf in zip(paths, leaves, strict=True)
             if isinstance(leaf, jax.ShapeDtypeStruct)
         ]
+
+    def static_key(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The key of a call's non-array leaves `values` among `jitted`: it tells
+        apart what `tuple(map(typed, values))` does (types, and floats' bits),
+        reading the types in bulk and `typed` only for tuples, floats and
+        complexes (this runs on every call), by a plan kept per types."""
+        kinds = tuple(map(type, values))
+        plan = self.static_plans.get(kinds)
+        if plan is None:
+            plan = self.static_plans[kinds] = static_plan(kinds)
+        plain, special = plan
+        return (kinds, plain(values), tuple(map(typed, special(values))))
