@@ -229,6 +229,7 @@ class JitFunction:
             program, call_args = direct, args
         else:
             program, call_args, _ = self._program(args, static=True)
+        # Call it (JAX lowers and compiles a new program here, at its first call).
         try:
             out, statics = program(*host_private(call_args))
         except ValueError as e:
@@ -239,6 +240,7 @@ class JitFunction:
             if failure is not None:
                 raise failure from e
             raise
+        # Put the output back together.
         return out if statics is None else statics.rebuild(out)
 
     def _program(
