@@ -109,6 +109,8 @@ def structure_key(treedef: PyTreeDef, leaves: Sequence[Any]) -> tuple[Any, ...]:
     treedef.walk(lambda _, data: found.append(data), id, leaves)
     kinds = tuple(map(type, found))
     if float not in kinds and complex not in kinds:
+        if tuple not in kinds and list not in kinds:
+            return (kinds, (), ())
         sequences = [
             data
             for data, kind in zip(found, kinds, strict=True)
@@ -297,6 +299,8 @@ class Layout:
         apart what `tuple(map(typed, values))` does (types, and floats' bits),
         reading the types in bulk and `typed` only for tuples, floats and
         complexes (this runs on every call), by a plan kept per types."""
+        if not values:
+            return ()
         kinds = tuple(map(type, values))
         plan = self.static_plans.get(kinds)
         if plan is None:
