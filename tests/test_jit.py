@@ -351,3 +351,33 @@ def test_static_values_are_told_apart_by_type_and_sign(route):
     with Compiles() as compiles:
         call(f, ints, float("nan"))
     assert compiles.count == 0
+
+
+class _Nested(eqx.Module):
+    config: tuple = eqx.field(static=True)
+    w: jax.Array
+
+
+def test_static_values_among_others_are_told_apart_by_type_and_sign():
+    # The keys read types in bulk where they can: a float or a tuple among other
+    # non-array leaves (functions, strings), or inside a tuple of a static field,
+    # must still pick its own program, as raw JAX traces it.
+    ints = jnp.arange(3, dtype=jnp.int32)
+    step = eqshard.filter_jit(lambda w, config: config[0](w * config[2]))
+    for s in (1, 1.0, True, 1):
+        want = jax.jit(lambda w: jnp.negative(w * s))(ints)
+        got = step(ints, (jnp.negative, "name", s))
+        assert got.dtype == want.dtype and np.array_equal(got, want), s
+    ones = jnp.ones(2)
+    sign = eqshard.filter_jit(lambda w, config: w * jnp.copysign(1.0, config[1][0]))
+    for s in (0.0, -0.0, 0.0):
+        got = sign(ones, (jnp.negative, (s,)))
+        assert np.asarray(got).tolist() == [np.copysign(1.0, s)] * 2
+    field = eqshard.filter_jit(lambda m: m.w * m.config[1][0])
+    for s in (1, 1.0, True):
+        want = jax.jit(lambda w: w * s)(ints)
+        got = field(_Nested(("name", (s,)), ints))
+        assert got.dtype == want.dtype and np.array_equal(got, want), s
+    flat = eqshard.filter_jit(lambda m: jnp.asarray(m.scale))
+    for s in (1, True, 1):
+        assert flat(_Scaled(s, ints)).dtype == jnp.asarray(s).dtype, s

@@ -1,12 +1,18 @@
 """The one `jax.jit` wrapper of eqshard: `JitFunction`, the core under the front
 ends [`eqshard.filter_jit`][] (`_filter_jit.py`) and [`eqshard.t5x.PartitionedFn`][].
 
-The core places arguments by their shardings, runs, lays outputs out, checks
-donation (`_jit_checks.py`) and keeps its cache per layout key (`_jit_keys.py`).
-A front end passes what differs, as small objects, never as mode flags: a
-`Front` (its name in messages, static arguments, logical rules), the
-`Shardings` known up front or a `Resolver` that resolves them per structure of
-the arguments, and a `Donation`.
+A call reads top to bottom here (`JitFunction._call`, then `_program`): key the
+call, look up its compiled program, and on a miss resolve the specs, check and
+make the program (lowered and compiled by JAX at its first call); then call it
+and put the output back together. Each step is a leaf helper by concern, which
+never calls back into this module: the keys and the `Layout` kept per key
+(`_jit_keys.py`), the resolver of a front end's specs (`Resolver`, e.g.
+`_jit_specs.py`'s), the checks and their messages (`_jit_checks.py`), the
+programs traced, lowered and compiled and their outputs reassembled
+(`_jit_stages.py`). A front end passes what differs, as small objects, never as
+mode flags: a `Front` (its name in messages, static arguments, logical rules),
+the `Shardings` known up front or a `Resolver` that resolves them per structure
+of the arguments, and a `Donation`.
 
 How a call stays cheap, and keeps its layout:
 
@@ -37,27 +43,24 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import AbstractMesh
 from jaxtyping import PyTree
 
-from .._mesh._current import find_mesh, mesh_repr
+from .._mesh._current import find_mesh
 from .._mesh._targets import compile_only_error
 from .._move._host import host_private
 from .._spectree._check_spec import is_spec_leaf
 from .._spectree._logical import LogicalRules, RulesContext
-from .._tree import broadcast_prefix, flatten_up_to, is_array, path_str
-from .._typing import KeyPath, PyTreeDef
-from ._explicit import explained
+from .._typing import PyTreeDef
 from ._jit_checks import (
     abstract_error,
-    ARGS_NOTE,
+    argument_pairs,
     check_donation,
-    check_shapes,
+    check_placements,
+    check_runnable,
     deleted_arguments_error,
     Donation,
     is_traced,
     keywords_error,
-    mark_traced,
     non_array_pairs,
     unhashable_error,
 )
@@ -67,14 +70,11 @@ from ._jit_keys import (
     KeyReads,
     Layout,
     layout_key,
-    OutStatics,
     Shardings,
     Static,
     typed,
-    unwrap,
 )
-from ._jit_stages import avals, Compiled, Hooks, Lowered, named
-from ._offload import to_device_memory, to_host_memory
+from ._jit_stages import avals, Compiled, Hooks, Lowered, Trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,49 +97,6 @@ class Resolver(Protocol):
     reads: KeyReads
 
     def __call__(self, args: tuple[Any, ...]) -> Shardings: ...
-
-
-def _split_output(
-    out: Any, out_shardings: PyTree, caller: str
-) -> tuple[Any, OutStatics | None]:
-    """The output's arrays under the structure of `out_shardings`, and what puts
-    the output back together (`None` where the arrays are the whole output, in
-    that structure); checks that each array's sharding can apply."""
-    try:
-        _, shardings, subtrees, prefix_def = flatten_up_to(
-            out_shardings, out, is_leaf=is_spec_leaf, name="out_specs", caller=caller
-        )
-    except ValueError as e:
-        raise ValueError(f"{e} Here `tree` is the function's output.") from None
-    path_leaves, treedef = jtu.tree_flatten_with_path(out)
-    leaves = [leaf for _, leaf in path_leaves]
-    per_leaf = [
-        sharding
-        for sharding, subtree in zip(shardings, subtrees, strict=True)
-        for _ in jtu.tree_leaves(subtree)
-    ]
-    paths = [path for path, _ in path_leaves]
-    check_shapes(paths, leaves, per_leaf, f"{caller} (out_specs)")
-    flags = [is_array(leaf) for leaf in leaves]
-    try:  # as `jax.jit` checks it: static metadata included
-        prefix_def.flatten_up_to(out)
-        exact = True
-    except (ValueError, TypeError):
-        exact = False
-    if all(flags) and exact:
-        return out, None
-    dynamic = prefix_def.unflatten(
-        [
-            jtu.tree_map(lambda x: x if is_array(x) else None, subtree)
-            for subtree in subtrees
-        ]
-    )
-    template = [
-        None if flag else leaf for leaf, flag in zip(leaves, flags, strict=True)
-    ]
-    return dynamic, OutStatics(
-        treedef, template, [i for i, flag in enumerate(flags) if flag]
-    )
 
 
 class JitFunction:
@@ -178,10 +135,10 @@ class JitFunction:
         self.__doc__ = getattr(fn, "__doc__", None)
         self._fn = fn
         self._caller = front.caller
-        self._in = f"{front.caller} (in_specs)"
         self._place_hint = front.place_hint
-        self._rules = None if front.rules is None else RulesContext(front.rules)
         self._static = front.static_argnums
+        rules = None if front.rules is None else RulesContext(front.rules)
+        self._trace = Trace(fn, self.__name__, front.caller, rules, self._static)
         # Given shardings, else the resolver and what it reads (for the key).
         fixed = shardings if isinstance(shardings, Shardings) else Shardings()
         self._resolve = None if isinstance(shardings, Shardings) else shardings
@@ -196,7 +153,14 @@ class JitFunction:
         )
         self._layouts: dict[tuple[Any, ...], Layout] = {}
         self._direct_count = self._direct_arguments()
-        self._direct = None if self._direct_count is None else self._make_direct()
+        self._direct = None
+        if self._direct_count is not None:
+            self._direct = self._trace.direct(
+                self.in_shardings,
+                self.out_shardings,
+                self._mesh,
+                tuple(sorted(donation.positions)),
+            )
         self._get_dynamic = None
         self._min_count = 0
         if self._static:
@@ -223,135 +187,69 @@ class JitFunction:
             return len(self.in_shardings) + len(self._static)
         return None
 
-    def _make_direct(self) -> Any:
-        return jax.jit(
-            named(lambda *args: self._trace_direct(*args), self._fn, self.__name__),
-            in_shardings=self.in_shardings,
-            out_shardings=(self.out_shardings, None),
-            static_argnums=self._static,
-            donate_argnums=tuple(sorted(self._donation.positions)),
-        )
-
-    def _is_donated(self, position: int) -> bool:
-        """Whether the non-static argument at `position` is donated."""
-        if self._donation.start is not None:
-            return position >= self._donation.start
-        return position in self._donated
-
     def _dynamic(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The non-static arguments."""
         return args if self._get_dynamic is None else self._get_dynamic(args)
 
-    # -- tracing ------------------------------------------------------------------
+    # -- the call path, top to bottom -------------------------------------------
 
-    def _run(
-        self, args: tuple[Any, ...], out_shardings: PyTree, mesh: Any
-    ) -> tuple[Any, OutStatics | None]:
-        """Calls the function under the mesh and the rules (at trace time) and
-        splits its output into arrays, under the structure of `out_shardings`,
-        and what puts the output back together."""
-        with explained(self._caller):
-            if mesh is None:
-                out = self._call_fn(args)
-            else:
-                abstract = (
-                    mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
-                )
-                with jax.sharding.use_abstract_mesh(abstract):
-                    out = self._call_fn(args)
-        dynamic, statics = _split_output(out, out_shardings, self._caller)
-        return to_host_memory(dynamic, out_shardings), statics
-
-    def _call_fn(self, args: tuple[Any, ...]) -> Any:
-        if self._rules is None:
-            return self._fn(*args)
-        with self._rules:
-            return self._fn(*args)
-
-    def _trace_direct(self, *args: Any) -> tuple[Any, OutStatics | None]:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise keywords_error(self._caller, self.__name__, kwargs)
         try:
-            args = unwrap(args)
-            dynamic = self._dynamic(args)
-            shardings = (
-                [self.in_shardings] * len(dynamic)
-                if is_spec_leaf(self.in_shardings)
-                else list(self.in_shardings)
-            )
-            paths = [(jtu.SequenceKey(i),) for i in range(len(dynamic))]
-            check_shapes(paths, dynamic, shardings, self._in)
-            return self._run(args, self.out_shardings, self._mesh)
-        except Exception as error:
-            mark_traced(error)
+            if self._donation.quiet:
+                with warnings.catch_warnings():
+                    # As `eqx.filter_jit(donate="all")`: buffers that no output can
+                    # reuse are donated in vain, which is no news.
+                    warnings.filterwarnings("ignore", message="Some donated buffers")
+                    return self._call(args)
+            return self._call(args)
+        except (AttributeError, RuntimeError) as error:
+            # What JAX raises running a program for a target's compile-only
+            # devices ("no attribute 'local_devices'", "UNIMPLEMENTED").
+            given = getattr(self._resolve, "mesh", None)
+            failure = compile_only_error(self._caller, find_mesh(self._mesh or given))
+            if failure is not None:
+                raise failure from error
             raise
 
-    def _in_pairs(
-        self, dynamic: Any, in_shardings: PyTree
-    ) -> list[tuple[KeyPath, Any]]:
-        """One `(path, sharding)` pair per leaf of the non-static arguments; a
-        structure that `in_specs` does not fit raises naming the first path."""
+    def _call(self, args: tuple[Any, ...]) -> Any:
+        """One call: its program (`_program`: keyed, looked up, made on a miss),
+        called, and its output put back together."""
+        # The common case first: every argument is an array of a type seen before.
+        direct = self._direct
+        if (
+            direct is not None
+            and self._get_dynamic is None
+            and self._direct_count in (-1, len(args))
+            and all(map(DIRECT_TYPES.__contains__, map(type, args)))
+            # Donations are checked first, on the other path.
+            and not self._donated
+        ):
+            program, call_args = direct, args
+        else:
+            program, call_args, _ = self._program(args, static=True)
+        # Call it (JAX lowers and compiles a new program here, at its first call).
         try:
-            return broadcast_prefix(
-                in_shardings,
-                dynamic,
-                is_leaf=is_spec_leaf,
-                name="in_specs",
-                caller=self._caller,
-            )
+            out, statics = program(*host_private(call_args))
         except ValueError as e:
-            raise ValueError(
-                f"{e} Here `tree` is the tuple of non-static positional arguments: "
-                "give `in_specs` one entry per argument (wrap a single argument's "
-                f"spec tree in a 1-tuple), or one spec for all. {ARGS_NOTE}"
-            ) from None
+            self._diagnose(args, e)
+            raise
+        except RuntimeError as e:  # JAX's "Array has been deleted", naming none
+            failure = deleted_arguments_error(self._caller, self._dynamic(args), e)
+            if failure is not None:
+                raise failure from e
+            raise
+        # Put the output back together.
+        return out if statics is None else statics.rebuild(out)
 
-    def _make_jit(
-        self, layout: Layout, statics: tuple[Any, ...], static_args: tuple[Any, ...]
-    ) -> Any:
-        """The `jax.jit` for one layout and one set of static values."""
-        # Each leaf's sharding (the leaves of this stand-in only mark positions).
-        stand_in = layout.treedef.unflatten(list(range(layout.treedef.num_leaves)))
-        shardings = [s for _, s in self._in_pairs(stand_in, layout.in_shardings)]
-        template: list[Any] = [None] * layout.treedef.num_leaves
-        for i, value in zip(layout.static_index, statics, strict=True):
-            template[i] = value
-        static_positions = self._static
-
-        def call(donated: tuple[Any, ...], kept: tuple[Any, ...]) -> Any:
-            try:
-                leaves = list(template)
-                for i, x in zip(layout.donated_index, donated, strict=True):
-                    leaves[i] = x
-                for i, x in zip(layout.kept_index, kept, strict=True):
-                    leaves[i] = x
-                check_shapes(layout.paths, leaves, shardings, self._in)
-                leaves = to_device_memory(leaves, shardings)
-                args = list(layout.treedef.unflatten(leaves))
-                for position, value in zip(static_positions, static_args, strict=True):
-                    args.insert(position, value)
-                return self._run(tuple(args), layout.out_shardings, layout.mesh)
-            except Exception as error:
-                mark_traced(error)
-                raise
-
-        return jax.jit(
-            named(call, self._fn, self.__name__),
-            in_shardings=(
-                tuple(shardings[i] for i in layout.donated_index),
-                tuple(shardings[i] for i in layout.kept_index),
-            ),
-            out_shardings=(layout.out_shardings, None),
-            donate_argnums=(0,) if layout.donated_index else (),
-        )
-
-    # -- calling ------------------------------------------------------------------
-
-    def _dispatch(
+    def _program(
         self, args: tuple[Any, ...], *, static: bool, run: bool = True
     ) -> tuple[Any, tuple[Any, ...], Any]:
         """The `jax.jit` for these arguments, the arguments to call it with, and a
         signature telling apart what it was made for. With `static=False` the
         arguments leave out the static ones, as compiled functions take them.
-        With `run`, the arguments are about to be used: donation is checked."""
+        With `run`, the arguments are about to be used: they are checked."""
         count = len(args)
         if count < self._min_count:
             raise TypeError(
@@ -375,7 +273,78 @@ class JitFunction:
         ):
             call_args = self._direct_args(args, dynamic, static=static, run=run)
             return self._direct, call_args, (None, typed_args)
-        return self._dispatch_layout(dynamic, static_args, typed_args, run=run)
+        return self._layout_program(dynamic, static_args, typed_args, run=run)
+
+    def _layout_program(
+        self,
+        dynamic: tuple[Any, ...],
+        static_args: tuple[Any, ...],
+        typed_args: tuple[Any, ...],
+        *,
+        run: bool,
+    ) -> tuple[Any, tuple[Any, ...], Any]:
+        """`_program` through the layout of the arguments' structure."""
+        # 1. Key the call.
+        leaves, treedef = jtu.tree_flatten(dynamic)
+        key = layout_key(treedef, leaves, self._reads)
+        # 2. Look up its layout; on a miss, resolve the specs and check them.
+        try:
+            layout = self._layouts.get(key)
+        except TypeError:  # a non-array leaf that the specs read is unhashable
+            raise self._unhashable(static_args, dynamic) from None
+        if layout is None:
+            layout = self._new_layout(dynamic, treedef, leaves, key)
+        if run and layout.abstract_paths:
+            raise abstract_error(self._caller, self.__name__, layout.abstract_paths)
+        # 3. Look up the program of its non-array values; on a miss, make it.
+        statics = layout.get_static(leaves)
+        jit_key = (layout.static_key(statics), typed_args)
+        try:
+            program = layout.jitted.get(jit_key)
+        except TypeError:
+            pairs = [(layout.paths[i], v) for i, v in zip(layout.static_index, statics)]
+            raise unhashable_error(
+                self._caller, self._static, pairs, static_args
+            ) from None
+        if program is None:
+            program = layout.jitted[jit_key] = self._trace.for_layout(
+                layout, statics, static_args
+            )
+        # 4. Check the donations, and give the arrays to call it with.
+        if run and layout.donated_index:
+            donated = set(layout.donated_index)
+            check_donation(
+                self._caller,
+                self.__name__,
+                self._donation,
+                leaves,
+                layout.paths,
+                [i in donated for i in range(len(leaves))],
+            )
+        call_args = (layout.get_donated(leaves), layout.get_kept(leaves))
+        return program, call_args, (layout.signature, jit_key)
+
+    def _new_layout(
+        self,
+        dynamic: tuple[Any, ...],
+        treedef: PyTreeDef,
+        leaves: list[Any],
+        key: tuple[Any, ...],
+    ) -> Layout:
+        """The layout of a structure seen first: its specs resolved, and checked
+        to fit the arguments (naming the first path where `in_specs` differs)."""
+        if self._resolve is None:
+            shardings = Shardings(self.in_shardings, self.out_shardings, self._mesh)
+        else:
+            shardings = self._resolve(dynamic)
+        pairs = argument_pairs(self._caller, dynamic, shardings.in_shardings)
+        paths = [path for path, _ in pairs]
+        donated = [self._is_donated(path[0].idx) for path in paths]
+        layout = Layout(treedef, paths, leaves, donated, shardings)
+        self._layouts[key] = layout
+        return layout
+
+    # -- what the call path asks of the function's options ------------------------
 
     def _direct_args(
         self,
@@ -390,7 +359,10 @@ class JitFunction:
             type(x) for x in dynamic if not isinstance(x, jax.ShapeDtypeStruct)
         )
         if run:
-            self._check_run(
+            check_runnable(
+                self._caller,
+                self.__name__,
+                self._donation,
                 [(jtu.SequenceKey(i),) for i in range(len(dynamic))],
                 dynamic,
                 [i in self._donated for i in range(len(dynamic))],
@@ -403,135 +375,16 @@ class JitFunction:
             )
         return args
 
-    def _dispatch_layout(
-        self,
-        dynamic: tuple[Any, ...],
-        static_args: tuple[Any, ...],
-        typed_args: tuple[Any, ...],
-        *,
-        run: bool,
-    ) -> tuple[Any, tuple[Any, ...], Any]:
-        """`_dispatch` through the layout of the arguments' structure."""
-        leaves, treedef = jtu.tree_flatten(dynamic)
-        key = layout_key(treedef, leaves, self._reads)
-        try:
-            layout = self._layouts.get(key)
-        except TypeError:  # a non-array leaf that the specs read is unhashable
-            raise self._unhashable(static_args, dynamic) from None
-        if layout is None:
-            layout = self._new_layout(dynamic, treedef, leaves, key)
-        if run and layout.abstract_paths:
-            raise abstract_error(self._caller, self.__name__, layout.abstract_paths)
-        statics = layout.get_static(leaves)
-        jit_key = (tuple(map(typed, statics)), typed_args)
-        try:
-            jitted = layout.jitted.get(jit_key)
-        except TypeError:
-            pairs = [(layout.paths[i], v) for i, v in zip(layout.static_index, statics)]
-            raise unhashable_error(
-                self._caller, self._static, pairs, static_args
-            ) from None
-        if jitted is None:
-            jitted = layout.jitted[jit_key] = self._make_jit(
-                layout, statics, static_args
-            )
-        if run and layout.donated_index:
-            donated = set(layout.donated_index)
-            self._check_donation(
-                layout.paths, leaves, [i in donated for i in range(len(leaves))]
-            )
-        call_args = (layout.get_donated(leaves), layout.get_kept(leaves))
-        return jitted, call_args, (layout.signature, jit_key)
+    def _is_donated(self, position: int) -> bool:
+        """Whether the non-static argument at `position` is donated."""
+        if self._donation.start is not None:
+            return position >= self._donation.start
+        return position in self._donated
 
     def _unhashable(self, static_args: tuple[Any, ...], dynamic: Any) -> TypeError:
         return unhashable_error(
             self._caller, self._static, non_array_pairs(dynamic), static_args
         )
-
-    def _new_layout(
-        self,
-        dynamic: tuple[Any, ...],
-        treedef: PyTreeDef,
-        leaves: list[Any],
-        key: tuple[Any, ...],
-    ) -> Layout:
-        if self._resolve is None:
-            shardings = Shardings(self.in_shardings, self.out_shardings, self._mesh)
-        else:
-            shardings = self._resolve(dynamic)
-        # Checks the structure first, naming the first path where `in_specs` differs.
-        paths = [path for path, _ in self._in_pairs(dynamic, shardings.in_shardings)]
-        layout = Layout(treedef, paths, leaves, self._is_donated, shardings)
-        self._layouts[key] = layout
-        return layout
-
-    def _check_run(
-        self, paths: list[KeyPath], leaves: Any, donated: list[bool]
-    ) -> None:
-        """Raises for arguments a call cannot run with: arrays without data, and
-        donations that would crash the process."""
-        abstract = [
-            path
-            for path, leaf in zip(paths, leaves, strict=True)
-            if isinstance(leaf, jax.ShapeDtypeStruct)
-        ]
-        if abstract:
-            raise abstract_error(self._caller, self.__name__, abstract)
-        if any(donated):
-            self._check_donation(paths, leaves, donated)
-
-    def _check_donation(
-        self, paths: list[KeyPath], leaves: Any, donated: list[bool]
-    ) -> None:
-        check_donation(
-            self._caller, self.__name__, self._donation, leaves, paths, donated
-        )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise keywords_error(self._caller, self.__name__, kwargs)
-        try:
-            if self._donation.quiet:
-                with warnings.catch_warnings():
-                    # As `eqx.filter_jit(donate="all")`: buffers that no output can
-                    # reuse are donated in vain, which is no news.
-                    warnings.filterwarnings("ignore", message="Some donated buffers")
-                    return self._call(args)
-            return self._call(args)
-        except (AttributeError, RuntimeError) as error:
-            # What JAX raises running a program for a target's compile-only
-            # devices ("no attribute 'local_devices'", "UNIMPLEMENTED").
-            given = getattr(self._resolve, "mesh", None)
-            failure = compile_only_error(self._caller, find_mesh(self._mesh or given))
-            if failure is not None:
-                raise failure from error
-            raise
-
-    def _call(self, args: tuple[Any, ...]) -> Any:
-        # The common case first: every argument is an array of a type seen before.
-        direct = self._direct
-        if (
-            direct is not None
-            and self._get_dynamic is None
-            and self._direct_count in (-1, len(args))
-            and all(map(DIRECT_TYPES.__contains__, map(type, args)))
-            # Donations are checked first, on the other path.
-            and not self._donated
-        ):
-            jitted, call_args = direct, args
-        else:
-            jitted, call_args, _ = self._dispatch(args, static=True)
-        try:
-            out, statics = jitted(*host_private(call_args))
-        except ValueError as e:
-            self._diagnose(args, e)
-            raise
-        except RuntimeError as e:  # JAX's "Array has been deleted", naming none
-            failure = deleted_arguments_error(self._caller, self._dynamic(args), e)
-            if failure is not None:
-                raise failure from e
-            raise
-        return out if statics is None else statics.rebuild(out)
 
     def _in_shardings_for(self, dynamic: tuple[Any, ...]) -> PyTree | None:
         """The shardings the arguments `dynamic` are taken with, if known."""
@@ -548,46 +401,25 @@ class JitFunction:
             return
         dynamic = self._dynamic(args)
         in_shardings = self._in_shardings_for(dynamic)
-        if in_shardings is None:
-            return
-        try:
-            pairs = self._in_pairs(dynamic, in_shardings)
-        except ValueError:
-            return
-        paths = [path for path, _ in pairs]
-        leaves = jtu.tree_leaves(dynamic)
-        shardings = [sharding for _, sharding in pairs]
-        try:
-            check_shapes(paths, leaves, shardings, self._in)
-        except ValueError as ours:
-            raise ours from error
-        for path, leaf, sharding in zip(paths, leaves, shardings, strict=True):
-            if (
-                isinstance(leaf, jax.Array)
-                and leaf.committed
-                and sharding is not None
-                and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-            ):
-                raise ValueError(
-                    f"eqshard.{self._caller}: the argument at '{path_str(path)}' is "
-                    f"already placed with {leaf.sharding}, but `in_specs` asks for "
-                    f"{sharding.spec} on mesh {mesh_repr(sharding.mesh)}; jax.jit "
-                    f"does not move placed arrays. Place it first with "
-                    f"{self._place_hint}, or change its spec. " + ARGS_NOTE
-                ) from error
+        if in_shardings is not None:
+            check_placements(
+                self._caller, self._place_hint, dynamic, in_shardings, error
+            )
+
+    # -- ahead of time ------------------------------------------------------------
 
     def lower(self, *args: Any) -> Lowered:
         """The function lowered for arguments like `args`; see
         [`eqshard.filter_jit`][]."""
-        jitted, call_args, signature = self._dispatch(args, static=True, run=False)
+        program, call_args, signature = self._program(args, static=True, run=False)
         hooks = Hooks(
             self.__name__,
             self._caller,
-            lambda args: self._dispatch(args, static=False),
+            lambda args: self._program(args, static=False),
             self._diagnose,
             self._dynamic,
         )
-        return Lowered(hooks, signature, avals(hooks, args), jitted.lower(*call_args))
+        return Lowered(hooks, signature, avals(hooks, args), program.lower(*call_args))
 
     def compile(self, *args: Any) -> Compiled:
         """A callable compiled ahead of time for arguments like `args`; see

@@ -1,6 +1,9 @@
 """What `JitFunction` (`_jit.py`) checks before a call runs, and the messages it
-raises: arrays whose sharding cannot apply, arguments without data, donations
-that XLA would crash the process on, non-array leaves that cannot be hashed.
+raises: arguments whose structure `in_specs` does not fit (`argument_pairs`),
+arrays whose sharding cannot apply, arguments without data, donations that XLA
+would crash the process on, non-array leaves that cannot be hashed; and, after
+JAX refused a call, the argument placed otherwise than its spec asks
+(`check_placements`).
 
 `Donation` is the front ends' donation strategy (`filter_jit`'s Equinox options,
 `t5x.PartitionedFn`'s `donate_argnums`). Errors raised while the function is
@@ -19,8 +22,10 @@ from jax.sharding import NamedSharding
 
 from .._internals.cpu import buffer_address
 from .._internals.routes import Unrecognised
-from .._spectree._check_spec import check_leaves, spec_error_message
+from .._mesh._current import mesh_repr
+from .._spectree._check_spec import check_leaves, is_spec_leaf, spec_error_message
 from .._tree import (
+    broadcast_prefix,
     deleted_error,
     is_array,
     is_deleted,
@@ -63,6 +68,23 @@ def check_shapes(
         raise ValueError(spec_error_message(caller, problems))
 
 
+def argument_pairs(
+    caller: str, dynamic: Any, in_shardings: Any
+) -> list[tuple[KeyPath, Any]]:
+    """One `(path, sharding)` pair per leaf of the non-static arguments `dynamic`;
+    a structure that `in_specs` does not fit raises naming the first path."""
+    try:
+        return broadcast_prefix(
+            in_shardings, dynamic, is_leaf=is_spec_leaf, name="in_specs", caller=caller
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{e} Here `tree` is the tuple of non-static positional arguments: "
+            "give `in_specs` one entry per argument (wrap a single argument's "
+            f"spec tree in a 1-tuple), or one spec for all. {ARGS_NOTE}"
+        ) from None
+
+
 def mark_traced(error: BaseException) -> None:
     """Marks `error` as raised while the function was traced (by eqshard's checks
     or the function itself): not JAX's, before tracing, about the arguments."""
@@ -94,6 +116,27 @@ def abstract_error(caller: str, name: str, paths: Sequence[KeyPath]) -> TypeErro
         f"`{name}.lower(...)` (or `.compile(...)`), or "
         f"`eqshard.analyze_step`. {ARGS_NOTE}"
     )
+
+
+def check_runnable(
+    caller: str,
+    name: str,
+    donation: Donation,
+    paths: Sequence[KeyPath],
+    leaves: Sequence[Any],
+    donated: Sequence[bool],
+) -> None:
+    """Raises for arguments a call cannot run with: arrays without data, and
+    donations that would crash the process (`check_donation`)."""
+    abstract = [
+        path
+        for path, leaf in zip(paths, leaves, strict=True)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if abstract:
+        raise abstract_error(caller, name, abstract)
+    if any(donated):
+        check_donation(caller, name, donation, leaves, paths, donated)
 
 
 def check_donation(
@@ -141,6 +184,39 @@ def check_donation(
                 "buffer cannot be given away twice. Pass a copy (`jnp.copy(x)`) "
                 f"at one of them, or do not donate those arguments. {ARGS_NOTE}"
             )
+
+
+def check_placements(
+    caller: str, place_hint: str, dynamic: Any, in_shardings: Any, error: Exception
+) -> None:
+    """Raises eqshard's message in place of JAX's `error`, raised before tracing,
+    if an argument's spec cannot apply or the argument is placed otherwise than
+    its sharding in `in_shardings` asks (`place_hint`: what to place it with)."""
+    try:
+        pairs = argument_pairs(caller, dynamic, in_shardings)
+    except ValueError:
+        return
+    paths = [path for path, _ in pairs]
+    leaves = jtu.tree_leaves(dynamic)
+    shardings = [sharding for _, sharding in pairs]
+    try:
+        check_shapes(paths, leaves, shardings, f"{caller} (in_specs)")
+    except ValueError as ours:
+        raise ours from error
+    for path, leaf, sharding in zip(paths, leaves, shardings, strict=True):
+        if (
+            isinstance(leaf, jax.Array)
+            and leaf.committed
+            and sharding is not None
+            and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        ):
+            raise ValueError(
+                f"eqshard.{caller}: the argument at '{path_str(path)}' is "
+                f"already placed with {leaf.sharding}, but `in_specs` asks for "
+                f"{sharding.spec} on mesh {mesh_repr(sharding.mesh)}; jax.jit "
+                f"does not move placed arrays. Place it first with "
+                f"{place_hint}, or change its spec. " + ARGS_NOTE
+            ) from error
 
 
 def deleted_arguments_error(

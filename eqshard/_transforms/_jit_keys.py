@@ -1,21 +1,24 @@
 """The keys of `JitFunction`'s caches (`_jit.py`): what a call's arguments are
-made of, and the `Layout` kept per structure of them.
+made of, and the `Layout` kept per structure of them (its shardings, and its
+programs per set of non-array values).
 
 A call's key holds only what the shardings' resolution reads (`KeyReads`): the
 argument's tree structure and leaf types always; each array's shape, dtype and
 placement, the values of non-array leaves, and the mesh set, where read. The
 non-array leaves then pick one `jax.jit` of the layout (`Layout.jitted`), keyed by
-`typed` values, so that `True`, `1` and `1.0` (and `0.0` and `-0.0`) compile
-apart; so do static fields of the structure (`structure_key`).
+their types and, for floats and complexes, their bits (`Layout.static_key`, as
+`typed` tells them apart), so that `True`, `1` and `1.0` (and `0.0` and `-0.0`)
+compile apart; so do static fields of the structure (`structure_key`). Both keys
+read the types in bulk: they run on every call.
 """
 
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
@@ -59,6 +62,21 @@ def typed(value: Any) -> Any:
     return (type(value), value)
 
 
+def _itself(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return values
+
+
+def static_plan(kinds: tuple[type, ...]) -> tuple[Callable[..., Any], ...]:
+    """How `Layout.static_key` reads non-array values of types `kinds`: the
+    values `typed` keys as `(type, value)` (no tuple, float or complex), taken
+    as they are, and the others, keyed by `typed`."""
+    flags = [issubclass(kind, tuple | float | complex) for kind in kinds]
+    if not any(flags):
+        return _itself, getter(())
+    plain = [i for i, flag in enumerate(flags) if not flag]
+    return getter(plain), getter([i for i, flag in enumerate(flags) if flag])
+
+
 _NUMBERS = (float, complex)
 
 
@@ -80,14 +98,28 @@ def structure_key(treedef: PyTreeDef, leaves: Sequence[Any]) -> tuple[Any, ...]:
     """What the static data of `treedef`'s nodes (an Equinox module's static
     fields, a dict's keys) holds that comparing treedefs does not tell apart
     (see `_exact`): a static `1.0` after `1`, or `-0.0` after `0.0`, must compile
-    again. `leaves` are `treedef`'s."""
+    again. `leaves` are `treedef`'s.
+
+    This runs on every call, so where no node's data holds a float or a complex
+    (nor a tuple or list inside a tuple or list), the types are read in bulk: the
+    types of the data, the lengths of the tuples and lists among them, and the
+    types of what those hold (which tell equal treedefs apart as `_exact` does).
+    Otherwise, every node's `_exact`."""
     found: list[Any] = []
-    treedef.walk(lambda _, data: found.append(data), _nothing, leaves)
-    return tuple(map(_exact, found))
-
-
-def _nothing(leaf: Any) -> None:
-    return None
+    treedef.walk(lambda _, data: found.append(data), id, leaves)
+    kinds = tuple(map(type, found))
+    if float not in kinds and complex not in kinds:
+        if tuple not in kinds and list not in kinds:
+            return (kinds, (), ())
+        sequences = [
+            data
+            for data, kind in zip(found, kinds, strict=True)
+            if kind is tuple or kind is list
+        ]
+        inner = tuple(map(type, chain.from_iterable(sequences)))
+        if not (float in inner or complex in inner or tuple in inner or list in inner):
+            return (kinds, tuple(map(len, sequences)), inner)
+    return (None, tuple(map(_exact, found)))
 
 
 # Types of placed JAX arrays (not tracers), and of leaves that are no arrays of
@@ -206,35 +238,11 @@ def unwrap(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(x.value if isinstance(x, Static) else x for x in args)
 
 
-class OutStatics:
-    """What puts a traced output back together: its structure and non-array
-    leaves, returned next to its arrays.
-
-    Registered as a static pytree node: `jax.jit` keeps it in the output structure
-    of the trace that made it, so each compiled function gives back its own."""
-
-    __slots__ = ("treedef", "template", "array_index")
-
-    def __init__(self, treedef: PyTreeDef, template: list[Any], array_index: list[int]):
-        self.treedef = treedef
-        self.template = template
-        self.array_index = array_index
-
-    def rebuild(self, dynamic: PyTree) -> PyTree:
-        leaves = list(self.template)
-        for i, array in zip(self.array_index, jtu.tree_leaves(dynamic), strict=True):
-            leaves[i] = array
-        return self.treedef.unflatten(leaves)
-
-
-jtu.register_static(OutStatics)
-
-
 class Layout:
     """The structure of a call's (non-static) arguments: which flat leaves are
     arrays, which of those are donated, the shardings of the arguments and the
     output (and the mesh they are on), and one `jax.jit` per set of values of the
-    non-array leaves."""
+    non-array leaves. `donated` says, per leaf, whether its argument is donated."""
 
     __slots__ = (
         "treedef",
@@ -248,6 +256,7 @@ class Layout:
         "get_kept",
         "signature",
         "jitted",
+        "static_plans",
         "in_shardings",
         "out_shardings",
         "mesh",
@@ -259,15 +268,14 @@ class Layout:
         treedef: PyTreeDef,
         paths: list[KeyPath],
         leaves: list[Any],
-        donated_args: Callable[[int], bool],
-        shardings: "Shardings",
+        donated: Sequence[bool],
+        shardings: Shardings,
     ):
         self.treedef = treedef
         self.paths = paths
         flags = [is_array(leaf) for leaf in leaves]
         self.array_index = [i for i, flag in enumerate(flags) if flag]
         self.static_index = [i for i, flag in enumerate(flags) if not flag]
-        donated = [donated_args(paths[i][0].idx) for i in range(len(leaves))]
         self.donated_index = [i for i in self.array_index if donated[i]]
         self.kept_index = [i for i in self.array_index if not donated[i]]
         self.get_static = getter(self.static_index)
@@ -275,6 +283,7 @@ class Layout:
         self.get_kept = getter(self.kept_index)
         self.signature = (treedef, tuple(self.array_index))
         self.jitted: dict[tuple[Any, ...], Any] = {}
+        self.static_plans: dict[tuple[type, ...], tuple[Callable[..., Any], ...]] = {}
         self.in_shardings = shardings.in_shardings
         self.out_shardings = shardings.out_shardings
         self.mesh = shardings.mesh
@@ -284,3 +293,17 @@ class Layout:
             for path, leaf in zip(paths, leaves, strict=True)
             if isinstance(leaf, jax.ShapeDtypeStruct)
         ]
+
+    def static_key(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The key of a call's non-array leaves `values` among `jitted`: it tells
+        apart what `tuple(map(typed, values))` does (types, and floats' bits),
+        reading the types in bulk and `typed` only for tuples, floats and
+        complexes (this runs on every call), by a plan kept per types."""
+        if not values:
+            return ()
+        kinds = tuple(map(type, values))
+        plan = self.static_plans.get(kinds)
+        if plan is None:
+            plan = self.static_plans[kinds] = static_plan(kinds)
+        plain, special = plan
+        return (kinds, plain(values), tuple(map(typed, special(values))))
