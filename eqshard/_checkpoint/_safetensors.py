@@ -20,11 +20,10 @@ How `load_safetensors` reads:
    once into a buffer of its own, which becomes the device's without another
    copy on CPU devices (`_safetensors_reads.py`): a block that is one run of the
    file by `os.preadv`, a strided one copied out of the file mapped for that
-   tensor only, the pieces on the copying threads. So the host holds one
-   tensor's blocks at a time, never a whole file, and no device's data is a
-   mapping of the file. In a multi-process run each process reads only the
-   blocks its devices hold. A typed PRNG key is read as its data
-   (`jax.random.key_data`) and wrapped again.
+   tensor only. So the host holds one tensor's blocks at a time, never a whole
+   file, and no device's data is a mapping of the file. In a multi-process
+   run each process reads only the blocks its devices hold. A typed PRNG key
+   is read as its data (`jax.random.key_data`) and wrapped again.
 
 How `save_safetensors` writes: the format itself (an 8-byte header length, a
 JSON header, the raw bytes), so that the header is written from the shapes alone
