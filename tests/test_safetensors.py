@@ -219,7 +219,8 @@ def test_round_trip_of_scalars_and_empty_arrays(tmp_path):
 
 def test_each_device_owns_its_block_and_the_file_can_change(tmp_path):
     # Blocks of whole rows (one run of the file), blocks that split rows
-    # (strided), a leading axis one wide, and blocks several devices hold.
+    # (strided), a leading axis one wide, and blocks several or all devices
+    # hold.
     rng = np.random.default_rng(1)
     tensors = {
         "rows": rng.standard_normal((8, 6)).astype(np.float32),
@@ -227,6 +228,7 @@ def test_each_device_owns_its_block_and_the_file_can_change(tmp_path):
         "thin": rng.standard_normal((1, 8, 3)).astype(np.float16),
         "deep": rng.standard_normal((2, 8, 3)).astype(np.float16),
         "vec": rng.integers(-9, 9, 8, dtype=np.int32),
+        "all": rng.standard_normal((3, 5)).astype(np.float32),
     }
     specs = {
         "rows": P("dp"),
@@ -234,6 +236,7 @@ def test_each_device_owns_its_block_and_the_file_can_change(tmp_path):
         "thin": P(None, "tp"),
         "deep": P(None, ("dp", "tp")),
         "vec": P("tp"),
+        "all": P(),
     }
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file(tensors, str(path))

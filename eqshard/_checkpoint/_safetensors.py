@@ -109,9 +109,7 @@ def _load(
     for bounds, value in blocks.items():
         blocks[bounds], block_lost = converted(value, cast)
         lost = more_lost(lost, block_lost)
-    array = jax.make_array_from_single_device_arrays(
-        shape, sharding, place(blocks, where, sharding.memory_kind)
-    )
+    array = place(shape, sharding, blocks, where)
     if is_key(target):
         array = jax.random.wrap_key_data(array, impl=key_impl_name(target))
     return array, lost

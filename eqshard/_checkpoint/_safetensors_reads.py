@@ -8,7 +8,9 @@ without another copy: the read is the only copy of each byte (on an
 accelerator, the transfer is the other one). Nothing else holds or writes these
 buffers, and none is a mapping of the file, so a file changed later changes no
 device's data. A block that several devices hold is read once: the first device
-takes the buffer, and the others a copy of their own (device to device).
+takes the buffer, and the others a copy of their own, made on host, so that
+every block is placed by one batched `make_array_from_callback` (one
+`device_put` per device cost ~1 ms per tensor of 8 devices).
 
 How a block is read depends on where its bytes lie:
 
@@ -51,7 +53,7 @@ def block_bounds(sharding: Any, shape: tuple[int, ...]) -> dict[Any, Bounds]:
     """The block each of this process's devices holds of an array of `shape`,
     in the order of `addressable_devices_indices_map`."""
     return {
-        device: tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        device: _bounds(index, shape)
         for device, index in sharding.addressable_devices_indices_map(shape).items()
     }
 
@@ -152,33 +154,65 @@ def _read_all(
     return True
 
 
+# A fully replicated block smaller than this is copied to each device by one
+# batched placement, rather than by a `device_put` per device (~0.1 ms each).
+_SMALL = 1 << 20
+# Bytes past the alignment (`ALIGNMENT`) that no device takes in place.
+_OFF = 16
+
+
+def _copy(block: np.ndarray, offset: int = 0) -> np.ndarray:
+    """A copy of `block` in a buffer of its own, `offset` bytes past an
+    `ALIGNMENT` boundary."""
+    out = aligned_empty((block.nbytes + offset,), np.dtype(np.uint8))[offset:]
+    out = out.view(block.dtype).reshape(block.shape)
+    np.copyto(out, block)
+    return out
+
+
 def place(
-    blocks: dict[Bounds, np.ndarray], where: dict[Any, Bounds], memory_kind: Any
-) -> list[jax.Array]:
-    """A single-device array on each device of `where` holding its block: the
-    first device of each block takes its buffer (on a CPU device, without a copy),
-    the others a copy of their own."""
-    first: dict[Bounds, Any] = {}
-    for device, bounds in where.items():
-        first.setdefault(bounds, device)
-    kinds = {
-        device: jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
-        for device in where
-    }
-    placed = dict(
-        zip(
-            first,
-            jax.device_put(
-                [blocks[b] for b in first],
-                [kinds[d] for d in first.values()],
-                may_alias=True,
-            ),
-            strict=True,
+    shape: tuple[int, ...],
+    sharding: Any,
+    blocks: dict[Bounds, np.ndarray],
+    where: dict[Any, Bounds],
+) -> jax.Array:
+    """The array of `shape` on `sharding` whose devices (`where`) hold their
+    blocks: the first device of each block takes its buffer (on a CPU device,
+    without a copy), the others a copy of their own, so that no two devices
+    share a buffer."""
+    given: set[Bounds] = set()
+
+    def own(bounds: Bounds) -> np.ndarray:
+        block = blocks[bounds]
+        if bounds in given:
+            return _copy(block)
+        given.add(bounds)
+        return block
+
+    if not sharding.is_fully_replicated or len(where) == 1:
+        # One batched placement (`make_array_from_callback` asks for the
+        # devices' blocks in the order of `where`).
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: own(_bounds(index, shape))
         )
+    # `make_array_from_callback` asks once here, and would give every device
+    # that one buffer. A small block goes in a buffer that no device takes in
+    # place (off the alignment): one batched placement copies it to each.
+    whole = blocks[next(iter(where.values()))]
+    if whole.nbytes < _SMALL:
+        return jax.make_array_from_callback(
+            shape, sharding, lambda _: _copy(whole, offset=_OFF)
+        )
+    placed = jax.device_put(
+        [own(bounds) for bounds in where.values()],
+        [
+            jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind)
+            for d in where
+        ],
+        may_alias=True,
     )
-    return [
-        placed[bounds]
-        if first[bounds] is device
-        else jax.device_put(placed[bounds], kinds[device])
-        for device, bounds in where.items()
-    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
+
+
+def _bounds(index: Any, shape: tuple[int, ...]) -> Bounds:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
