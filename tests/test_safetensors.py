@@ -217,6 +217,46 @@ def test_round_trip_of_scalars_and_empty_arrays(tmp_path):
     assert out["e"].shape == (0, 4) and out["e"].dtype == jnp.int8
 
 
+def test_each_device_owns_its_block_and_the_file_can_change(tmp_path):
+    # Blocks of whole rows (one run of the file), blocks that split rows
+    # (strided), a leading axis one wide, and blocks several or all devices
+    # hold.
+    rng = np.random.default_rng(1)
+    tensors = {
+        "rows": rng.standard_normal((8, 6)).astype(np.float32),
+        "cols": rng.standard_normal((4, 8)).astype(np.float32),
+        "thin": rng.standard_normal((1, 8, 3)).astype(np.float16),
+        "deep": rng.standard_normal((2, 8, 3)).astype(np.float16),
+        "vec": rng.integers(-9, 9, 8, dtype=np.int32),
+        "all": rng.standard_normal((3, 5)).astype(np.float32),
+    }
+    specs = {
+        "rows": P("dp"),
+        "cols": P(None, "tp"),
+        "thin": P(None, "tp"),
+        "deep": P(None, ("dp", "tp")),
+        "vec": P("tp"),
+        "all": P(),
+    }
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tensors.items()}
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    out = eqshard.load_safetensors(path, like, specs, mesh)
+    with open(path, "r+b") as f:  # the same file, its data overwritten
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + length)
+        f.write(bytes(os.path.getsize(path) - 8 - length))
+    for name, want in tensors.items():
+        array = out[name]
+        assert array.sharding == NamedSharding(mesh, specs[name])
+        addresses = set()
+        for shard in array.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
+            addresses.add(shard.data.unsafe_buffer_pointer())
+        assert len(addresses) == 8  # no two devices share a buffer
+
+
 # ---------------------------------------------------------------------------------
 # Every dtype eqshard can write round-trips bit for bit; the others are refused
 # before anything is written.

@@ -11,7 +11,8 @@ path, the atomic swap, generations), `_blocks.py` (orbax's files read block by
 block into CPU devices' memory), `_views.py` (stacked layers saved in another
 view of their layer order, as a pipeline's `stage_view`), `_safetensors.py`
 (reading and writing) and
-`_safetensors_files.py` (which files, and their headers).
+`_safetensors_files.py` (which files, and their headers), `_safetensors_reads.py`
+(each device's block read into a buffer that becomes the device's own).
 
 How a checkpoint is written, in the order of `save`:
 

@@ -16,11 +16,14 @@ How `load_safetensors` reads:
 3. **Compare first.** `like`'s arrays are named by their paths joined by `sep`,
    each tensor name is mapped onto them (`rename`), and every tensor missing,
    extra, or of another shape or dtype is reported before any data is read.
-4. **Read.** Each array is built with `jax.make_array_from_callback`: every
-   device's block is copied by slice from the file, memory-mapped for that array
-   only, so the host holds one array's blocks at a time, never a whole file. In
-   a multi-process run each process reads only the blocks its devices hold. A
-   typed PRNG key is read as its data (`jax.random.key_data`) and wrapped again.
+4. **Read.** Each distinct block that this process's devices hold is read
+   once into a buffer of its own, which becomes the device's without another
+   copy on CPU devices (`_safetensors_reads.py`): a block that is one run of the
+   file by `os.preadv`, a strided one copied out of the file mapped for that
+   tensor only. So the host holds one tensor's blocks at a time, never a whole
+   file, and no device's data is a mapping of the file. In a multi-process
+   run each process reads only the blocks its devices hold. A typed PRNG key
+   is read as its data (`jax.random.key_data`) and wrapped again.
 
 How `save_safetensors` writes: the format itself (an 8-byte header length, a
 JSON header, the raw bytes), so that the header is written from the shapes alone
@@ -67,7 +70,8 @@ from .._spectree._derive import abstract_tree
 from .._spectree._resolve import resolve_specs
 from .._tree import abstract_leaf_error
 from .._typing import typecheck
-from ._safetensors_files import damaged_error, DTYPES, files_of, header, NAMES
+from ._safetensors_files import DTYPES, files_of, header, NAMES
+from ._safetensors_reads import block_bounds, place, read_tensor
 from ._swap import rename_no_replace
 from ._targets import (
     check_against,
@@ -83,20 +87,6 @@ from ._targets import (
 # ---------------------------------------------------------------------------------
 
 
-def _read(
-    piece: Any, index: tuple[slice, ...], dtype: np.dtype, cast: Any
-) -> tuple[np.ndarray, Lost | None]:
-    """One block of a tensor (`index` of plain `start:stop`s), copied out of the
-    mapped file in native byte order and converted as `shard` converts host data
-    (to `cast`, or to the dtype JAX places), with what that lost."""
-    block = tuple(s.stop - s.start for s in index)
-    if 0 in block:
-        value = np.empty(block, dtype)
-    else:
-        value = np.array(piece[index] if index else piece[()], dtype)
-    return converted(value, cast)
-
-
 def _load(
     path: str,
     start: int,
@@ -106,36 +96,20 @@ def _load(
     cast: np.dtype | None,
     caller: str,
 ) -> tuple[jax.Array, Lost | None]:
-    """One array of `shape` and `stored` dtype, at byte `start` of `path`, each
-    device's block read by slice. The file is mapped for this array only, so the
-    pages read leave this process's memory with it; replicated blocks are read
-    once. A typed key (`target`'s dtype) is read as its data, then wrapped. Returns
-    the array and what converting its blocks lost."""
-    nbytes = math.prod(shape) * stored.itemsize
-    try:  # (an empty file region cannot be mapped)
-        data = (
-            np.memmap(path, np.uint8, "r", offset=start, shape=(nbytes,))
-            if nbytes
-            else np.empty(0, np.uint8)
-        )
-    except (OSError, ValueError) as error:  # changed since its header was read
-        raise damaged_error(caller, path, str(error), None) from None
-    piece = data.view(stored.newbyteorder("<")).reshape(shape)
-    read: dict[tuple[Any, ...], Any] = {}
+    """One array of `shape` and `stored` dtype, at byte `start` of `path`: each
+    distinct block this process's devices hold read once into a buffer of its
+    own (`_safetensors_reads.py`), converted as `shard` converts host data (to
+    `cast`, or to the dtype JAX places), and placed. A typed key (`target`'s
+    dtype) is read as its data, then wrapped. Returns the array and what
+    converting its blocks lost."""
+    sharding = target.sharding
+    where = block_bounds(sharding, shape)
+    blocks = read_tensor(path, start, shape, stored, list(where.values()), caller)
     lost: Lost | None = None
-
-    def block(index: Any) -> Any:
-        nonlocal lost
-        index = tuple(
-            slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)
-        )
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in read:
-            read[key], block_lost = _read(piece, index, stored, cast)
-            lost = more_lost(lost, block_lost)
-        return read[key]
-
-    array = jax.make_array_from_callback(shape, target.sharding, block)
+    for bounds, value in blocks.items():
+        blocks[bounds], block_lost = converted(value, cast)
+        lost = more_lost(lost, block_lost)
+    array = place(shape, sharding, blocks, where)
     if is_key(target):
         array = jax.random.wrap_key_data(array, impl=key_impl_name(target))
     return array, lost
