@@ -233,8 +233,8 @@ def main() -> None:
     # Adam divides by the root of the second moment, so gradients equal to 1e-6
     # can give updates that differ by a good part of the learning rate. The update
     # is checked against AdamW applied on one device to the step's own gradients.
-    ref_updates, ref_state = OPTIMIZER.update(host_grads, state, params)
-    ref_model = eqx.apply_updates(model, ref_updates)
+    ref_updates, ref_state = jax.jit(OPTIMIZER.update)(host_grads, state, params)
+    ref_model = eqx.filter_jit(eqx.apply_updates)(model, ref_updates)
     for got, want in zip(
         jax.tree.leaves(eqx.filter(new_model, eqx.is_array)),
         jax.tree.leaves(eqx.filter(ref_model, eqx.is_array)),

@@ -39,8 +39,8 @@ def setup(explicit=False):
 
     kind = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh((2, 4), ("pp", "fsdp"), axis_types=(kind, kind))
-    stack = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 8))
-    view = eqshard.stage_view(stack, stages=2, repeats=4)
+    stack = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 4))
+    view = eqshard.stage_view(stack, stages=2, repeats=2)
     x = jax.random.normal(jax.random.key(1), (16, D))
     return mesh, view, x
 
@@ -51,7 +51,7 @@ def gathered_bytes(report):
 
 @pytest.mark.slow
 def test_once_and_per_repeat_equal_per_step_with_fewer_gathers():
-    """pp2 x fsdp4, circular R=4, M=4 (17 loop steps), in a jitted step on Auto
+    """pp2 x fsdp4, circular R=2, M=4 (9 loop steps), in a jitted step on Auto
     axes (the data axes and specs named): the same loss and gradients as the
     default, and at most half its all-gathered bytes (read from the compiled
     step); the expected values are the default's, itself checked against
@@ -69,7 +69,7 @@ def test_once_and_per_repeat_equal_per_step_with_fewer_gathers():
             def loss(stack, x, gather: Gather = gather):
                 y = eqshard.pipeline(
                     layer, stack, x, microbatches=4, schedule="circular",
-                    repeats=4, staged=True, fsdp_gather=gather,
+                    repeats=2, staged=True, fsdp_gather=gather,
                     fsdp_axes=("fsdp",), stack_specs=SPEC,
                 )  # fmt: skip
                 return jnp.mean(y**2)
@@ -99,7 +99,7 @@ def test_reads_the_layout_on_explicit_axes_and_warns_when_nothing_is_split():
         def trace(stack):
             return jax.eval_shape(
                 lambda s, x: eqshard.pipeline(
-                    layer, s, x, microbatches=2, schedule="circular", repeats=4,
+                    layer, s, x, microbatches=2, schedule="circular", repeats=2,
                     staged=True, fsdp_gather="once",
                 ),
                 stack, xs,
@@ -120,7 +120,7 @@ def test_fsdp_gather_errors():
         def call(**kw):
             jax.eval_shape(
                 lambda s, x: eqshard.pipeline(
-                    layer, s, x, microbatches=2, schedule="circular", repeats=4,
+                    layer, s, x, microbatches=2, schedule="circular", repeats=2,
                     staged=True, **kw,
                 ),
                 view, x,
