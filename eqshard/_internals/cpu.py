@@ -8,7 +8,7 @@ what XLA's CPU client does with it, beyond JAX's documented contract:
 - `jax.device_put` takes a dense run of a NumPy array's memory as a device
   buffer of its own, without copying it, and copies a strided block
   (`has_dense_block`, `takes_in_place`); it does so for a buffer aligned to
-  `ALIGNMENT` bytes (`aligned_empty`);
+  `ALIGNMENT` bytes (`aligned_empty`, `aligned_blocks`);
 - a device buffer's address says whether it is a NumPy array's memory
   (`buffer_address`, `shares_memory`: `unsafe_buffer_pointer`).
 
@@ -39,6 +39,22 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_blocks(shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+    """Uninitialised arrays of `shapes`, each starting on an `ALIGNMENT`-byte
+    boundary, carved from one allocation: NumPy gives an allocation of 4 MiB or
+    more transparent huge pages where the kernel offers them, so that filling
+    the blocks faults on far fewer pages than one allocation per block."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    spans = [-(-n // ALIGNMENT) * ALIGNMENT for n in sizes]
+    raw = np.empty(sum(spans) + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    out = []
+    for shape, n, span in zip(shapes, sizes, spans, strict=True):
+        out.append(raw[start : start + n].view(dtype).reshape(shape))
+        start += span
+    return out
 
 
 def device_buffer(array: jax.Array, k: int) -> np.ndarray:
