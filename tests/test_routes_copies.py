@@ -176,8 +176,14 @@ def test_unrecognised_buffer_takes_the_plain_route_and_warns_once(mesh, monkeypa
             np.testing.assert_array_equal(np.asarray(value), want)
 
 
-def test_aligned_blocks_are_aligned_separate_and_of_their_shapes():
-    shapes = [(3, 5), (7,), (2, 2, 3), (1, 1)]
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(3, 5), (7,), (2, 2, 3), (1, 1)],  # small: one allocation each
+        [(512, 1024), (300, 1024), (7,)],  # 1 MiB on average: one slab
+    ],
+)
+def test_aligned_blocks_are_aligned_separate_and_of_their_shapes(shapes):
     blocks = cpu.aligned_blocks(shapes, np.dtype(np.float32))
     assert [b.shape for b in blocks] == shapes
     spans = []

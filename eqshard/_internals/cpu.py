@@ -30,6 +30,10 @@ from .routes import Unrecognised
 # XLA's CPU client uses a host buffer in place when its data starts on a
 # boundary of this many bytes.
 ALIGNMENT = 64
+# `aligned_blocks`: the huge-page size of x86-64 and most arm64 kernels, and
+# the mean block size above which blocks share one allocation.
+HUGE_PAGE = 2**21
+SLAB = 2**20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -43,13 +47,21 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def aligned_blocks(shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
     """Uninitialised arrays of `shapes`, each starting on an `ALIGNMENT`-byte
-    boundary, carved from one allocation: NumPy gives an allocation of 4 MiB or
-    more transparent huge pages where the kernel offers them, so that filling
-    the blocks faults on far fewer pages than one allocation per block."""
+    boundary. Where they average `SLAB` bytes or more, they are carved from one
+    allocation that starts on a `HUGE_PAGE` boundary: NumPy asks the kernel for
+    transparent huge pages for it, so filling the blocks faults once per 2 MiB,
+    where a buffer per block of that size is mapped afresh by the C allocator
+    and faults on every 4 KiB page (65,536 faults, most of the time of a 256 MiB
+    move in `benchmarks/bench_reshard.py`; ~150 with the slab). The allocation
+    lives while any of its blocks does. Smaller blocks, which the allocator
+    reuses, get one `aligned_empty` each."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    if not sizes or sum(sizes) < SLAB * len(sizes):
+        return [aligned_empty(shape, dtype) for shape in shapes]
     spans = [-(-n // ALIGNMENT) * ALIGNMENT for n in sizes]
-    raw = np.empty(sum(spans) + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
+    total = -(-sum(spans) // HUGE_PAGE) * HUGE_PAGE
+    raw = np.empty(total + HUGE_PAGE, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
     out = []
     for shape, n, span in zip(shapes, sizes, spans, strict=True):
         out.append(raw[start : start + n].view(dtype).reshape(shape))

@@ -14,15 +14,13 @@ the route that is cheapest on their backend:
   So each block of the target is copied once, straight from the parts of the
   source's device buffers it overlaps, into an aligned buffer, which becomes
   that device's buffer (`move_blocks`): one memory copy of the data in all, and
-  no compilation. An array's blocks are carved from one allocation
-  (`cpu.aligned_blocks`), which the kernel backs with huge pages where one
-  buffer per block would fault on every 4 KiB page: that was most of the time
-  of a move in `benchmarks/bench_reshard.py` (65,536 faults for 256 MiB, 8,300
-  with the slab). The allocation lives while any of its blocks does. (A host
-  round trip by hand, `device_get` then `device_put`, copies as much on CPU,
-  from one thread.) Even one program for the whole tree costs far more there:
-  XLA's CPU compiler took 4 s to build the 60-array resharding identity. The
-  arrays are copied on every core at once (`_threads.py`, which gives the
+  no compilation. An array's large blocks are carved from one allocation
+  backed by huge pages (`cpu.aligned_blocks`): a buffer per block faulted on
+  every 4 KiB page, most of the time of a move (`benchmarks/bench_reshard.py`).
+  (A host round trip by hand, `device_get` then `device_put`, copies as much
+  on CPU, from one thread.) Even one program for the whole tree costs far more
+  there: XLA's CPU compiler took 4 s to build the 60-array resharding identity.
+  The arrays are copied on every core at once (`_threads.py`, which gives the
   figures).
   A cast (`dtype=`) is made in the same copy, and what it loses is counted per
   block, so a lossy cast raises as it does for NumPy data.
