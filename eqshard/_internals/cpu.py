@@ -53,8 +53,9 @@ def aligned_blocks(shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[np.nd
     where a buffer per block of that size is mapped afresh by the C allocator
     and faults on every 4 KiB page (65,536 faults, most of the time of a 256 MiB
     move in `benchmarks/bench_reshard.py`; ~150 with the slab). The allocation
-    lives while any of its blocks does. Smaller blocks, which the allocator
-    reuses, get one `aligned_empty` each."""
+    lives while any of its blocks does, and its last huge page may hold up to
+    2 MiB that no block uses. Smaller blocks, which the allocator reuses, get
+    one `aligned_empty` each."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     if not sizes or sum(sizes) < SLAB * len(sizes):
         return [aligned_empty(shape, dtype) for shape in shapes]
