@@ -36,7 +36,13 @@ def _tree(dtype):
 
 # The reads of XLA:CPU's buffers, and the assumptions about them, that the fast
 # route rests on and the plain one never makes.
-_READS = ("device_buffer", "buffer_address", "aligned_empty", "has_dense_block")
+_READS = (
+    "device_buffer",
+    "buffer_address",
+    "aligned_empty",
+    "aligned_blocks",
+    "has_dense_block",
+)
 
 
 def _both(monkeypatch, run):
@@ -168,3 +174,25 @@ def test_unrecognised_buffer_takes_the_plain_route_and_warns_once(mesh, monkeypa
         for value, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
             assert value.sharding == NamedSharding(mesh, spec)
             np.testing.assert_array_equal(np.asarray(value), want)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(3, 5), (7,), (2, 2, 3), (1, 1)],  # small: one allocation each
+        [(512, 1024), (300, 1024), (7,)],  # 1 MiB on average: one slab
+    ],
+)
+def test_aligned_blocks_are_aligned_separate_and_of_their_shapes(shapes):
+    blocks = cpu.aligned_blocks(shapes, np.dtype(np.float32))
+    assert [b.shape for b in blocks] == shapes
+    spans = []
+    for k, block in enumerate(blocks):
+        assert block.dtype == np.float32 and block.flags.c_contiguous
+        assert block.flags.writeable and block.ctypes.data % 64 == 0
+        block[...] = k
+        spans.append((block.ctypes.data, block.ctypes.data + block.nbytes))
+    for k, block in enumerate(blocks):  # no write reached another block
+        assert np.all(block == k)
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))

@@ -8,7 +8,7 @@ what XLA's CPU client does with it, beyond JAX's documented contract:
 - `jax.device_put` takes a dense run of a NumPy array's memory as a device
   buffer of its own, without copying it, and copies a strided block
   (`has_dense_block`, `takes_in_place`); it does so for a buffer aligned to
-  `ALIGNMENT` bytes (`aligned_empty`);
+  `ALIGNMENT` bytes (`aligned_empty`, `aligned_blocks`);
 - a device buffer's address says whether it is a NumPy array's memory
   (`buffer_address`, `shares_memory`: `unsafe_buffer_pointer`).
 
@@ -30,6 +30,10 @@ from .routes import Unrecognised
 # XLA's CPU client uses a host buffer in place when its data starts on a
 # boundary of this many bytes.
 ALIGNMENT = 64
+# `aligned_blocks`: the huge-page size of x86-64 and most arm64 kernels, and
+# the mean block size above which blocks share one allocation.
+HUGE_PAGE = 2**21
+SLAB = 2**20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -39,6 +43,31 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_blocks(shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+    """Uninitialised arrays of `shapes`, each starting on an `ALIGNMENT`-byte
+    boundary. Where they average `SLAB` bytes or more, they are carved from one
+    allocation that starts on a `HUGE_PAGE` boundary: NumPy asks the kernel for
+    transparent huge pages for it, so filling the blocks faults once per 2 MiB,
+    where a buffer per block of that size is mapped afresh by the C allocator
+    and faults on every 4 KiB page (65,536 faults, most of the time of a 256 MiB
+    move in `benchmarks/bench_reshard.py`; ~150 with the slab). The allocation
+    lives while any of its blocks does, and its last huge page may hold up to
+    2 MiB that no block uses. Smaller blocks, which the allocator reuses, get
+    one `aligned_empty` each."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    if not sizes or sum(sizes) < SLAB * len(sizes):
+        return [aligned_empty(shape, dtype) for shape in shapes]
+    spans = [-(-n // ALIGNMENT) * ALIGNMENT for n in sizes]
+    total = -(-sum(spans) // HUGE_PAGE) * HUGE_PAGE
+    raw = np.empty(total + HUGE_PAGE, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    out = []
+    for shape, n, span in zip(shapes, sizes, spans, strict=True):
+        out.append(raw[start : start + n].view(dtype).reshape(shape))
+        start += span
+    return out
 
 
 def device_buffer(array: jax.Array, k: int) -> np.ndarray:

@@ -12,13 +12,16 @@ the route that is cheapest on their backend:
 - **Block by block, on CPU.** A CPU device's memory is host memory, and XLA's
   CPU client takes an aligned NumPy buffer as a device buffer without copying.
   So each block of the target is copied once, straight from the parts of the
-  source's device buffers it overlaps, into an aligned buffer of its own, which
-  becomes that device's buffer (`move_blocks`): one memory copy of the data in
-  all, and no compilation. (A host round trip by hand, `device_get` then
-  `device_put`, copies as much on CPU, from one thread.) Even one program
-  for the whole tree costs far more there: XLA's CPU compiler took 4 s to build
-  the 60-array resharding identity. The arrays are copied on every core at once
-  (`_threads.py`, which gives the figures).
+  source's device buffers it overlaps, into an aligned buffer, which becomes
+  that device's buffer (`move_blocks`): one memory copy of the data in all, and
+  no compilation. An array's large blocks are carved from one allocation
+  backed by huge pages (`cpu.aligned_blocks`): a buffer per block faulted on
+  every 4 KiB page, most of the time of a move (`benchmarks/bench_reshard.py`).
+  (A host round trip by hand, `device_get` then `device_put`, copies as much
+  on CPU, from one thread.) Even one program for the whole tree costs far more
+  there: XLA's CPU compiler took 4 s to build the 60-array resharding identity.
+  The arrays are copied on every core at once (`_threads.py`, which gives the
+  figures).
   A cast (`dtype=`) is made in the same copy, and what it loses is counted per
   block, so a lossy cast raises as it does for NumPy data.
 - **Through the host, for host memory kinds.** The arrays are copied to NumPy
@@ -272,11 +275,11 @@ def _blocks(
     """The blocks of the target for `x` in `dtype`, by `_index_key` of their
     index: a strided view of the source's device buffer where one source block
     holds the block and nothing is cast (which `device_put` copies, as it cannot
-    take it in place), else a copy, cast as it is made, in an aligned buffer of
-    its own (which it takes in place). Also what the cast lost."""
+    take it in place), else a copy, cast as it is made, in an aligned block of
+    an array's one allocation (which it takes in place). Also what the cast
+    lost."""
     views: dict[int, np.ndarray] = {}
-    out: dict[Any, np.ndarray] = {}
-    lost = None
+    planned = []  # (keys, shape, parts, the view taken as it is or None)
     for raw, shape, copies in plan:
         parts = []
         for k, source, target in copies:
@@ -284,10 +287,17 @@ def _blocks(
             if view is None:  # the device buffer itself, not a copy
                 view = views[k] = cpu.device_buffer(x, k)
             parts.append((view[source], target))
-        if len(parts) == 1 and dtype == x.dtype and not parts[0][0].flags.c_contiguous:
-            value = parts[0][0]
+        whole = parts[0][0] if len(parts) == 1 else None
+        if whole is not None and dtype == x.dtype and not whole.flags.c_contiguous:
+            planned.append((raw, shape, parts, whole))
         else:
-            value = cpu.aligned_empty(shape, dtype)
+            planned.append((raw, shape, parts, None))
+    fresh = iter(cpu.aligned_blocks([s for _, s, _, v in planned if v is None], dtype))
+    out: dict[Any, np.ndarray] = {}
+    lost = None
+    for raw, _, parts, value in planned:
+        if value is None:
+            value = next(fresh)
             for part, target in parts:
                 with np.errstate(over="ignore", invalid="ignore"):  # `cast_lost`
                     value[target] = part
