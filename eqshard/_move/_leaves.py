@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .._caches import register
 from .._mesh._current import concrete_mesh
 from .._spectree._check_spec import (
     abstract_mesh_error,
@@ -42,6 +43,30 @@ from .._tree import (
 from .._typing import KeyPath, PyTreeDef
 from ._host import leaf_casts, unplaceable
 from ._multiprocess import host_local_shape, is_global
+
+
+# The `NamedSharding` of each checked `PartitionSpec` on each mesh, built once: JAX
+# keeps what it derives from a sharding (its hash, its device assignment) on the
+# object, so a tree placed again hands `device_put` the objects it has seen.
+_SHARDINGS: dict[tuple[PartitionSpec, Mesh], NamedSharding] = {}
+_SHARDINGS_MAX = 1024
+register(_SHARDINGS.clear)
+
+
+def _sharding(
+    spec: PartitionSpec | Host, mesh: Mesh, *, caller: str, path: KeyPath
+) -> NamedSharding:
+    """`named_sharding(spec, mesh)`, the same object for an equal `PartitionSpec`
+    on an equal mesh (a spec that does not fit raises each time, and is not kept)."""
+    if not isinstance(spec, PartitionSpec):
+        return named_sharding(spec, mesh, caller=caller, path=path)
+    found = _SHARDINGS.get((spec, mesh))
+    if found is None:
+        found = named_sharding(spec, mesh, caller=caller, path=path)
+        if len(_SHARDINGS) >= _SHARDINGS_MAX:
+            _SHARDINGS.clear()
+        _SHARDINGS[spec, mesh] = found
+    return found
 
 
 class Leaf(NamedTuple):
@@ -155,7 +180,7 @@ def leaves_of(
             if sharding is None:
                 # `mesh` is the concrete mesh found above; the spec is checked.
                 mesh = typing.cast(Mesh, mesh)
-                sharding = named_sharding(spec, mesh, caller=caller, path=path)
+                sharding = _sharding(spec, mesh, caller=caller, path=path)
                 made[id(spec)] = sharding
         leaves.append(Leaf(path, value, sharding, cast))
     return leaves, treedef
