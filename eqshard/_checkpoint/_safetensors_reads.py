@@ -25,8 +25,8 @@ How a block is read depends on where its bytes lie:
 The blocks are read one after the other on the calling thread: the host holds
 one tensor's blocks at a time beside what is placed. Reading them on the
 copying threads (`_move/_threads.py`; `preadv` and `np.copyto` release the GIL),
-in pieces of one core's share, took more CPU time and no less wall time on this
-project's shared 2-core machine (`benchmarks/bench_checkpoint.py`).
+in pieces of one core's share, took more CPU time and no less wall time on two
+cores (`benchmarks/bench_checkpoint.py`).
 Where a copy remains: a block cast as it is read (`dtype=`, or 64-bit data that
 JAX narrows) is converted into memory NumPy allocates, which `device_put` copies
 once more; a big-endian host copies every block out of the mapping.
