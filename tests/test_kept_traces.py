@@ -23,18 +23,23 @@ def mesh():
     return eqshard.create_mesh((2, 4), ("dp", "tp"))
 
 
+def _count_traces(monkeypatch, module, name):
+    """`{name: n}`: how many times `module._trace` has been called since."""
+    count = {name: 0}
+    trace = module._trace
+
+    def counted(*args, **kwargs):
+        count[name] += 1
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_trace", counted)
+    return count
+
+
 @pytest.fixture
 def traces(monkeypatch):
     """How many times `init_sharded` traced its constructor."""
-    count = {"init": 0}
-    trace = _init._trace
-
-    def counted(*args, **kwargs):
-        count["init"] += 1
-        return trace(*args, **kwargs)
-
-    monkeypatch.setattr(_init, "_trace", counted)
-    return count
+    return _count_traces(monkeypatch, _init, "init")
 
 
 def test_a_warm_build_traces_nothing(mesh, traces):
@@ -123,15 +128,7 @@ def test_what_cannot_be_keyed_is_traced_every_call(mesh, traces):
 @pytest.fixture
 def map_traces(monkeypatch):
     """How many times eager `filter_shard_map` traced its function."""
-    count = {"map": 0}
-    trace = _shard_map._trace
-
-    def counted(*args, **kwargs):
-        count["map"] += 1
-        return trace(*args, **kwargs)
-
-    monkeypatch.setattr(_shard_map, "_trace", counted)
-    return count
+    return _count_traces(monkeypatch, _shard_map, "map")
 
 
 def test_a_warm_eager_map_traces_and_compiles_nothing(mesh, map_traces):
