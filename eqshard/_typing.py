@@ -343,7 +343,8 @@ def sequence_fix(value: Any) -> str:
 
 # Modules whose frames stand between a user's call and an eqshard warning: eqshard
 # itself and the type-check wrappers around its functions (`typecheck`, and
-# jaxtyping's import hook in the tests), whose depth depends on the configuration.
+# jaxtyping's import hook in a test run that asks for it), whose depth depends on
+# the configuration.
 _INTERNAL = ("eqshard", "jaxtyping", "beartype")
 
 

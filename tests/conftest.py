@@ -2,8 +2,9 @@
 # before any JAX computation; it raises if the backend is already initialised,
 # so a wrong order fails loudly instead of silently giving one device.
 #
-# eqshard itself is not imported here: jaxtyping's import hook
-# (`--jaxtyping-packages=eqshard,...` in pyproject.toml) must see it first.
+# eqshard itself is not imported here: jaxtyping's import hook, where a run
+# checks annotations at call time (`--jaxtyping-packages`, CONTRIBUTING.md),
+# must see it first.
 
 import os
 

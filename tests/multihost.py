@@ -6,9 +6,9 @@ collectives, calls `jax.distributed.initialize` against a coordinator on a free
 localhost port, imports the module that defines `fn` (by file path), calls
 `fn(*args)`, and pickles the return value into a file the parent reads back.
 
-Children mirror the pytest session: warnings are errors, and eqshard is imported
-under jaxtyping's import hook with beartype (as `--jaxtyping-packages` does in
-pyproject.toml), so private annotations are enforced in children too.
+Children mirror the pytest session: warnings are errors, and where the session
+checks eqshard's annotations at call time (`--jaxtyping-packages`, see
+CONTRIBUTING.md), children import eqshard under jaxtyping's import hook too.
 
 No process outlives a launch. Every child leads its own session and process group.
 The parent kills every group and reaps every child in a `finally` block, whether
@@ -39,7 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 
-# What the pytest session passes as `--jaxtyping-packages` (see pyproject.toml).
+# What a pytest session that checks annotations at call time passes as
+# `--jaxtyping-packages` (see CONTRIBUTING.md).
 _JAXTYPING_PACKAGES = ("eqshard",)
 _JAXTYPING_CHECKER = "beartype.beartype"
 
@@ -86,6 +87,12 @@ class MultiProcessTimeoutError(MultiProcessError):
     """A [`run_processes`][] launch did not finish within its timeout."""
 
 
+def _hooked() -> bool:
+    """Whether this process imports under jaxtyping's import hook (a pytest run
+    with `--jaxtyping-packages`)."""
+    return any(type(f).__module__.startswith("jaxtyping") for f in sys.meta_path)
+
+
 def run_processes(
     fn: Callable[..., Any],
     *,
@@ -93,7 +100,7 @@ def run_processes(
     devices_per_process: int = 4,
     timeout: float = 900.0,  # as `probes.RUN_TIMEOUT`: a working launch is never cut
     args: tuple[Any, ...] = (),
-    typecheck: bool = True,
+    typecheck: bool | None = None,
     distributed: bool = True,
 ) -> list[Any]:
     """Runs `fn(*args)` in `num_processes` JAX processes and returns their results.
@@ -119,8 +126,9 @@ def run_processes(
       their Python stacks printed into the error, and are killed.
     - `args`: positional arguments for `fn`, pickled and sent to every child.
     - `typecheck`: whether the children import eqshard under jaxtyping's import
-      hook, as the tests do; the benchmarks turn it off, to time eqshard as users
-      run it (with only its own `@typecheck` on public functions).
+      hook; by default, as this process does (`_hooked`). The benchmarks turn it
+      off, to time eqshard as users run it (with only its own `@typecheck` on
+      public functions).
     - `distributed`: `False` starts plain, separate Python processes instead
       (no `jax.distributed`: each is process 0 of its own, with its own
       `devices_per_process` devices), as separate jobs on one machine are; each
@@ -186,7 +194,7 @@ def run_processes(
         args=pickled_args,
         num_processes=num_processes,
         devices_per_process=devices_per_process,
-        typecheck=typecheck,
+        typecheck=_hooked() if typecheck is None else typecheck,
         distributed=distributed,
     )
     with tempfile.TemporaryDirectory(prefix="eqshard-multihost-") as tmp:

@@ -332,9 +332,9 @@ def test_readme_example_runs(tmp_path):
 
 @pytest.mark.parametrize("namespace", [eqshard, eqshard.t5x, eqshard.compat])
 def test_every_public_name_has_an_api_entry(namespace):
-    # Modules are not API: under the test run's jaxtyping import hook, eqshard's
-    # namespace holds `jaxtyping` too. The root's return types are public without
-    # being in `__all__`.
+    # Modules are not API: under jaxtyping's import hook (`--jaxtyping-packages`),
+    # eqshard's namespace holds `jaxtyping` too. The root's return types are
+    # public without being in `__all__`.
     public = {
         name
         for name, value in vars(namespace).items()

@@ -68,7 +68,7 @@ def _eqshard_functions_checked() -> dict[str, bool]:
 
 
 def _child_topology_and_collectives(scale):
-    import eqshard  # noqa: F401  (under the children's jaxtyping hook)
+    import eqshard  # noqa: F401  (under jaxtyping's hook if the session is)
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
@@ -134,7 +134,7 @@ def test_processes_see_one_global_system(num_processes, devices_per_process):
         assert r["total"] == 360
         # Children mirror pytest's `filterwarnings = ["error"]`...
         assert r["warning_raised"]
-        # ...and its jaxtyping hook: the same eqshard functions are checked.
+        # ...and its jaxtyping hook, if any: the same eqshard functions are checked.
         # (Only names known to both: others may edit eqshard during the run.)
         common = r["checked"].keys() & checked_here.keys()
         assert len(common) > 10
