@@ -25,7 +25,9 @@ import os
 import re
 from collections.abc import Sequence
 
+import beartype
 import jax
+import jaxtyping
 import numpy as np
 
 
@@ -282,12 +284,20 @@ def _fields(text: str) -> dict[str, str]:
 # eqshard's own source files: a frame in them (the attention's permutes, a
 # pipeline's, a constraint) is named by the user's line that called eqshard.
 # (This module is `eqshard/_step/_hlo/_text.py`: the package is three folders up.)
+# So is a frame of the type checks around a public function: beartype's wrapper
+# (`@typecheck`) names its code `<@beartype(eqshard.name) at 0x...>`, and
+# jaxtyping's lives in its package.
 _OWN = os.path.join(os.path.abspath(os.path.join(__file__, *[os.pardir] * 3)), "")
+_CHECKS = ("<@beartype(eqshard.",) + tuple(
+    os.path.join(os.path.dirname(os.path.abspath(module.__file__ or "")), "")
+    for module in (beartype, jaxtyping)
+)
 
 
 def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:
     """Stack frame id -> "file:line" of its innermost location outside
-    eqshard's own files (the innermost one if every frame is eqshard's).
+    eqshard's own files and their type checks (the innermost one if every frame
+    is eqshard's).
 
     A frame's `parent_frame_id` is printed one above its parent's id (0 and 1
     mean none), as JAX 0.10's XLA writes the table."""
@@ -314,13 +324,14 @@ def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:
 def _outside(
     frame: int, frames: dict[int, tuple[int, int]], locations: dict[int, str]
 ) -> str | None:
-    """The innermost location of `frame`'s stack outside eqshard's files."""
+    """The innermost location of `frame`'s stack outside eqshard's files and
+    their type checks."""
     seen = set()
     while frame in frames and frame not in seen:
         seen.add(frame)
         location, parent = frames[frame]
         where = locations.get(location)
-        if where is not None and not where.startswith(_OWN):
+        if where is not None and not where.startswith((_OWN, *_CHECKS)):
             return where
         frame = parent
     return None
