@@ -383,6 +383,7 @@ def step_report(train_step: Any, tokens: Any, state: PyTree, timer: Timer) -> No
     print()
     print("the training step, compiled (eqshard.analyze_step):")
     print(report.table(top=8))
+    print()  # the checkpoint's lines are not the report's
 
 
 def other_mesh(mesh: Mesh, shapes: PyTree, specs: PyTree) -> Mesh:
