@@ -480,6 +480,39 @@ def test_ragged_all_to_all_is_marked(target):
     assert set(row.paths) >= {"x", "out"}
 
 
+_P2P = re.compile(
+    r"^\s*%(\S+?)(?:-fwd|-bwd)?-recv = \(bf16\[(\d+),(\d+)\].*? recv\(.*?"
+    r"_xla_send_recv_source_target_pairs=\{(.*?)\}\}",
+    re.M,
+)
+
+
+def test_a_permute_split_into_sends_and_recvs_is_one_row_per_permute():
+    # XLA:GPU's collective-permute decomposer writes each of the pipeline's
+    # cyclic permutes (forward and backward loops) as two send/recv pairs, one
+    # per direction of the cycle: no collective op names them.
+    found = fixture("gpu_pipeline_p2p")
+    assert "collective-permute-start" not in found.text
+    recvs = collections.defaultdict(list)  # permute -> [(bytes, pairs)] by half
+    for name, rows, cols, pairs in _P2P.findall(found.text):
+        recvs[name].append((2 * int(rows) * int(cols), pairs.count("{")))
+    assert len(recvs) == 2 and all(len(v) == 2 for v in recvs.values())
+    rows = {r.name: r for r in found.report.collectives}
+    # Every collective op is a row, and each permute one more.
+    assert len(rows) == len(census(found.text).kinds) + len(recvs)
+    for name, halves in recvs.items():
+        row = rows[name]
+        assert row.kind == "collective-permute" and not row.dcn
+        # One run per pipeline step (4 microbatches x 2 repeats + 2 stages
+        # - 1), each receiving one microbatch's block on a device.
+        assert row.count == 9 and {b for b, _ in halves} == {row.bytes} == {512}
+        assert row.axes == ("pp",) and row.overlapped is not None
+        # Both halves' pairs: each of the 8 devices sends to its other stage.
+        assert sum(n for _, n in halves) == 8
+        (read,) = [c for c in found.program.collectives() if c.name == name]
+        assert len(read.groups) == 8
+
+
 def test_a_pallas_kernel_is_one_opaque_row_with_a_warning():
     found = fixture("tpu_pallas")
     assert found.text.count('custom_call_target="tpu_custom_call"') == 1

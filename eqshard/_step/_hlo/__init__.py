@@ -7,6 +7,7 @@ follows the entry's arguments to each collective (`Program`, `Collective`),
 with the trip counts of loops the text does not state from `_loops.py` and each
 backend's spelling of collectives and their overlap from `_forms.py`, and a
 multi-slice TPU program's transfers between slices over DCN (`send`/`recv` to
-the megascale runtime) from `_megascale.py`; `_cost.py` counts each op's FLOPs
+the megascale runtime) from `_megascale.py`, and a GPU permute split into
+point-to-point `send`/`recv` pairs from `_p2p.py`; `_cost.py` counts each op's FLOPs
 and HBM bytes for the step's time.
 """

@@ -36,6 +36,7 @@ from ._forms import (
 from ._graph import DONES, Graph, Graphs, KINDS, span, STARTS
 from ._loops import loop_trips
 from ._megascale import Transfer, transfers
+from ._p2p import p2p_transfers
 from ._text import (
     ArrayShape,
     BadLine,
@@ -385,7 +386,8 @@ class Program:
         moves = {
             (name, t.first): t
             for name in self._order
-            for t in transfers(self.module.computations[name])
+            for found in (transfers, p2p_transfers)
+            for t in found(self.module.computations[name])
         }
         out = []
         for name, position, instruction in self.instructions():
@@ -446,8 +448,9 @@ class Program:
         )
 
     def _transfer(self, name: str, transfer: Transfer) -> Collective:
-        """A megascale transfer between TPU slices: one row, whose array is
-        the recv's (the send's where the computation has no recv)."""
+        """A megascale transfer between TPU slices, or a permute written as a
+        send and a recv: one row, whose array is the recv's (the send's where
+        the computation has no recv)."""
         computation = self.module.computations[name]
         data, instruction = transfer.data, computation.instructions[transfer.head]
         runs = self._runs[name]
@@ -469,7 +472,7 @@ class Program:
             op_name=op_name(instruction.attrs),
             source=source(instruction.attrs, self.module.sources),
             overlapped=overlapped,
-            dcn=True,
+            dcn=transfer.dcn,
             slices=transfer.slices,
         )
 

@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from ._megascale import linked_sends
+from ._p2p import p2p_linked_sends
 from ._text import (
     branches,
     called,
@@ -88,7 +89,8 @@ _ARITHMETIC = set(_ELEMENTWISE) - {
 _CALLING = {"fusion", "call", "while", "conditional"}
 # Ops whose result is their operands, slot for slot.
 _PASS = {"opt-barrier", "domain"}
-# The ops of a transfer between TPU slices (`_megascale`), whose data flows.
+# The ops of a transfer between TPU slices (`_megascale`) or a permute split
+# into sends and recvs (`_p2p`), whose data flows.
 _TRANSFERS = {"send", "recv", "recv-done"}
 # Ops that pick, gather or pass on their operands' slots.
 _PICKING = {"get-tuple-element", "tuple", "broadcast"} | _PASS
@@ -372,12 +374,20 @@ class Graphs:
             self.operand_slots(computation, instruction, base)
             for instruction in computation.instructions
         ]
-        # A megascale recv receives its send's data (its operand is a token).
-        sends = linked_sends(computation)
+        # A recv receives its send's data (its operand is a token): a megascale
+        # transfer's, or a point-to-point permute's.
+        sends = linked_sends(computation) | p2p_linked_sends(computation)
         for position, instruction in enumerate(computation.instructions):
             if instruction.opcode == "recv":
                 send = sends.get(position)
-                operands[position] = [[] if send is None else [base[send]]]
+                if send is None:
+                    data = []
+                elif send < position:
+                    data = [base[send]]
+                else:  # scheduled after its recv: the data the send will send
+                    sent = operands[send][0] if operands[send] else []
+                    data = [s for s in sent if s < base[position]]
+                operands[position] = [data]
         wires: list[_Wires] = []
         for instruction, slots in zip(computation.instructions, operands, strict=True):
             loose = strict = self._inputs(computation, instruction, slots, False)

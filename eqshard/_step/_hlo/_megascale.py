@@ -54,7 +54,8 @@ _GROUP = re.compile(r"\{([^{}]*)\}")
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One megascale transfer of a computation: positions of its send, recv
-    and dones (`None` where the computation has none)."""
+    and dones (`None` where the computation has none). `_p2p` describes a
+    GPU's point-to-point permute by the same fields (`dcn` unset)."""
 
     key: str  # the rendezvous key: `all-gather.16_0`
     kind: str
@@ -67,6 +68,7 @@ class Transfer:
     done: bool  # whether its dones are in the computation
     groups: tuple[tuple[int, ...], ...]  # device ids (a permute: pairs)
     slices: int  # with `groups` empty: one device in each of `slices` slices
+    dcn: bool = True  # between slices; `False`: a permute's send/recv (`_p2p`)
 
 
 def _attributes(instruction: Instruction) -> dict[str, str] | None:
