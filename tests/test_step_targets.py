@@ -513,6 +513,29 @@ def test_a_permute_split_into_sends_and_recvs_is_one_row_per_permute():
         assert len(read.groups) == 8
 
 
+def test_a_permute_whose_recv_comes_before_its_data_is_attributed():
+    # Ring attention's loop passes each device's key and value blocks round
+    # the ring; the schedule puts the value's recv before the instruction that
+    # gives the data its send sends.
+    found = fixture("gpu_ring_attention_p2p")
+    lines = found.text.splitlines()
+
+    def at(pattern: str) -> int:
+        (k,) = [k for k, line in enumerate(lines) if re.search(pattern, line)]
+        return k
+
+    send = re.search(r" send\(%([\w.\-]+),", lines[at(r"%ppermute.13-bwd-send = ")])
+    assert send is not None
+    assert at(r"%ppermute.13-bwd-recv = ") < at(rf"%{re.escape(send[1])} = ")
+    rows = {r.name: r for r in found.report.collectives}
+    assert rows["ppermute.12"].paths == ("k",)
+    assert rows["ppermute.13"].paths == ("v",)
+    # Each device's block of k or v: (2 / 2, 256 / 4, 4, 64) bf16, once per
+    # step of the ring of 4.
+    for name in ("ppermute.12", "ppermute.13"):
+        assert rows[name].bytes == 64 * 4 * 64 * 2 and rows[name].count == 3
+
+
 def test_a_pallas_kernel_is_one_opaque_row_with_a_warning():
     found = fixture("tpu_pallas")
     assert found.text.count('custom_call_target="tpu_custom_call"') == 1

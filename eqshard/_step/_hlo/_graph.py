@@ -375,19 +375,11 @@ class Graphs:
             for instruction in computation.instructions
         ]
         # A recv receives its send's data (its operand is a token): a megascale
-        # transfer's, or a point-to-point permute's.
+        # transfer's recv, a point-to-point permute's recv-done (its recv may
+        # come before the send in the schedule, its done never does).
         sends = linked_sends(computation) | p2p_linked_sends(computation)
-        for position, instruction in enumerate(computation.instructions):
-            if instruction.opcode == "recv":
-                send = sends.get(position)
-                if send is None:
-                    data = []
-                elif send < position:
-                    data = [base[send]]
-                else:  # scheduled after its recv: the data the send will send
-                    sent = operands[send][0] if operands[send] else []
-                    data = [s for s in sent if s < base[position]]
-                operands[position] = [data]
+        for position, send in sends.items():
+            operands[position] = [[base[send]] if send < position else []]
         wires: list[_Wires] = []
         for instruction, slots in zip(computation.instructions, operands, strict=True):
             loose = strict = self._inputs(computation, instruction, slots, False)

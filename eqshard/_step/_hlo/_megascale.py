@@ -61,7 +61,8 @@ class Transfer:
     kind: str
     send: int | None
     recv: int | None
-    data: int  # the array that counts: the recv's (the send's without one)
+    data: int  # the array that counts: the recv's (the send's without one;
+    # a point-to-point permute's recv-done, `_p2p`)
     head: int  # the op name and source: the send's (the recv's without one)
     first: int  # the first and last of its instructions in the schedule
     last: int

@@ -16,7 +16,9 @@ compiled), not written as a collective op:
   (`ppermute.16-fwd-recv`, `ppermute.16-bwd-recv`), each device taking part in
   one of them: one permute, of both's pairs, named `ppermute.16`.
 - **Devices**: `_xla_send_recv_source_target_pairs`, as a permute's pairs.
-- **Bytes**: the recv's array, the permute's result on each device.
+- **Bytes**: the recv's array, the permute's result on each device; its data
+  is read at the recv-done, which the schedule puts after the send (the recv
+  itself often comes first).
 - A send or recv to the host (`is_host_transfer=true`, the megascale runtime's
   among them: `_megascale`) is none of these.
 """
@@ -32,6 +34,7 @@ _CHANNEL = re.compile(r"(?:^|,)\s*channel_id=(\d+)")
 # `ppermute.16-fwd-recv.1` -> `ppermute.16`, `.1`: the permute XLA split, and
 # the suffix of a clone (a peeled loop iteration's copy).
 _NAME = re.compile(r"^(.*?)(?:-(?:fwd|bwd))?-(?:send|recv)((?:\.\d+)*)$")
+_STEM = re.compile(r"^(.*)-(?:send|recv)((?:\.\d+)*)$")
 
 
 def _is_p2p(instruction: Instruction) -> bool:
@@ -55,11 +58,19 @@ def _pairs(instruction: Instruction) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in found)
 
 
+def _stem(instruction: Instruction) -> str | None:
+    """`ppermute.16-fwd` of `ppermute.16-fwd-recv` and `ppermute.16-fwd-send`:
+    what pairs a send with its recv when several share a channel id."""
+    found = _STEM.match(instruction.name)
+    return None if found is None else found[1] + found[2]
+
+
 def _channels(computation: Computation) -> list[dict[str, int]]:
-    """The point-to-point sends and recvs of `computation`, paired by channel
-    id ({"send": position, "recv": position}; in order where a channel has
-    several, as a loop's unrolled copies may)."""
-    by_channel: dict[str, list[dict[str, int]]] = {}
+    """The point-to-point sends and recvs of `computation`, paired
+    ({"send": position, "recv": position}) by channel id and by name (XLA gives
+    the halves of several permutes one channel id), in order where the names do
+    not tell."""
+    by_key: dict[tuple[str, str | None], list[dict[str, int]]] = {}
     for position, instruction in enumerate(computation.instructions):
         if not _is_p2p(instruction):
             continue
@@ -68,13 +79,13 @@ def _channels(computation: Computation) -> list[dict[str, int]]:
             raise BadLine(
                 f"a {instruction.opcode} without a channel_id", instruction.line
             )
-        pairs = by_channel.setdefault(found[1], [])
+        pairs = by_key.setdefault((found[1], _stem(instruction)), [])
         free = [where for where in pairs if instruction.opcode not in where]
         if not free:
             free.append({})
             pairs.append(free[0])
         free[0][instruction.opcode] = position
-    return [where for pairs in by_channel.values() for where in pairs]
+    return [where for pairs in by_key.values() for where in pairs]
 
 
 def _name(computation: Computation, where: dict[str, int]) -> str:
@@ -96,6 +107,9 @@ def p2p_transfers(computation: Computation) -> list[Transfer]:
     out = []
     for key, channels in merged.items():
         first = channels[0]
+        recv = first.get("recv")
+        done = None if recv is None else ends.get(computation.instructions[recv].name)
+        data = first.get("send", 0) if recv is None else recv if done is None else done
         positions = [p for where in channels for p in where.values()]
         names = [computation.instructions[p].name for p in positions]
         groups = tuple(
@@ -107,7 +121,7 @@ def p2p_transfers(computation: Computation) -> list[Transfer]:
                 "collective-permute",
                 first.get("send"),
                 first.get("recv"),
-                first.get("recv", first.get("send", 0)),
+                data,
                 first.get("send", first.get("recv", 0)),
                 min(positions + [ends[n] for n in names if n in ends]),
                 max(positions + [ends[n] for n in names if n in ends]),
@@ -121,10 +135,17 @@ def p2p_transfers(computation: Computation) -> list[Transfer]:
 
 
 def p2p_linked_sends(computation: Computation) -> dict[int, int]:
-    """For each point-to-point recv of `computation`, the position of the send
-    of its channel (the data it receives is the send's)."""
-    return {
-        where["recv"]: where["send"]
-        for where in _channels(computation)
-        if "recv" in where and "send" in where
+    """For the recv-done of each point-to-point recv of `computation`, the
+    position of the send of its channel (the data it gives is the send's)."""
+    dones = {
+        i.operands[0]: position
+        for position, i in enumerate(computation.instructions)
+        if i.opcode == "recv-done" and i.operands
     }
+    out = {}
+    for where in _channels(computation):
+        if "recv" in where and "send" in where:
+            done = dones.get(computation.instructions[where["recv"]].name)
+            if done is not None:
+                out[done] = where["send"]
+    return out
