@@ -196,9 +196,11 @@ class Links:
             raise UnknownLinks(
                 f"the {len(ids)} devices of a collective's group sit at torus "
                 f"coordinates spanning {'x'.join(map(str, spans))} chips, which "
-                "is no block of the torus (a mesh of the target's devices in "
-                "an unusual order?), so its ring's links are not known. Make "
-                "the mesh with eqshard.create_mesh(..., target=...)"
+                "is no block of the torus, so its ring's links are not known. "
+                "Build the mesh with eqshard.create_mesh(..., target=...), and "
+                "if it was, put its axes in another order: the target's device "
+                "order can spread one axis over the torus (a (4, 2) mesh of "
+                "v5e:2x4 spreads its first axis; a (2, 4) mesh fills blocks)"
             )
         return max(links, 1), hops
 
