@@ -1,7 +1,8 @@
 """Point-to-point transfers: a `collective-permute` that XLA's GPU compiler
-split into `send`/`recv` pairs (its collective-permute decomposer, which
-`xla_gpu_enable_pipelined_p2p` turns on, as pipeline-parallel loops are often
-compiled), not written as a collective op:
+split into `send`/`recv` pairs, not written as a collective op. Its
+collective-permute decomposer does so for the permutes of a loop (a pipeline's
+stages, ring attention) over `xla_gpu_collective_permute_decomposer_threshold`
+bytes when `xla_gpu_enable_pipelined_p2p` is set (JAX 0.10.2):
 
     %ppermute.16-recv = (bf16[4,128], u32[], token[]) recv(%after-all.1),
       channel_id=1, frontend_attributes={_xla_send_recv_pipeline="0",
