@@ -536,6 +536,16 @@ def test_a_permute_whose_recv_comes_before_its_data_is_attributed():
         assert rows[name].bytes == 64 * 4 * 64 * 2 and rows[name].count == 3
 
 
+def test_a_send_without_its_pairs_raises_naming_the_line():
+    text = fixture("gpu_ring_attention_p2p").text.replace(
+        "_xla_send_recv_source_target_pairs=", "_other_attribute="
+    )
+    with pytest.raises(HloTextError, match="_xla_send_recv_source_target_pairs") as e:
+        Program(text, caller="analyze_step", num_devices=8).collectives()
+    assert "ppermute.12-bwd-recv = " in str(e.value)
+    assert "'xla_gpu_enable_pipelined_p2p': False" in str(e.value)
+
+
 def test_a_pallas_kernel_is_one_opaque_row_with_a_warning():
     found = fixture("tpu_pallas")
     assert found.text.count('custom_call_target="tpu_custom_call"') == 1

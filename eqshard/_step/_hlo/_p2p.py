@@ -52,7 +52,9 @@ def _pairs(instruction: Instruction) -> tuple[tuple[int, int], ...]:
         raise BadLine(str(e), instruction.line) from None
     if text is None:
         raise BadLine(
-            f"a {instruction.opcode} between devices without {_PAIRS}",
+            f"a {instruction.opcode} between devices without {_PAIRS} (to "
+            "read its permute as a collective-permute, compile with "
+            "compiler_options={'xla_gpu_enable_pipelined_p2p': False})",
             instruction.line,
         )
     found = re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", text)
