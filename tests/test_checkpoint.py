@@ -656,6 +656,22 @@ def test_restore_a_nested_orbax_checkpoint(tmp_path, ocdbt, zarr3):
         )
 
 
+def test_an_orbax_checkpoint_of_two_arrays_under_one_name_is_refused(tmp_path):
+    # orbax names `{"a": {"b": x}}` and `{"a.b": y}` both 'a.b' and keeps one
+    # array's data: restoring gave it at both paths.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    host = {"a": {"b": np.zeros(4, np.float32)}, "a.b": np.ones(4, np.float32)}
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    checkpointer.save(tmp_path / "c", args=ocp.args.PyTreeSave(host))
+    checkpointer.close()
+    mesh = _mesh((8,), ("dp",))
+    with pytest.raises(ValueError, match="'a/b' and 'a.b' under one name, 'a.b'"):
+        eqshard.restore(tmp_path / "c", host, P(), mesh)
+    # eqshard's own save names them apart.
+    eqshard.save(tmp_path / "e", host)
+    _assert_same(eqshard.restore(tmp_path / "e", host, P(), mesh), host)
+
+
 def test_restore_onto_device_and_host_memory(tmp_path):
     # Arrays for a CPU device's own memory are read into it, those for its host
     # memories by orbax: both bit-exact, on the shardings asked for.

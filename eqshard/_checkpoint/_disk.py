@@ -19,6 +19,7 @@ import numpy as np
 from .._tree import (
     collision_message,
     path_name,
+    path_str,
     paths_text,
 )
 from .._typing import KeyPath
@@ -277,6 +278,32 @@ def lie_error(caller: str, file: str, field: str, what: str) -> ValueError:
     return damaged_error(caller, repr(file), f"its field '{field}' {what}")
 
 
+def _check_names_apart(
+    path_leaves: list[tuple[KeyPath, Any]],
+    names: list[str | None],
+    path: str,
+    caller: str,
+) -> None:
+    """Raises if two arrays have one name for their data in orbax's files (orbax
+    joins a path's keys with '.', so `{"a": {"b": x}}` and `{"a.b": y}` meet):
+    one array's data was written over the other's when the checkpoint was saved,
+    and reading would give it at both paths."""
+    holder: dict[str, KeyPath] = {}
+    for (key, _), name in zip(path_leaves, names, strict=True):
+        if name is None:
+            continue
+        if name in holder:
+            raise ValueError(
+                f"eqshard.{caller}: the checkpoint at {path!r} holds the arrays at "
+                f"'{path_str(holder[name])}' and '{path_str(key)}' under one name, "
+                f"{name!r} (orbax joins a path's keys with '.'), so its files keep "
+                "the data of only one of them and the other is lost. Save the tree "
+                "again with `eqshard.save`, which names every array apart, or "
+                "rename one of the keys before saving with orbax."
+            )
+        holder[name] = key
+
+
 def _orbax_leaf(meta: Any) -> bool:
     return not isinstance(meta, dict | list | tuple)
 
@@ -345,6 +372,7 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         dtype = np.dtype(meta.dtype)
         shape = tuple(int(n) for n in meta.shape)
         found[name], where[name] = Saved(shape, dtype, dtype, index), key
+    _check_names_apart(path_leaves, names, path, caller)
     for name, entry in ({} if own is None else own[1]).items():
         field = f"arrays/{name}"
         if entry.stored == entry.dtype:  # zero-size: in eqshard's file only
