@@ -220,6 +220,7 @@ def test_unflatten_tree_without_like_rebuilds_nested_dicts(flat, sep, expected):
         ({"a/b": 1, "a": 2}, "/", ValueError, r"'a' is a leaf, but 'a/b' continues"),
         ({1: 2}, "/", TypeError, r"the name 1 \(a int\) cannot be split"),
         ({"a": 1}, None, TypeError, r"the name 'a' is not a non-empty tuple.*sep="),
+        ({"ab": 1}, "", ValueError, r"names joined with sep='' cannot be split"),
     ],
 )
 def test_unflatten_tree_without_like_errors(flat, sep, error, match):
