@@ -1,3 +1,4 @@
+import collections
 from collections.abc import Callable
 
 import equinox as eqx
@@ -125,6 +126,19 @@ def test_named_tree_map_childless_node_error_names_path(tree, other, match):
     # None and empty containers are nodes with no leaves, not leaves.
     with pytest.raises(ValueError, match=match):
         eqshard.named_tree_map(lambda n, x, y: x, tree, other)
+
+
+def test_a_dict_and_a_dict_subclass_are_told_apart_in_the_message():
+    # Both were 'a dict with keys 'a', 'b'': the message named no difference.
+    tree = collections.defaultdict(list, {"a": 1, "b": 2})
+    with pytest.raises(ValueError, match=r"has a dict with keys 'a', 'b' where "):
+        eqshard.tree_apply({"a": None, "b": None}, tree)
+    with pytest.raises(ValueError, match=r"`tree` has a defaultdict with keys 'a'"):
+        eqshard.tree_apply({"a": None, "b": None}, tree)
+    with pytest.raises(ValueError, match=r"`tree` has an OrderedDict with keys"):
+        eqshard.named_tree_map(
+            lambda n, x, y: x, collections.OrderedDict(a=1), {"a": 1}, sep="/"
+        )
 
 
 def test_tree_apply_prefix_and_none():
