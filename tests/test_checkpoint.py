@@ -141,6 +141,22 @@ def test_specs_none_keeps_like_shardings_and_dtype_casts(tmp_path):
     assert out["h"].sharding == NamedSharding(mesh, P())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float4_e2m1fn, jnp.float8_e8m0fnu])
+def test_restore_refuses_casts_its_read_cannot_check(tmp_path, dtype):
+    # Read by tensorstore, float4_e2m1fn saturated 100 to 6 and float8_e8m0fnu
+    # gave 1.0 as 5e-20, both silently.
+    mesh = _mesh((8,), ("dp",))
+    host = {"x": np.array([1.0, 100.0, -2.0, 4.0] * 2, np.float32)}
+    eqshard.save(tmp_path / "c", host)
+    with pytest.raises(ValueError, match=r"casts the arrays at 'x' to float"):
+        eqshard.restore(tmp_path / "c", host, P("dp"), mesh, dtype=dtype)
+    # Restored uncast, `shard` casts and refuses what the cast would lose.
+    out = eqshard.restore(tmp_path / "c", host, P("dp"), mesh)
+    assert np.asarray(out["x"]).tobytes() == host["x"].tobytes()
+    with pytest.raises(ValueError, match="'x'"):
+        eqshard.shard(out, P("dp"), mesh, dtype=dtype)
+
+
 def test_save_refuses_existing_directory_unless_overwrite(tmp_path):
     eqshard.save(tmp_path / "c", {"a": np.zeros(2, np.float32)})
     with pytest.raises(ValueError, match="overwrite=True"):

@@ -42,7 +42,7 @@ _SAME_WIDTH = {2: "int2", 4: "int4", 8: "uint8", 16: "uint16", 32: "uint32"}
 
 
 @ft.lru_cache(maxsize=256)
-def _tensorstore_has(name: str) -> bool:
+def tensorstore_has(name: str) -> bool:
     import tensorstore
 
     try:
@@ -52,14 +52,14 @@ def _tensorstore_has(name: str) -> bool:
     return True
 
 
-register(_tensorstore_has.cache_clear)
+register(tensorstore_has.cache_clear)
 
 
 def _stored_as(dtype: np.dtype) -> np.dtype | None:
     """The dtype orbax holds arrays of `dtype` in: `dtype` itself, or an integer
     type of the same width whose bits are saved (where tensorstore has no name for
     `dtype`); `None` if neither can."""
-    if _tensorstore_has(dtype.name):
+    if tensorstore_has(dtype.name):
         return dtype
     if jnp.issubdtype(dtype, jnp.integer):
         bits = jnp.iinfo(dtype).bits
@@ -68,7 +68,7 @@ def _stored_as(dtype: np.dtype) -> np.dtype | None:
     else:
         return None
     view = _SAME_WIDTH.get(bits)
-    return np.dtype(jnp.dtype(view)) if view and _tensorstore_has(view) else None
+    return np.dtype(jnp.dtype(view)) if view and tensorstore_has(view) else None
 
 
 def _unsavable(leaf: Any) -> tuple[str, bool] | None:

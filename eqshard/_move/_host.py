@@ -216,14 +216,14 @@ def _within_range(source: np.ndarray, dtype: np.dtype) -> bool:
     real = jnp.issubdtype(source.dtype, jnp.integer) or jnp.issubdtype(
         source.dtype, jnp.floating
     )
-    if not (real and _signed_with_zero(dtype)):
+    if not (real and signed_with_zero(dtype)):
         return False
     largest = float(jnp.finfo(dtype).max)
     return bool(source.min() >= -largest and source.max() <= largest)
 
 
 @ft.lru_cache(maxsize=64)
-def _signed_with_zero(dtype: np.dtype) -> bool:
+def signed_with_zero(dtype: np.dtype) -> bool:
     """Whether the floating `dtype` holds 0 and negative values, so that its
     finite range is `[-max, max]` (float8_e8m0fnu, a power of two, holds
     neither: they become nan)."""
@@ -231,6 +231,14 @@ def _signed_with_zero(dtype: np.dtype) -> bool:
         return False
     with np.errstate(invalid="ignore"):
         return bool(np.isfinite(np.array([-1.0, 0.0]).astype(dtype)).all())
+
+
+@ft.lru_cache(maxsize=64)
+def saturates(dtype: np.dtype) -> bool:
+    """Whether the floating `dtype` has neither inf nor nan for values past its
+    range, and gives its largest value instead (float4_e2m1fn)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.array(1e300).astype(dtype)))
 
 
 @ft.lru_cache(maxsize=64)
@@ -243,13 +251,15 @@ def overflow_bound(dtype: np.dtype) -> float:
     return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
 
 
+for _cache in (signed_with_zero, saturates, overflow_bound):
+    register(_cache.cache_clear)
+
+
 def overflow_text(count: int, largest: float, dtype: np.dtype) -> str:
     """What a floating cast to `dtype` lost: `count` finite values, the largest
     `largest` in magnitude, became inf or nan (or, in a type with neither, its
     largest value)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        saturates = bool(np.isfinite(np.array(1e300).astype(dtype)))
-    if saturates:
+    if saturates(dtype):
         top = float(jnp.finfo(dtype).max)
         return (
             f"{count} of its finite values (up to {largest:g} in magnitude) lie "
