@@ -153,6 +153,12 @@ def test_shard_reports_every_bad_leaf(mesh):
             TypeError,
             r"'a' \(\|V2\).*view\(jnp.bfloat16\)",
         ),
+        (  # `jax.grad(..., allow_int=True)` of an integer array: not raw bytes
+            jax.grad(lambda t: 0.0, allow_int=True)({"i": jnp.arange(4)}),
+            P(),
+            TypeError,
+            r"'i' .*float0, the gradient of an integer.*eqx.filter_grad",
+        ),
         (
             {"a": jax.ShapeDtypeStruct((8,), jnp.float32)},
             P(),

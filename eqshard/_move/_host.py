@@ -57,6 +57,7 @@ import functools as ft
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -364,6 +365,12 @@ def unplaceable(dtype: np.dtype) -> str | None:
     big-endian array is converted to native byte order, losslessly)."""
     if dtype.kind == "O":
         return "Python objects; make them numeric arrays"
+    if dtype == jax.dtypes.float0:
+        return (
+            "float0, the gradient of an integer or bool array, which holds no "
+            "values; leave it out of the tree (`eqx.filter(tree, "
+            "eqx.is_inexact_array)`, or gradients from `eqx.filter_grad`)"
+        )
     if dtype.type is np.void:
         return (
             "raw bytes; a bfloat16 array saved with `np.save` loads as '|V2': "
