@@ -688,6 +688,25 @@ def test_an_orbax_checkpoint_of_two_arrays_under_one_name_is_refused(tmp_path):
     _assert_same(eqshard.restore(tmp_path / "e", host, P(), mesh), host)
 
 
+def test_arrays_of_one_size_and_another_shape_are_a_mismatch_not_a_view(tmp_path):
+    # A (2, 3, 4) restored into a (4, 3, 2) `like` (and a (2, 3, 4, 5) into a
+    # (4, 3, 2, 5)) was reshaped silently, read as another view of stacked layers.
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    host = {
+        "a": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        "b": np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5),
+    }
+    eqshard.save(tmp_path / "c", host)
+    like = {
+        "a": jax.ShapeDtypeStruct((4, 3, 2), jnp.float32),
+        "b": jax.ShapeDtypeStruct((4, 3, 2, 5), jnp.float32),
+    }
+    with pytest.raises(ValueError) as caught:
+        eqshard.restore(tmp_path / "c", like, P(), mesh)
+    assert "'a': shape (2, 3, 4) there, (4, 3, 2) in `like`" in str(caught.value)
+    assert "'b': shape (2, 3, 4, 5) there, (4, 3, 2, 5)" in str(caught.value)
+
+
 def test_restore_onto_device_and_host_memory(tmp_path):
     # Arrays for a CPU device's own memory are read into it, those for its host
     # memories by orbax: both bit-exact, on the shardings asked for.
