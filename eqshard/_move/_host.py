@@ -196,14 +196,17 @@ def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
         if _within_range(source, out.dtype):
             return None
         bad = ~np.isfinite(out)
+        kept = np.isfinite(source)  # inf and nan stay so, where the type has them
         if source.dtype.kind != "c" and jnp.issubdtype(out.dtype, jnp.floating):
             bound = overflow_bound(out.dtype)  # saturated, where no inf or nan
             bad |= (source > bound) | (source < -bound)
+            if saturates(out.dtype):  # inf became its largest, nan another value
+                bad, kept = bad | ~kept, True
+        bad &= kept
         if bad.any():
-            bad &= np.isfinite(source)
-            if bad.any():
-                largest = float(np.abs(source[bad]).max())
-                return Lost(out.dtype, int(bad.sum()), largest)
+            magnitudes = np.abs(source[bad])
+            largest = float(magnitudes.max(initial=0, where=~np.isnan(magnitudes)))
+            return Lost(out.dtype, int(bad.sum()), largest)
     return None
 
 
@@ -263,9 +266,9 @@ def overflow_text(count: int, largest: float, dtype: np.dtype) -> str:
     if saturates(dtype):
         top = float(jnp.finfo(dtype).max)
         return (
-            f"{count} of its finite values (up to {largest:g} in magnitude) lie "
-            f"beyond the range of {dtype} (-{top:g} to {top:g}), which has no inf: "
-            f"they would become {top:g} in magnitude"
+            f"{count} of its values (up to {largest:g} in magnitude, or nan) lie "
+            f"beyond the range of {dtype} (-{top:g} to {top:g}), which has neither "
+            "inf nor nan to hold them"
         )
     return (
         f"{count} of its finite values (up to {largest:g} in magnitude) become inf "
