@@ -136,16 +136,6 @@ class Specs:
 
     def _count_error(self, count: int) -> ValueError | None:
         specs = self.in_specs
-        if isinstance(specs, dict | eqx.Module) or (
-            type(specs) is list and not is_partition_rules(specs)
-        ):  # a spec tree of one argument, given bare
-            return ValueError(
-                f"eqshard.{CALLER}: `in_specs` is a {type(specs).__name__}, but it "
-                "takes a tuple of one entry per positional argument (or one spec, "
-                "rules or callable for all of them): `in_specs=(specs,)` for the "
-                "spec tree of a function of one argument, `tuple(entries)` for a "
-                "list of entries."
-            )
         if type(specs) is tuple and not is_partition_rules(specs):
             if len(specs) != count:
                 return ValueError(
