@@ -681,11 +681,25 @@ def test_an_orbax_checkpoint_of_two_arrays_under_one_name_is_refused(tmp_path):
     checkpointer.save(tmp_path / "c", args=ocp.args.PyTreeSave(host))
     checkpointer.close()
     mesh = _mesh((8,), ("dp",))
-    with pytest.raises(ValueError, match="'a/b' and 'a.b' under one name, 'a.b'"):
+    with pytest.raises(ValueError, match="'a/b' and 'a.b' in one place, as 'a.b'"):
         eqshard.restore(tmp_path / "c", host, P(), mesh)
     # eqshard's own save names them apart.
     eqshard.save(tmp_path / "e", host)
     _assert_same(eqshard.restore(tmp_path / "e", host, P(), mesh), host)
+
+
+def test_save_refuses_names_tensorstore_reads_as_one(tmp_path):
+    # 'a' and 'a/' were written to one place: both restored as one array.
+    x, y = np.zeros(4, np.float32), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"arrays at 'a' and 'a/' in one place"):
+        eqshard.save(tmp_path / "c", {"a": x, "a/": y})
+    assert not os.path.exists(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"arrays at 'a/b' and 'a/b/' in one place"):
+        eqshard.save(tmp_path / "c", {"a": {"b": x, "b/": y}})
+    mesh = _mesh((8,), ("dp",))
+    for tree in ({"a/": x, "a//": y}, {"a": {"": x}, "b": y}):  # apart
+        eqshard.save(tmp_path / "d", tree, overwrite=True)
+        _assert_same(eqshard.restore(tmp_path / "d", tree, P(), mesh), tree)
 
 
 def test_arrays_of_one_size_and_another_shape_are_a_mismatch_not_a_view(tmp_path):
