@@ -241,11 +241,17 @@ def _describe_value(x: Any) -> str:
         return f"an array of shape {tuple(x.shape)}"
     if x is None:
         return "None"
+    kind = type(x).__name__  # a dict's own: an `OrderedDict` is another node
     if isinstance(x, dict):
-        return f"a dict with keys {keys_text(x.keys())}" if x else "an empty dict"
+        return (
+            f"{_a(kind)} with keys {keys_text(x.keys())}" if x else f"an empty {kind}"
+        )
     if isinstance(x, list | tuple):
-        return f"a {type(x).__name__} of length {len(x)}"
-    kind = type(x).__name__
+        return f"a {kind} of length {len(x)}"
+    return _a(kind)
+
+
+def _a(kind: str) -> str:
     return f"an {kind}" if kind[:1].lower() in "aeiou" else f"a {kind}"
 
 

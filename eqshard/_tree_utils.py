@@ -108,8 +108,8 @@ def unflatten_tree(
 
     A `ValueError` listing the names `like` has and `flat` lacks, and the names
     `flat` has and `like` lacks; without `like`, naming a name that is also the
-    start of another (`"a"` and `"a/b"`). A `TypeError` without `like` for a
-    name that is not a `str` (with `sep`) or a tuple (without).
+    start of another (`"a"` and `"a/b"`), or for `sep=""`. A `TypeError` without
+    `like` for a name that is not a `str` (with `sep`) or a tuple (without).
 
     !!! Example
 
@@ -141,6 +141,12 @@ def unflatten_tree(
 
 def _nested_dicts(flat: dict[Any, Any], sep: str | None) -> dict[Any, Any]:
     """Nested dicts from names split at `sep` (or tuples of keys)."""
+    if sep == "":
+        raise ValueError(
+            "eqshard.unflatten_tree: names joined with sep='' cannot be split "
+            "back into keys. Pass `like` for the structure, or flatten with "
+            "another `sep` (e.g. '/')."
+        )
     leaves: dict[tuple[Any, ...], Any] = {}  # parts -> the name of the leaf there
     through: dict[tuple[Any, ...], Any] = {}  # prefix -> a name that continues it
     for name in flat:

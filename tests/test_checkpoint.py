@@ -141,6 +141,22 @@ def test_specs_none_keeps_like_shardings_and_dtype_casts(tmp_path):
     assert out["h"].sharding == NamedSharding(mesh, P())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float4_e2m1fn, jnp.float8_e8m0fnu])
+def test_restore_refuses_casts_its_read_cannot_check(tmp_path, dtype):
+    # Read by tensorstore, float4_e2m1fn saturated 100 to 6 and float8_e8m0fnu
+    # gave 1.0 as 5e-20, both silently.
+    mesh = _mesh((8,), ("dp",))
+    host = {"x": np.array([1.0, 100.0, -2.0, 4.0] * 2, np.float32)}
+    eqshard.save(tmp_path / "c", host)
+    with pytest.raises(ValueError, match=r"casts the arrays at 'x' to float"):
+        eqshard.restore(tmp_path / "c", host, P("dp"), mesh, dtype=dtype)
+    # Restored uncast, `shard` casts and refuses what the cast would lose.
+    out = eqshard.restore(tmp_path / "c", host, P("dp"), mesh)
+    assert np.asarray(out["x"]).tobytes() == host["x"].tobytes()
+    with pytest.raises(ValueError, match="'x'"):
+        eqshard.shard(out, P("dp"), mesh, dtype=dtype)
+
+
 def test_save_refuses_existing_directory_unless_overwrite(tmp_path):
     eqshard.save(tmp_path / "c", {"a": np.zeros(2, np.float32)})
     with pytest.raises(ValueError, match="overwrite=True"):
@@ -654,6 +670,55 @@ def test_restore_a_nested_orbax_checkpoint(tmp_path, ocdbt, zarr3):
         eqshard.restore(
             tmp_path / "c", {**host, "layers": host["layers"][:1]}, P(), mesh
         )
+
+
+def test_an_orbax_checkpoint_of_two_arrays_under_one_name_is_refused(tmp_path):
+    # orbax names `{"a": {"b": x}}` and `{"a.b": y}` both 'a.b' and keeps one
+    # array's data: restoring gave it at both paths.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    host = {"a": {"b": np.zeros(4, np.float32)}, "a.b": np.ones(4, np.float32)}
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    checkpointer.save(tmp_path / "c", args=ocp.args.PyTreeSave(host))
+    checkpointer.close()
+    mesh = _mesh((8,), ("dp",))
+    with pytest.raises(ValueError, match="'a/b' and 'a.b' in one place, as 'a.b'"):
+        eqshard.restore(tmp_path / "c", host, P(), mesh)
+    # eqshard's own save names them apart.
+    eqshard.save(tmp_path / "e", host)
+    _assert_same(eqshard.restore(tmp_path / "e", host, P(), mesh), host)
+
+
+def test_save_refuses_names_tensorstore_reads_as_one(tmp_path):
+    # 'a' and 'a/' were written to one place: both restored as one array.
+    x, y = np.zeros(4, np.float32), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"arrays at 'a' and 'a/' in one place"):
+        eqshard.save(tmp_path / "c", {"a": x, "a/": y})
+    assert not os.path.exists(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"arrays at 'a/b' and 'a/b/' in one place"):
+        eqshard.save(tmp_path / "c", {"a": {"b": x, "b/": y}})
+    mesh = _mesh((8,), ("dp",))
+    for tree in ({"a/": x, "a//": y}, {"a": {"": x}, "b": y}):  # apart
+        eqshard.save(tmp_path / "d", tree, overwrite=True)
+        _assert_same(eqshard.restore(tmp_path / "d", tree, P(), mesh), tree)
+
+
+def test_arrays_of_one_size_and_another_shape_are_a_mismatch_not_a_view(tmp_path):
+    # A (2, 3, 4) restored into a (4, 3, 2) `like` (and a (2, 3, 4, 5) into a
+    # (4, 3, 2, 5)) was reshaped silently, read as another view of stacked layers.
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    host = {
+        "a": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        "b": np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5),
+    }
+    eqshard.save(tmp_path / "c", host)
+    like = {
+        "a": jax.ShapeDtypeStruct((4, 3, 2), jnp.float32),
+        "b": jax.ShapeDtypeStruct((4, 3, 2, 5), jnp.float32),
+    }
+    with pytest.raises(ValueError) as caught:
+        eqshard.restore(tmp_path / "c", like, P(), mesh)
+    assert "'a': shape (2, 3, 4) there, (4, 3, 2) in `like`" in str(caught.value)
+    assert "'b': shape (2, 3, 4, 5) there, (4, 3, 2, 5)" in str(caught.value)
 
 
 def test_restore_onto_device_and_host_memory(tmp_path):

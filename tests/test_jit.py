@@ -144,6 +144,12 @@ def test_filter_jit_errors_name_what_and_where(mesh):
 
     with pytest.raises(ValueError, match=r"filter_jit: `in_specs` has 3 entries.* 2"):
         eqshard.filter_jit(apply, in_specs=(None, P("dp"), P()), mesh=mesh)(model, x)
+    # A bare spec tree, or a list of entries, was 'has a dict where `tree` has a
+    # tuple of length 1': the arguments' tuple, which the caller never wrote.
+    specs = eqshard.match_partition_rules(RULES, model)
+    for bare, kind in [(specs, "Net"), ({"x": P()}, "dict"), ([None, P()], "list")]:
+        with pytest.raises(ValueError, match=rf"`in_specs` is a {kind}, .*\(specs,\)"):
+            eqshard.filter_jit(lambda t: t, in_specs=bare, mesh=mesh)(model)
     with pytest.raises(
         ValueError, match=r"`out_specs` has 2 at '<root>'.*2 positional"
     ):

@@ -203,6 +203,24 @@ def test_save_refuses_dtypes_without_a_name(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_save_refuses_the_reserved_name_metadata_and_keeps_the_old_file(tmp_path):
+    # A tensor named '__metadata__' made a file no reader could open.
+    path = tmp_path / "x.safetensors"
+    eqshard.save_safetensors(path, {"w": np.ones(2, np.float32)})
+    for tree, sep in [
+        ({"__metadata__": np.zeros(2, np.float32)}, "."),
+        ({"__meta": {"data__": np.zeros(2, np.float32)}}, ""),
+    ]:
+        with pytest.raises(ValueError, match="would be named '__metadata__'"):
+            eqshard.save_safetensors(path, tree, sep=sep, overwrite=True)
+        assert list(safetensors.numpy.load_file(str(path))) == ["w"]
+    # A path that only starts with it is another name, and reads back.
+    eqshard.save_safetensors(
+        path, {"__metadata__": {"x": np.zeros(2, np.float32)}}, overwrite=True
+    )
+    assert list(safetensors.numpy.load_file(str(path))) == ["__metadata__.x"]
+
+
 def test_round_trip_of_scalars_and_empty_arrays(tmp_path):
     mesh = _mesh((2, 4), ("dp", "tp"))
     tree = {"s": np.array(2.5, np.float32), "e": np.zeros((0, 4), np.int8)}

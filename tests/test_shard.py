@@ -153,6 +153,12 @@ def test_shard_reports_every_bad_leaf(mesh):
             TypeError,
             r"'a' \(\|V2\).*view\(jnp.bfloat16\)",
         ),
+        (  # `jax.grad(..., allow_int=True)` of an integer array: not raw bytes
+            jax.grad(lambda t: 0.0, allow_int=True)({"i": jnp.arange(4)}),
+            P(),
+            TypeError,
+            r"'i' .*float0, the gradient of an integer.*eqx.filter_grad",
+        ),
         (
             {"a": jax.ShapeDtypeStruct((8,), jnp.float32)},
             P(),
@@ -472,6 +478,30 @@ def test_dtype_casts_at_the_edge_of_the_range(mesh, dtype, resident):
     want = tree["edge"].astype(dtype)
     assert np.all(np.isfinite(want.astype(np.float32)))
     assert np.asarray(out["edge"]).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_dtype_casts_to_types_without_inf_or_without_sign_are_checked(mesh, resident):
+    # float4_e2m1fn has no inf or nan: 100 became its largest, 6, silently.
+    # float8_e8m0fnu holds neither 0 nor negatives: they became nan silently.
+    values = np.array([1.0, 100.0, -3.0, 0.0, 2.0, 4.0, 6.5, -6.9], np.float32)
+    source = jax.device_put(values, jax.devices()[0]) if resident else values
+    with pytest.raises(ValueError, match=r"'x'.*1 of its values.*float4"):
+        eqshard.shard({"x": source}, P("tp"), mesh, dtype=jnp.float4_e2m1fn)
+    with pytest.raises(ValueError, match=r"'x'.*3 of its finite values.*e8m0"):
+        eqshard.shard({"x": source}, P("tp"), mesh, dtype=jnp.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"'x'.*beyond the range of float4"):
+        eqshard.gather({"x": source}, dtype=jnp.float4_e2m1fn)
+    # Nor has it room for inf and nan: NumPy's cast gives 6 and -0 for them.
+    odd = np.array([np.inf, np.nan, 1.0, 2.0] * 2, np.float32)
+    odd = jax.device_put(odd, jax.devices()[0]) if resident else odd
+    with pytest.raises(ValueError, match=r"'x'.*4 of its values.*neither inf nor"):
+        eqshard.shard({"x": odd}, P("tp"), mesh, dtype=jnp.float4_e2m1fn)
+    # In range, values round as NumPy's cast rounds them (6.5 and -6.9 to 6).
+    fits = np.where(values == 100.0, 5.0, values).astype(np.float32)
+    out = eqshard.shard({"x": fits}, P("tp"), mesh, dtype=jnp.float4_e2m1fn)
+    want = fits.astype(jnp.float4_e2m1fn)
+    assert np.asarray(out["x"]).tobytes() == want.tobytes()
 
 
 def test_dtype_tree_casts_only_where_it_says(mesh):

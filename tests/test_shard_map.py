@@ -435,6 +435,11 @@ def test_usage_errors(mesh):
         )(x, [{1}])
     with pytest.raises(ValueError, match="no mesh"):
         eqshard.filter_shard_map(lambda x: x, in_specs=P(), out_specs=P())(np.zeros(8))
+    # The spec tree of one argument, given bare, not in a tuple of one.
+    with pytest.raises(ValueError, match=r"`in_specs` is a dict, .*`\(specs,\)`"):
+        eqshard.filter_shard_map(
+            lambda t: t, in_specs={"a": P("dp")}, out_specs=P(), mesh=mesh
+        )({"a": x})
 
 
 def test_gradients_flow_through(mesh):

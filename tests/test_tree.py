@@ -1,3 +1,4 @@
+import collections
 from collections.abc import Callable
 
 import equinox as eqx
@@ -127,6 +128,19 @@ def test_named_tree_map_childless_node_error_names_path(tree, other, match):
         eqshard.named_tree_map(lambda n, x, y: x, tree, other)
 
 
+def test_a_dict_and_a_dict_subclass_are_told_apart_in_the_message():
+    # Both were 'a dict with keys 'a', 'b'': the message named no difference.
+    tree = collections.defaultdict(list, {"a": 1, "b": 2})
+    with pytest.raises(ValueError, match=r"has a dict with keys 'a', 'b' where "):
+        eqshard.tree_apply({"a": None, "b": None}, tree)
+    with pytest.raises(ValueError, match=r"`tree` has a defaultdict with keys 'a'"):
+        eqshard.tree_apply({"a": None, "b": None}, tree)
+    with pytest.raises(ValueError, match=r"`tree` has an OrderedDict with keys"):
+        eqshard.named_tree_map(
+            lambda n, x, y: x, collections.OrderedDict(a=1), {"a": 1}, sep="/"
+        )
+
+
 def test_tree_apply_prefix_and_none():
     tree = {"a": 1, "b": [2, 3], "m": _block()}
     fns = {"a": lambda x: x + 1, "b": lambda xs: sum(xs), "m": None}
@@ -220,6 +234,7 @@ def test_unflatten_tree_without_like_rebuilds_nested_dicts(flat, sep, expected):
         ({"a/b": 1, "a": 2}, "/", ValueError, r"'a' is a leaf, but 'a/b' continues"),
         ({1: 2}, "/", TypeError, r"the name 1 \(a int\) cannot be split"),
         ({"a": 1}, None, TypeError, r"the name 'a' is not a non-empty tuple.*sep="),
+        ({"ab": 1}, "", ValueError, r"names joined with sep='' cannot be split"),
     ],
 )
 def test_unflatten_tree_without_like_errors(flat, sep, error, match):

@@ -19,6 +19,7 @@ import numpy as np
 from .._tree import (
     collision_message,
     path_name,
+    path_str,
     paths_text,
 )
 from .._typing import KeyPath
@@ -277,6 +278,47 @@ def lie_error(caller: str, file: str, field: str, what: str) -> ValueError:
     return damaged_error(caller, repr(file), f"its field '{field}' {what}")
 
 
+def storage_key(name: str) -> str:
+    """Where the files of orbax's checkpoint keep the data of the array named
+    `name`: tensorstore reads a name and the same name with one '/' more (`a`
+    and `a/`) as one place."""
+    return name if name.endswith("/") else name + "/"
+
+
+def one_place_error(
+    caller: str, where: str, first: tuple[KeyPath, str], second: tuple[KeyPath, str]
+) -> ValueError:
+    """The error for two arrays whose data one place holds in orbax's files."""
+    return ValueError(
+        f"eqshard.{caller}: {where} the arrays at '{path_str(first[0])}' and "
+        f"'{path_str(second[0])}' in one place, as {first[1]!r} and {second[1]!r} "
+        "(orbax joins a path's keys with '.', and tensorstore reads a name and the "
+        "same name with one '/' more as one), so the files keep the data of only "
+        "one of them. Rename one of the keys, and save again."
+    )
+
+
+def _check_names_apart(
+    path_leaves: list[tuple[KeyPath, Any]],
+    names: list[str | None],
+    path: str,
+    caller: str,
+) -> None:
+    """Raises if two arrays have one place for their data in orbax's files
+    (`{"a": {"b": x}}` and `{"a.b": y}` saved by orbax, `a` and `a/`): one
+    array's data was written over the other's when the checkpoint was saved,
+    and reading would give it at both paths."""
+    holder: dict[str, tuple[KeyPath, str]] = {}
+    for (key, _), name in zip(path_leaves, names, strict=True):
+        if name is None:
+            continue
+        place = storage_key(name)
+        if place in holder:
+            where = f"the checkpoint at {path!r} holds"
+            raise one_place_error(caller, where, holder[place], (key, name))
+        holder[place] = (key, name)
+
+
 def _orbax_leaf(meta: Any) -> bool:
     return not isinstance(meta, dict | list | tuple)
 
@@ -345,6 +387,7 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         dtype = np.dtype(meta.dtype)
         shape = tuple(int(n) for n in meta.shape)
         found[name], where[name] = Saved(shape, dtype, dtype, index), key
+    _check_names_apart(path_leaves, names, path, caller)
     for name, entry in ({} if own is None else own[1]).items():
         field = f"arrays/{name}"
         if entry.stored == entry.dtype:  # zero-size: in eqshard's file only

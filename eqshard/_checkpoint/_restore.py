@@ -19,7 +19,15 @@ from jaxtyping import PyTree
 
 from .._internals import routes
 from .._keys import is_key
-from .._move._host import converted, leaf_casts, loss_error, Lost, lost_text
+from .._move._host import (
+    converted,
+    leaf_casts,
+    loss_error,
+    Lost,
+    lost_text,
+    saturates,
+    signed_with_zero,
+)
 from .._move._multiprocess import check_timeout, fail_together, meet
 from .._move._threads import in_cpu_memory
 from .._spectree._check_spec import (
@@ -27,6 +35,7 @@ from .._spectree._check_spec import (
     check_spec_on_mesh,
 )
 from .._spectree._derive import abstract_tree
+from .._tree import paths_text
 from .._typing import check_choice, KeyPath, ON_INVALID, OnInvalid, typecheck
 from ._blocks import read_blocks
 from ._disk import (
@@ -39,6 +48,7 @@ from ._disk import (
     unreadable_error,
 )
 from ._restore_like import like_and_specs, needs_arguments
+from ._save import tensorstore_has
 from ._swap import generation, lock_holder
 from ._targets import (
     abstract_target_error,
@@ -385,6 +395,7 @@ def _compared(
         target = abstract_tree(like, specs, mesh, caller=caller, check=check)
         placed = jtu.tree_leaves(target)
     casts = leaf_casts(dtype, like, caller=caller)
+    _check_read_casts(named, casts, caller)
     targets = target_structs(named, placed, casts, caller)
     try:  # the checkpoint's description, compared with the targets
         saved, held = saved_arrays(ocp, path, caller)
@@ -402,6 +413,38 @@ def _compared(
     except ValueError as error:
         raise _during_save(caller, path, before, error) from error.__cause__
     return _Plan(named, targets, saved, casts, held, before, views)
+
+
+def _check_read_casts(
+    named: dict[str, tuple[int, KeyPath, Any]],
+    casts: list[np.dtype | None],
+    caller: str,
+) -> None:
+    """Refuses casts that orbax's read cannot be trusted with: `_losses` finds
+    what a cast lost by the values that became inf or nan, which misses a type
+    that saturates (float4_e2m1fn) or holds no 0 or negatives (tensorstore
+    turned 1.0 into 5e-20 as float8_e8m0fnu), and tensorstore converts to its
+    own types only."""
+    bad = [
+        (path, cast)
+        for i, path, _ in named.values()
+        if (cast := casts[i]) is not None
+        and (
+            saturates(cast)
+            or not signed_with_zero(cast)
+            or not tensorstore_has(cast.name)
+        )
+    ]
+    if bad:
+        raise ValueError(
+            f"eqshard.{caller}: `dtype=` casts the arrays at "
+            f"{paths_text([path for path, _ in bad])} to {bad[0][1]}, which the "
+            "read cannot cast to and check: it has no inf (values past its range "
+            "would become its largest), holds no 0 or negative values, or "
+            "tensorstore lacks it. Restore them uncast (`None` at their paths in "
+            "`dtype`), then cast with `eqshard.shard(tree, dtype=...)`, which "
+            "checks every value."
+        )
 
 
 def _lost_error(caller: str, plan: _Plan, lost: dict[str, Lost]) -> ValueError:
@@ -464,7 +507,7 @@ def restore(
     **Raises:**
 
     `ValueError` naming every array missing, extra, or of another shape or dtype,
-    the arrays with no sharding or whose values would be lost; if the checkpoint
+    the arrays with no sharding or whose values could be lost; if the checkpoint
     is missing or damaged, a save to `directory` finished meanwhile (restore
     again), `specs` does not fit (as [`eqshard.shard`][]), with
     `on_invalid="raise"` every spec that would change, or another process fails or

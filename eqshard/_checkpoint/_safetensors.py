@@ -68,7 +68,7 @@ from .._move._multiprocess import (
 )
 from .._spectree._derive import abstract_tree
 from .._spectree._resolve import resolve_specs
-from .._tree import abstract_leaf_error
+from .._tree import abstract_leaf_error, path_str
 from .._typing import typecheck
 from ._safetensors_files import DTYPES, files_of, header, NAMES
 from ._safetensors_reads import block_bounds, place, read_tensor
@@ -390,12 +390,12 @@ def save_safetensors(
     - `TypeError` naming the arrays of a dtype eqshard cannot write to
       safetensors (such as int4, float4 or complex128), before anything is
       written, or if `tree` holds `jax.ShapeDtypeStruct`s.
-    - `ValueError` naming both paths if two arrays get the same name; if the
+    - `ValueError` naming both paths if two arrays get the same name, or the
+      path of one named `__metadata__` (a name safetensors reserves); if the
       directory of `path` is not there, something is at `path` (without
       `overwrite`, or other than a regular file), or the file cannot be
-      written; or, in a
-      multi-process run, if the other processes do not make the same call
-      within `timeout` seconds.
+      written; or, in a multi-process run, if the other processes do not make
+      the same call within `timeout` seconds.
 
     !!! Example
 
@@ -406,6 +406,14 @@ def save_safetensors(
     caller = "save_safetensors"
     check_timeout(caller, timeout)
     named = named_arrays(tree, caller, sep)
+    reserved = named.get("__metadata__")
+    if reserved is not None:  # the header's entry for the file's own metadata
+        raise ValueError(
+            f"eqshard.{caller}: the array at '{path_str(reserved[1])}' would be "
+            "named '__metadata__', which safetensors keeps for the file's own "
+            "metadata, so no reader could open the file. Rename that key, or "
+            "leave the array out of `tree`. Nothing was written."
+        )
     structs = [p for _, p, x in named.values() if isinstance(x, jax.ShapeDtypeStruct)]
     if structs:
         raise abstract_leaf_error(caller, structs)

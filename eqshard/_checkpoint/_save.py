@@ -24,7 +24,7 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory, check_staged
+from ._disk import check_directory, check_staged, one_place_error, storage_key
 from ._swap import (
     literal_name,
     OWN_FILE,
@@ -42,7 +42,7 @@ _SAME_WIDTH = {2: "int2", 4: "int4", 8: "uint8", 16: "uint16", 32: "uint32"}
 
 
 @ft.lru_cache(maxsize=256)
-def _tensorstore_has(name: str) -> bool:
+def tensorstore_has(name: str) -> bool:
     import tensorstore
 
     try:
@@ -52,14 +52,14 @@ def _tensorstore_has(name: str) -> bool:
     return True
 
 
-register(_tensorstore_has.cache_clear)
+register(tensorstore_has.cache_clear)
 
 
 def _stored_as(dtype: np.dtype) -> np.dtype | None:
     """The dtype orbax holds arrays of `dtype` in: `dtype` itself, or an integer
     type of the same width whose bits are saved (where tensorstore has no name for
     `dtype`); `None` if neither can."""
-    if _tensorstore_has(dtype.name):
+    if tensorstore_has(dtype.name):
         return dtype
     if jnp.issubdtype(dtype, jnp.integer):
         bits = jnp.iinfo(dtype).bits
@@ -68,7 +68,7 @@ def _stored_as(dtype: np.dtype) -> np.dtype | None:
     else:
         return None
     view = _SAME_WIDTH.get(bits)
-    return np.dtype(jnp.dtype(view)) if view and _tensorstore_has(view) else None
+    return np.dtype(jnp.dtype(view)) if view and tensorstore_has(view) else None
 
 
 def _unsavable(leaf: Any) -> tuple[str, bool] | None:
@@ -123,6 +123,24 @@ def _check_leaves(
         kind = TypeError if any(typed for *_, typed in bad) else ValueError
         raise kind(listing(head, lines))
     return own
+
+
+def _check_apart(
+    named: dict[str, tuple[int, KeyPath, Any]],
+    own: dict[str, dict[str, Any]],
+    caller: str,
+) -> None:
+    """Refuses two arrays orbax would write to one place (`a` and `a/`, see
+    `storage_key`): one would overwrite the other."""
+    holder: dict[str, tuple[KeyPath, str]] = {}
+    for name, (_, path, _) in named.items():
+        if name in own and own[name]["saved_as"] is None:
+            continue  # zero-size: in eqshard's file alone
+        place = storage_key(name)
+        if place in holder:
+            where = "nothing was written, as orbax would store"
+            raise one_place_error(caller, where, holder[place], (path, name))
+        holder[place] = (path, name)
 
 
 def _bits(leaf: Any, stored: np.dtype) -> Any:
@@ -194,9 +212,10 @@ def save(
     - `ValueError` if `directory` exists (and not `overwrite`), holds something
       other than a checkpoint, or its parent is a file; if another save to it is
       under way (naming its host, process and `<directory>.eqshard-lock`); if two
-      arrays have the same path string; if writing fails or does not read back
-      (nothing is replaced); or if another process fails, passes another tree or
-      does not come within `timeout` seconds.
+      arrays have the same path, or orbax would store two in one place (`a`,
+      `a/`); if writing fails or does not read back (nothing is replaced); or if
+      another process fails, passes another tree or does not come within
+      `timeout` seconds.
     - `ImportError` if orbax-checkpoint is not installed
       (`pip install "eqshard[orbax]"`).
 
@@ -225,6 +244,7 @@ def save(
         try:
             named = named_arrays(tree, caller)
             own = _check_leaves(named, caller)
+            _check_apart(named, own, caller)
             if primary:  # the one writer: process 0 (see `_swap.py`)
                 _make_parent(path, caller)
                 lock = take_lock(path, new, caller)

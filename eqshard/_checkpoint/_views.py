@@ -6,7 +6,10 @@ runs keep `(L, ...)`. A checkpoint of one restores into the other: where a leaf
 of `like` and the array saved differ only in their leading layer axes (one or
 three of them, the same number of layers, the same dimensions after), the array
 is read in its saved shape, its layer axes whole and the dimensions after them
-laid out as the target's, then reshaped onto the target's sharding. Reshapes keep
+laid out as the target's, then reshaped onto the target's sharding. A target of
+three layer axes must have its stages laid out as the circular view's (over
+mesh axes as many as its dimension 1): arrays of the same size that merely
+differ in shape are a mismatch, not a view. Reshapes keep
 the row-major order, so every value is where `jax.lax.scan` over the layers
 expects it, bit for bit.
 """
@@ -37,6 +40,21 @@ def _leads(saved: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | 
         ):
             return a, b
     return None
+
+
+def _staged(target: jax.ShapeDtypeStruct) -> bool:
+    """Whether a target of three layer axes `(R, S, K, ...)` is laid out as the
+    circular view is: its dimension 1, the stages, over mesh axes of `S` devices
+    in all (`stacked(spec, stages=...)`). Other arrays of the same size (a
+    `(2, 3, 4)` saved, a `(4, 3, 2)` in `like`) differ in shape, not in view: a
+    reshape would scramble them silently."""
+    sharding = target.sharding
+    entry = None
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 1:
+        entry = sharding.spec[1]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    sizes = dict(sharding.mesh.shape) if isinstance(sharding, NamedSharding) else {}
+    return math.prod(sizes[name] for name in names) == target.shape[1]
 
 
 def _read_as(
@@ -70,7 +88,7 @@ def layer_views(
             continue
         shape = tuple(saved[name].shape)
         leads = _leads(shape, tuple(target.shape))
-        if leads is None:
+        if leads is None or (leads[1] == 3 and not _staged(target)):
             continue
         i, path, leaf = named[name]
         read[name] = _read_as(target, shape, leads)

@@ -10,8 +10,10 @@ needed, converted on host, in one pass over its data:
    arrays to 32 bits silently (int64 `2**40 + 7` became `7`, float64 `1e300`
    became `inf`). Every cast, asked for or not, is checked with vectorised NumPy
    reductions over the result: integers must fit the narrower type (`min`/`max`),
-   and floats must stay finite where they were (`isfinite`). Rounding to the
-   narrower float's precision is the cast's meaning and is not an error.
+   and floats must stay finite where they were (`isfinite`) and, for a type with
+   no inf that saturates instead (float4_e2m1fn), within its range
+   (`overflow_bound`). Rounding to the narrower float's precision is the cast's
+   meaning and is not an error.
    Big-endian arrays are converted to native byte order, which loses nothing.
 3. **No aliasing.** On CPU, `jax.device_put` may place a suitably aligned NumPy
    array without copying it, so the caller's later writes to that buffer (a data
@@ -55,6 +57,7 @@ import functools as ft
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -193,11 +196,17 @@ def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
         if _within_range(source, out.dtype):
             return None
         bad = ~np.isfinite(out)
+        kept = np.isfinite(source)  # inf and nan stay so, where the type has them
+        if source.dtype.kind != "c" and jnp.issubdtype(out.dtype, jnp.floating):
+            bound = overflow_bound(out.dtype)  # saturated, where no inf or nan
+            bad |= (source > bound) | (source < -bound)
+            if saturates(out.dtype):  # inf became its largest, nan another value
+                bad, kept = bad | ~kept, True
+        bad &= kept
         if bad.any():
-            bad &= np.isfinite(source)
-            if bad.any():
-                largest = float(np.abs(source[bad]).max())
-                return Lost(out.dtype, int(bad.sum()), largest)
+            magnitudes = np.abs(source[bad])
+            largest = float(magnitudes.max(initial=0, where=~np.isnan(magnitudes)))
+            return Lost(out.dtype, int(bad.sum()), largest)
     return None
 
 
@@ -211,15 +220,56 @@ def _within_range(source: np.ndarray, dtype: np.dtype) -> bool:
     real = jnp.issubdtype(source.dtype, jnp.integer) or jnp.issubdtype(
         source.dtype, jnp.floating
     )
-    if not (real and jnp.issubdtype(dtype, jnp.floating)):
+    if not (real and signed_with_zero(dtype)):
         return False
     largest = float(jnp.finfo(dtype).max)
     return bool(source.min() >= -largest and source.max() <= largest)
 
 
+@ft.lru_cache(maxsize=64)
+def signed_with_zero(dtype: np.dtype) -> bool:
+    """Whether the floating `dtype` holds 0 and negative values, so that its
+    finite range is `[-max, max]` (float8_e8m0fnu, a power of two, holds
+    neither: they become nan)."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(np.isfinite(np.array([-1.0, 0.0]).astype(dtype)).all())
+
+
+@ft.lru_cache(maxsize=64)
+def saturates(dtype: np.dtype) -> bool:
+    """Whether the floating `dtype` has neither inf nor nan for values past its
+    range, and gives its largest value instead (float4_e2m1fn)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.array(1e300).astype(dtype)))
+
+
+@ft.lru_cache(maxsize=64)
+def overflow_bound(dtype: np.dtype) -> float:
+    """The magnitude beyond which a cast to the floating `dtype` overflows: its
+    largest value plus half a unit in the last place there. Past it, most types
+    give inf or nan; those with neither (float4_e2m1fn) saturate, giving their
+    largest value, which `isfinite` cannot tell from a rounding."""
+    info = jnp.finfo(dtype)
+    return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
+
+
+for _cache in (signed_with_zero, saturates, overflow_bound):
+    register(_cache.cache_clear)
+
+
 def overflow_text(count: int, largest: float, dtype: np.dtype) -> str:
     """What a floating cast to `dtype` lost: `count` finite values, the largest
-    `largest` in magnitude, became inf or nan."""
+    `largest` in magnitude, became inf or nan (or, in a type with neither, its
+    largest value)."""
+    if saturates(dtype):
+        top = float(jnp.finfo(dtype).max)
+        return (
+            f"{count} of its values (up to {largest:g} in magnitude, or nan) lie "
+            f"beyond the range of {dtype} (-{top:g} to {top:g}), which has neither "
+            "inf nor nan to hold them"
+        )
     return (
         f"{count} of its finite values (up to {largest:g} in magnitude) become inf "
         f"or nan in {dtype}"
@@ -318,6 +368,12 @@ def unplaceable(dtype: np.dtype) -> str | None:
     big-endian array is converted to native byte order, losslessly)."""
     if dtype.kind == "O":
         return "Python objects; make them numeric arrays"
+    if dtype == jax.dtypes.float0:
+        return (
+            "float0, the gradient of an integer or bool array, which holds no "
+            "values; leave it out of the tree (`eqx.filter(tree, "
+            "eqx.is_inexact_array)`, or gradients from `eqx.filter_grad`)"
+        )
     if dtype.type is np.void:
         return (
             "raw bytes; a bfloat16 array saved with `np.save` loads as '|V2': "

@@ -55,7 +55,7 @@ from .._caches import register
 from .._internals import cpu
 from .._keys import is_key
 from .._tree import placed_dtype
-from ._host import cast_lost, Lost, more_lost
+from ._host import cast_lost, Lost, more_lost, overflow_bound, saturates
 from ._threads import in_cpu_memory, movable, native, spread, SPREAD_UNIT
 
 
@@ -119,12 +119,18 @@ def _cast_checked(
     x: jax.Array, cast: np.dtype | None
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """`x` cast to `cast`, and (for a cast) how many finite values became inf or
-    nan, with the largest of them in magnitude."""
+    nan, or overflowed a type without either, with the largest of them in
+    magnitude."""
     if cast is None:
         return x, None
     y = x.astype(cast)
-    bad = jnp.isfinite(x) & ~jnp.isfinite(y)
-    largest = jnp.max(jnp.where(bad, jnp.abs(x), 0), initial=0).astype(jnp.float32)
+    bound = overflow_bound(cast)  # past it, a type without inf saturates
+    bad = ~jnp.isfinite(y) | (jnp.abs(x) > bound)
+    # inf and nan stay so, where the type has them; else they are lost too
+    bad = (bad | ~jnp.isfinite(x)) if saturates(cast) else (bad & jnp.isfinite(x))
+    finite_bad = bad & ~jnp.isnan(x)
+    largest = jnp.max(jnp.where(finite_bad, jnp.abs(x), 0), initial=0)
+    largest = largest.astype(jnp.float32)
     return y, (jnp.sum(bad), largest)
 
 

@@ -28,6 +28,7 @@ import functools as ft
 import re
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import AbstractMesh, Mesh
@@ -173,6 +174,13 @@ def resolve_specs(
     )
     if per_item and tree is not NO_TREE and is_partition_rules(specs):
         return tuple(resolve(specs, item, f"`{argname}`") for item in tree)
+    if per_item and (isinstance(specs, dict | list | eqx.Module)):
+        raise ValueError(  # the spec tree of one argument, given bare
+            f"eqshard.{caller}: `{argname}` is a {type(specs).__name__}, but it "
+            "takes a tuple of one entry per positional argument (or one spec, "
+            "rules or callable for all of them): `(specs,)` for the spec tree of a "
+            "function of one argument, `tuple(entries)` for a list of entries."
+        )
     if _to_resolve(specs):
         return resolve(specs, tree, f"`{argname}`")
     if isinstance(specs, AxisNames) or not any(
