@@ -1,5 +1,9 @@
 # `python -m eqshard`, run as users run it: in a subprocess. The default run is the
-# slow one (it compiles a training step), so it runs once for several tests.
+# slow one (it compiles a training step), so it runs once for several tests. The
+# bad options, each a message and status 2 before anything is planned, run what
+# the child would, `sys.exit(main(args))`, in this process (`_run_here`): a
+# child costs two seconds of starting JAX, and the runs below show the exit
+# status reaching the shell.
 # Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
 # MLP width 256, float32) and the mesh.
 
@@ -26,6 +30,24 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,
+    )
+
+
+def _run_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m eqshard ARGS` in this process: what `eqshard/__main__.py` runs,
+    `sys.exit(main(ARGS))`, its status and its output by file descriptor (as
+    a child's pipes would take it)."""
+    from eqshard._cli._main import main
+
+    capfd.readouterr()
+    try:
+        status = main(list(args))
+    except SystemExit as exit:  # argparse's errors
+        assert isinstance(exit.code, int), exit.code
+        status = exit.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(
+        ["python", "-m", "eqshard", *args], status, out, err
     )
 
 
@@ -230,10 +252,10 @@ def test_rules_file_arrow_between_regex_and_spec():
         ("\n.* ()\nembed/(weight  tp\n", "line 3"),
     ],
 )
-def test_malformed_rules_file(tmp_path, text, line):
+def test_malformed_rules_file(tmp_path, text, line, capfd):
     rules = tmp_path / "rules.txt"
     rules.write_text(text)
-    error = _one_line_error(_run("--rules", str(rules)))
+    error = _one_line_error(_run_here(capfd, "--rules", str(rules)))
     assert f"--rules {rules}, {line}:" in error
 
 
@@ -251,8 +273,8 @@ def test_malformed_rules_file(tmp_path, text, line):
         (("--bogus",), r"unrecognized arguments: --bogus \(see --help\)"),
     ],
 )
-def test_bad_options(args, match):
-    result = _run(*args)
+def test_bad_options(args, match, capfd):
+    result = _run_here(capfd, *args)
     assert re.search(match, _one_line_error(result))
     assert "Traceback" not in result.stderr
 
@@ -561,15 +583,9 @@ def test_missing_optax_is_a_clear_error():
         ),
     ],
 )
-def test_bad_model_options(args, match):
-    result = subprocess.run(
-        [sys.executable, "-m", "eqshard", *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=ROOT,
-    )
-    assert re.search(match, _one_line_error(result))
+def test_bad_model_options(args, match, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert re.search(match, _one_line_error(_run_here(capfd, *args)))
 
 
 def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
