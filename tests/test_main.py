@@ -1,9 +1,10 @@
 # `python -m eqshard`, run as users run it: in a subprocess. The default run is the
 # slow one (it compiles a training step), so it runs once for several tests. The
 # bad options, each a message and status 2 before anything is planned, run what
-# the child would, `sys.exit(main(args))`, in this process (`_run_here`): a
-# child costs two seconds of starting JAX, and the runs below show the exit
-# status reaching the shell.
+# the child would, `sys.exit(main(args))`, in this process (`_run_here`), and
+# so do the plans of `--model` on the command's 8 devices: a child costs two
+# seconds of starting JAX, and the runs in a subprocess show the command's own
+# devices and exit status reaching the shell.
 # Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
 # MLP width 256, float32) and the mesh.
 
@@ -397,14 +398,12 @@ def _tiny_parameters() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _run_model(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "eqshard", "--model", TINY, *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=ROOT,
-    )
+@pytest.fixture
+def run_model(capfd, monkeypatch):
+    """`python -m eqshard --model TINY ARGS` from the repository's root, run here
+    (`_run_here`: the command's own 8 devices are this process's)."""
+    monkeypatch.chdir(ROOT)
+    return lambda *args: _run_here(capfd, "--model", TINY, *args)
 
 
 def test_help_shows_the_planning_options():
@@ -428,8 +427,10 @@ def test_help_shows_the_planning_options():
     "optimizer, state_factor",
     [("adamw", 2), ("adam", 2), ("lion", 1), ("sgd", 0)],
 )
-def test_model_plans_parameters_gradients_and_optimizer_state(optimizer, state_factor):
-    result = _run_model("--optimizer", optimizer, "--mesh", "dp:8")
+def test_model_plans_parameters_gradients_and_optimizer_state(
+    optimizer, state_factor, run_model
+):
+    result = run_model("--optimizer", optimizer, "--mesh", "dp:8")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     params = sum(math.prod(shape) for shape in _tiny_parameters().values())
@@ -442,11 +443,11 @@ def test_model_plans_parameters_gradients_and_optimizer_state(optimizer, state_f
 
 
 @pytest.mark.slow
-def test_model_that_does_not_fit_exits_with_status_1():
-    fits = _run_model("--device-memory", "2MiB", "--param-dtype", "bfloat16")
+def test_model_that_does_not_fit_exits_with_status_1(run_model):
+    fits = run_model("--device-memory", "2MiB", "--param-dtype", "bfloat16")
     assert fits.returncode == 0, fits.stderr
     assert re.search(r"of 2\.0 MiB: fits, .* to spare", fits.stdout)
-    over = _run_model("--device-memory", "1MiB")
+    over = run_model("--device-memory", "1MiB")
     assert over.returncode == 1, over.stderr
     assert re.search(r"of 1\.0 MiB: DOES NOT FIT, .* over", over.stdout)
     assert "over budget" in over.stdout
@@ -471,11 +472,11 @@ def _abstract_bytes_per_device(rules_file, mesh_shape, names) -> int:
 
 
 @pytest.mark.slow
-def test_fit_proposes_rules_that_fit(tmp_path):
+def test_fit_proposes_rules_that_fit(tmp_path, run_model):
     # Replicated, the tiny model needs 1.6 MiB a device with AdamW: over budget.
-    assert _run_model("--mesh", "dp:8", "--device-memory", "512KiB").returncode == 1
+    assert run_model("--mesh", "dp:8", "--device-memory", "512KiB").returncode == 1
     saved = tmp_path / "fit.rules"
-    result = _run_model(
+    result = run_model(
         "--mesh",
         "dp:8",
         "--device-memory",
@@ -496,17 +497,17 @@ def test_fit_proposes_rules_that_fit(tmp_path):
         re.M,
     )
     # The proposal runs as a rules file, and fits there too.
-    again = _run_model(
+    again = run_model(
         "--mesh", "dp:8", "--device-memory", "512KiB", "--rules", str(saved)
     )
     assert again.returncode == 0, again.stderr
 
 
-def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path):
+def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path, run_model):
     rules = tmp_path / "tp.rules"
     rules.write_text("attn/(q|k|v)/weight  tp\nattn/o/weight  None,tp\n.*  ()\n")
     saved = tmp_path / "fit.rules"
-    result = _run_model(
+    result = run_model(
         "--mesh",
         "dp:2,tp:4",
         "--rules",
@@ -524,8 +525,8 @@ def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path):
     assert _abstract_bytes_per_device(saved, (2, 4), ("dp", "tp")) <= 720 * 1024
 
 
-def test_fit_that_cannot_fit_says_so_and_exits_1():
-    result = _run_model("--mesh", "dp:8", "--device-memory", "64KiB", "--fit")
+def test_fit_that_cannot_fit_says_so_and_exits_1(run_model):
+    result = run_model("--mesh", "dp:8", "--device-memory", "64KiB", "--fit")
     assert result.returncode == 1
     assert "no rules fit" in result.stdout and "DOES NOT FIT" in result.stdout
 
