@@ -2,9 +2,9 @@
 # slow one (it compiles a training step), so it runs once for several tests. The
 # bad options, each a message and status 2 before anything is planned, run what
 # the child would, `sys.exit(main(args))`, in this process (`_run_here`), and
-# so do the plans of `--model` on the command's 8 devices: a child costs two
-# seconds of starting JAX, and the runs in a subprocess show the command's own
-# devices and exit status reaching the shell.
+# so do the plans (`--plan-only`, `--model`, `--step`) on the command's default
+# 8 devices: a child costs two seconds of starting JAX, and the runs left in a
+# subprocess show the command's own devices and exit status reaching the shell.
 # Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
 # MLP width 256, float32) and the mesh.
 
@@ -173,8 +173,9 @@ def test_default_run_reports_its_training_step(default_run):
         ("tp:2,dp:4", "{'tp': 2, 'dp': 4}", r"8\.0 KiB", True),
     ],
 )
-def test_plan_only_with_mesh(mesh, shape, q_per_device, table):
-    result = _run("--plan-only", "--mesh", mesh, *(["--table"] if table else []))
+def test_plan_only_with_mesh(mesh, shape, q_per_device, table, capfd):
+    args = ("--plan-only", "--mesh", mesh, *(["--table"] if table else []))
+    result = _run_here(capfd, *args)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"mesh {shape}" in out and "eqx.filter_eval_shape" in out
@@ -187,8 +188,8 @@ def test_plan_only_with_mesh(mesh, shape, q_per_device, table):
     assert "train [" not in result.stderr and "verified" not in out
 
 
-def test_size_plans_an_abstract_model():
-    result = _run("--size", "1B", "--plan-only")
+def test_size_plans_an_abstract_model(capfd):
+    result = _run_here(capfd, "--size", "1B", "--plan-only")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert abs(_total_parameters(out) - 10**9) <= 0.1 * 10**9
@@ -406,8 +407,8 @@ def run_model(capfd, monkeypatch):
     return lambda *args: _run_here(capfd, "--model", TINY, *args)
 
 
-def test_help_shows_the_planning_options():
-    result = _run("--help")
+def test_help_shows_the_planning_options(capfd):
+    result = _run_here(capfd, "--help")
     assert result.returncode == 0
     for option in (
         "--model MODULE:CALLABLE",
@@ -662,20 +663,15 @@ def arguments():
 
 
 @pytest.mark.slow
-def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
+def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path, capfd, monkeypatch):
     # Replicated, the parameters and AdamW's state are ~100 KiB a device, but the
     # activations of a batch of 1024 rows a device do not fit in 1 MiB.
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "mlp.py").write_text(STEP_MODULE)
     saved = tmp_path / "fit.rules"
-    command = [sys.executable, "-m", "eqshard", "--step", "mlp.py:step"]
-    command += ["--args", "mlp.py:arguments", "--device-memory", "1MiB"]
-    fit = subprocess.run(
-        [*command, "--fit", "--save-rules", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=tmp_path,
-    )
+    command = ["--step", "mlp.py:step", "--args", "mlp.py:arguments"]
+    command += ["--device-memory", "1MiB"]
+    fit = _run_here(capfd, *command, "--fit", "--save-rules", str(saved))
     assert fit.returncode == 0, fit.stderr
     out = fit.stdout
     assert "argument 2: (2048, 32) float32, split over dp" in out
@@ -688,13 +684,7 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     )
     assert f"step report of {best[1]}:" in out
     # The rules saved compile to the same step, which fits.
-    again = subprocess.run(
-        [*command, "--rules", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=tmp_path,
-    )
+    again = _run_here(capfd, *command, "--rules", str(saved))
     assert again.returncode == 0, again.stderr
     peak = re.search(rf"^best: {re.escape(best[1])}, peak ([\d.]+ \w+),", out, re.M)
     assert peak is not None
