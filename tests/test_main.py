@@ -1,5 +1,10 @@
 # `python -m eqshard`, run as users run it: in a subprocess. The default run is the
-# slow one (it compiles a training step), so it runs once for several tests.
+# slow one (it compiles a training step), so it runs once for several tests. The
+# bad options, each a message and status 2 before anything is planned, run what
+# the child would, `sys.exit(main(args))`, in this process (`_run_here`), and
+# so do the plans (`--plan-only`, `--model`, `--step`) on the command's default
+# 8 devices: a child costs two seconds of starting JAX, and the runs left in a
+# subprocess show the command's own devices and exit status reaching the shell.
 # Expected sizes are worked out by hand from the demo model (dim 64, vocab 256,
 # MLP width 256, float32) and the mesh.
 
@@ -26,6 +31,24 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,
+    )
+
+
+def _run_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m eqshard ARGS` in this process: what `eqshard/__main__.py` runs,
+    `sys.exit(main(ARGS))`, its status and its output by file descriptor (as
+    a child's pipes would take it)."""
+    from eqshard._cli._main import main
+
+    capfd.readouterr()
+    try:
+        status = main(list(args))
+    except SystemExit as exit:  # argparse's errors
+        assert isinstance(exit.code, int), exit.code
+        status = exit.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(
+        ["python", "-m", "eqshard", *args], status, out, err
     )
 
 
@@ -150,8 +173,9 @@ def test_default_run_reports_its_training_step(default_run):
         ("tp:2,dp:4", "{'tp': 2, 'dp': 4}", r"8\.0 KiB", True),
     ],
 )
-def test_plan_only_with_mesh(mesh, shape, q_per_device, table):
-    result = _run("--plan-only", "--mesh", mesh, *(["--table"] if table else []))
+def test_plan_only_with_mesh(mesh, shape, q_per_device, table, capfd):
+    args = ("--plan-only", "--mesh", mesh, *(["--table"] if table else []))
+    result = _run_here(capfd, *args)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"mesh {shape}" in out and "eqx.filter_eval_shape" in out
@@ -164,8 +188,8 @@ def test_plan_only_with_mesh(mesh, shape, q_per_device, table):
     assert "train [" not in result.stderr and "verified" not in out
 
 
-def test_size_plans_an_abstract_model():
-    result = _run("--size", "1B", "--plan-only")
+def test_size_plans_an_abstract_model(capfd):
+    result = _run_here(capfd, "--size", "1B", "--plan-only")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert abs(_total_parameters(out) - 10**9) <= 0.1 * 10**9
@@ -230,10 +254,10 @@ def test_rules_file_arrow_between_regex_and_spec():
         ("\n.* ()\nembed/(weight  tp\n", "line 3"),
     ],
 )
-def test_malformed_rules_file(tmp_path, text, line):
+def test_malformed_rules_file(tmp_path, text, line, capfd):
     rules = tmp_path / "rules.txt"
     rules.write_text(text)
-    error = _one_line_error(_run("--rules", str(rules)))
+    error = _one_line_error(_run_here(capfd, "--rules", str(rules)))
     assert f"--rules {rules}, {line}:" in error
 
 
@@ -251,8 +275,8 @@ def test_malformed_rules_file(tmp_path, text, line):
         (("--bogus",), r"unrecognized arguments: --bogus \(see --help\)"),
     ],
 )
-def test_bad_options(args, match):
-    result = _run(*args)
+def test_bad_options(args, match, capfd):
+    result = _run_here(capfd, *args)
     assert re.search(match, _one_line_error(result))
     assert "Traceback" not in result.stderr
 
@@ -375,18 +399,16 @@ def _tiny_parameters() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _run_model(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "eqshard", "--model", TINY, *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=ROOT,
-    )
+@pytest.fixture
+def run_model(capfd, monkeypatch):
+    """`python -m eqshard --model TINY ARGS` from the repository's root, run here
+    (`_run_here`: the command's own 8 devices are this process's)."""
+    monkeypatch.chdir(ROOT)
+    return lambda *args: _run_here(capfd, "--model", TINY, *args)
 
 
-def test_help_shows_the_planning_options():
-    result = _run("--help")
+def test_help_shows_the_planning_options(capfd):
+    result = _run_here(capfd, "--help")
     assert result.returncode == 0
     for option in (
         "--model MODULE:CALLABLE",
@@ -406,8 +428,10 @@ def test_help_shows_the_planning_options():
     "optimizer, state_factor",
     [("adamw", 2), ("adam", 2), ("lion", 1), ("sgd", 0)],
 )
-def test_model_plans_parameters_gradients_and_optimizer_state(optimizer, state_factor):
-    result = _run_model("--optimizer", optimizer, "--mesh", "dp:8")
+def test_model_plans_parameters_gradients_and_optimizer_state(
+    optimizer, state_factor, run_model
+):
+    result = run_model("--optimizer", optimizer, "--mesh", "dp:8")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     params = sum(math.prod(shape) for shape in _tiny_parameters().values())
@@ -420,11 +444,11 @@ def test_model_plans_parameters_gradients_and_optimizer_state(optimizer, state_f
 
 
 @pytest.mark.slow
-def test_model_that_does_not_fit_exits_with_status_1():
-    fits = _run_model("--device-memory", "2MiB", "--param-dtype", "bfloat16")
+def test_model_that_does_not_fit_exits_with_status_1(run_model):
+    fits = run_model("--device-memory", "2MiB", "--param-dtype", "bfloat16")
     assert fits.returncode == 0, fits.stderr
     assert re.search(r"of 2\.0 MiB: fits, .* to spare", fits.stdout)
-    over = _run_model("--device-memory", "1MiB")
+    over = run_model("--device-memory", "1MiB")
     assert over.returncode == 1, over.stderr
     assert re.search(r"of 1\.0 MiB: DOES NOT FIT, .* over", over.stdout)
     assert "over budget" in over.stdout
@@ -449,11 +473,11 @@ def _abstract_bytes_per_device(rules_file, mesh_shape, names) -> int:
 
 
 @pytest.mark.slow
-def test_fit_proposes_rules_that_fit(tmp_path):
+def test_fit_proposes_rules_that_fit(tmp_path, run_model):
     # Replicated, the tiny model needs 1.6 MiB a device with AdamW: over budget.
-    assert _run_model("--mesh", "dp:8", "--device-memory", "512KiB").returncode == 1
+    assert run_model("--mesh", "dp:8", "--device-memory", "512KiB").returncode == 1
     saved = tmp_path / "fit.rules"
-    result = _run_model(
+    result = run_model(
         "--mesh",
         "dp:8",
         "--device-memory",
@@ -474,17 +498,17 @@ def test_fit_proposes_rules_that_fit(tmp_path):
         re.M,
     )
     # The proposal runs as a rules file, and fits there too.
-    again = _run_model(
+    again = run_model(
         "--mesh", "dp:8", "--device-memory", "512KiB", "--rules", str(saved)
     )
     assert again.returncode == 0, again.stderr
 
 
-def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path):
+def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path, run_model):
     rules = tmp_path / "tp.rules"
     rules.write_text("attn/(q|k|v)/weight  tp\nattn/o/weight  None,tp\n.*  ()\n")
     saved = tmp_path / "fit.rules"
-    result = _run_model(
+    result = run_model(
         "--mesh",
         "dp:2,tp:4",
         "--rules",
@@ -502,8 +526,8 @@ def test_fit_keeps_the_users_rules_and_adds_the_data_axes(tmp_path):
     assert _abstract_bytes_per_device(saved, (2, 4), ("dp", "tp")) <= 720 * 1024
 
 
-def test_fit_that_cannot_fit_says_so_and_exits_1():
-    result = _run_model("--mesh", "dp:8", "--device-memory", "64KiB", "--fit")
+def test_fit_that_cannot_fit_says_so_and_exits_1(run_model):
+    result = run_model("--mesh", "dp:8", "--device-memory", "64KiB", "--fit")
     assert result.returncode == 1
     assert "no rules fit" in result.stdout and "DOES NOT FIT" in result.stdout
 
@@ -561,15 +585,9 @@ def test_missing_optax_is_a_clear_error():
         ),
     ],
 )
-def test_bad_model_options(args, match):
-    result = subprocess.run(
-        [sys.executable, "-m", "eqshard", *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=ROOT,
-    )
-    assert re.search(match, _one_line_error(result))
+def test_bad_model_options(args, match, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert re.search(match, _one_line_error(_run_here(capfd, *args)))
 
 
 def test_model_from_a_module_name_returning_an_abstract_model(tmp_path):
@@ -645,20 +663,15 @@ def arguments():
 
 
 @pytest.mark.slow
-def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
+def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path, capfd, monkeypatch):
     # Replicated, the parameters and AdamW's state are ~100 KiB a device, but the
     # activations of a batch of 1024 rows a device do not fit in 1 MiB.
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "mlp.py").write_text(STEP_MODULE)
     saved = tmp_path / "fit.rules"
-    command = [sys.executable, "-m", "eqshard", "--step", "mlp.py:step"]
-    command += ["--args", "mlp.py:arguments", "--device-memory", "1MiB"]
-    fit = subprocess.run(
-        [*command, "--fit", "--save-rules", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=tmp_path,
-    )
+    command = ["--step", "mlp.py:step", "--args", "mlp.py:arguments"]
+    command += ["--device-memory", "1MiB"]
+    fit = _run_here(capfd, *command, "--fit", "--save-rules", str(saved))
     assert fit.returncode == 0, fit.stderr
     out = fit.stdout
     assert "argument 2: (2048, 32) float32, split over dp" in out
@@ -671,13 +684,7 @@ def test_fit_compiles_the_step_and_its_rules_read_back(tmp_path):
     )
     assert f"step report of {best[1]}:" in out
     # The rules saved compile to the same step, which fits.
-    again = subprocess.run(
-        [*command, "--rules", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        cwd=tmp_path,
-    )
+    again = _run_here(capfd, *command, "--rules", str(saved))
     assert again.returncode == 0, again.stderr
     peak = re.search(rf"^best: {re.escape(best[1])}, peak ([\d.]+ \w+),", out, re.M)
     assert peak is not None
