@@ -721,6 +721,48 @@ def test_arrays_of_one_size_and_another_shape_are_a_mismatch_not_a_view(tmp_path
     assert "'b': shape (2, 3, 4, 5) there, (4, 3, 2, 5)" in str(caught.value)
 
 
+def test_only_arrays_saved_as_a_stage_view_are_read_as_stacked_layers(tmp_path):
+    # A (2, 3, 4) restored into a (24,) `like` (and a (2, 3, 4, 5) into a
+    # (24, 5)) was reshaped silently, as if saved as a pipeline's staged view.
+    mesh = _mesh((2, 4), ("pp", "tp"))
+    view = np.arange(48, dtype=np.float32).reshape(2, 2, 2, 6)  # (R, S, K, 6)
+    plain = {
+        "a": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        "b": np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5),
+    }
+    tree = {"w": view, **plain}
+    placed = eqshard.shard(tree, {"w": P(None, "pp"), "a": P(), "b": P()}, mesh)
+    eqshard.save(tmp_path / "c", placed)
+    want = np.empty((8, 6), np.float32)  # layer l at [l // 4, (l // 2) % 2, l % 2]
+    for layer in range(8):
+        want[layer] = view[layer // 4, (layer // 2) % 2, layer % 2]
+    like = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}
+    got = eqshard.restore(tmp_path / "c", {**like, **plain}, P(), mesh)
+    np.testing.assert_array_equal(np.asarray(got["w"]), want)
+    flat = {
+        "a": jax.ShapeDtypeStruct((24,), jnp.float32),
+        "b": jax.ShapeDtypeStruct((24, 5), jnp.float32),
+    }
+    with pytest.raises(ValueError) as caught:
+        eqshard.restore(tmp_path / "c", {**like, **flat}, P(), mesh)
+    message = str(caught.value)
+    assert "'a': shape (2, 3, 4) there, (24,) in `like`" in message
+    assert "'b': shape (2, 3, 4, 5) there, (24, 5) in `like`" in message
+    assert "arrays at 'a', 'b' have three leading axes" in message
+    assert "'w'" not in message and "eqshard.unstage_view(" in message
+    # A checkpoint written before `save` recorded the views: none is a view.
+    file = tmp_path / "c" / "eqshard.json"
+    own = json.loads(file.read_text())
+    assert own.pop("stage_views") == ["w"]
+    file.write_text(json.dumps(own))
+    with pytest.raises(ValueError, match=r"'w': shape \(2, 2, 2, 6\) there, \(8"):
+        eqshard.restore(tmp_path / "c", {**like, **plain}, P(), mesh)
+    for lie, what in ((["x"], "names 'x', which"), (["w", 3], "not a list")):
+        file.write_text(json.dumps({**own, "stage_views": lie}))
+        with pytest.raises(ValueError, match=f"field 'stage_views' .*{what}"):
+            eqshard.restore(tmp_path / "c", {**like, **plain}, P(), mesh)
+
+
 def test_restore_onto_device_and_host_memory(tmp_path):
     # Arrays for a CPU device's own memory are read into it, those for its host
     # memories by orbax: both bit-exact, on the shardings asked for.

@@ -269,6 +269,7 @@ _FIELDS = [
     "version",
     "orbax",
     "generation",
+    "stage_views",
     "arrays",
     *(f"arrays/{n}" for n in ("empty", "bits", "w", "new")),
     *(

@@ -30,8 +30,9 @@ How a checkpoint is written, in the order of `save`:
    file, `eqshard.json`, for what orbax cannot hold: zero-size arrays (orbax
    refuses them), kept by shape and dtype, and the dtypes tensorstore has no
    name for (uint4, uint2, float8_e4m3), whose bits orbax holds as an integer
-   type of the same width; and a random generation id. A tree without arrays
-   is that file alone.
+   type of the same width; the arrays laid out as a circular pipeline's view
+   of stacked layers (`_views.py`); and a random generation id. A tree without
+   arrays is that file alone.
 4. **Swap.** Only a complete checkpoint replaces an old one, in one atomic
    exchange of the two directories (`renameat2`; two renames where the file
    system has none), and the old one is removed. A failure before that leaves

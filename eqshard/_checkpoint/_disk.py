@@ -146,6 +146,8 @@ class Saved(NamedTuple):
     dtype: np.dtype  # the array's own
     stored: np.dtype  # the one orbax holds its data in (its bits, for some dtypes)
     position: int | None  # among the leaves of orbax's tree; `None`: zero-size
+    # Saved as a circular pipeline's view of stacked layers (`_views.py`).
+    stage_view: bool = False
 
 
 class SaveInProgressError(ValueError):
@@ -237,11 +239,20 @@ def _entry(name: str, entry: Any) -> Saved:
     return Saved(tuple(shape), dtype, stored, None)
 
 
-def _read_own(path: str, caller: str) -> tuple[bool, dict[str, Saved]] | None:
+def _stage_views(own: dict[str, Any]) -> set[str]:
+    """The names in eqshard's file of the arrays saved as a circular pipeline's
+    view (none in a file written before `save` recorded them), or `_Lie`."""
+    views = own.get("stage_views", [])
+    if not isinstance(views, list) or not all(isinstance(n, str) for n in views):
+        raise _Lie("stage_views", f"is {views!r}, not a list of array names")
+    return set(views)
+
+
+def _read_own(path: str, caller: str) -> tuple[bool, dict[str, Saved], set[str]] | None:
     """eqshard's file in the checkpoint at `path`: whether orbax holds any array,
-    and the arrays orbax does not hold as they are; `None` if there is no such
-    file (a checkpoint orbax wrote alone). Every field is checked to be what
-    `save` writes."""
+    the arrays orbax does not hold as they are, and the names of those saved as
+    a circular pipeline's view; `None` if there is no such file (a checkpoint
+    orbax wrote alone). Every field is checked to be what `save` writes."""
     file = os.path.join(path, OWN_FILE)
     try:
         raw = read_regular(file, 1 << 26)
@@ -265,7 +276,7 @@ def _read_own(path: str, caller: str) -> tuple[bool, dict[str, Saved]] | None:
                     f"arrays/{held[0]}/saved_as",
                     "names the dtype orbax holds the array in, yet 'orbax' is false",
                 )
-        return own["orbax"], found
+        return own["orbax"], found, _stage_views(own)
     except _Lie as lie:
         raise lie_error(caller, file, lie.field, lie.what) from None
     except (OSError, ValueError) as error:
@@ -351,7 +362,7 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
             raise lie_error(
                 caller, file, "orbax", "is false, yet orbax's metadata is there"
             )
-        return own[1], NOTHING_HELD
+        return _with_views(own[1], own[2], caller, file), NOTHING_HELD
     if own is not None and not described:
         raise lie_error(
             caller, file, "orbax", "is true, yet orbax's metadata is not there"
@@ -388,7 +399,20 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         shape = tuple(int(n) for n in meta.shape)
         found[name], where[name] = Saved(shape, dtype, dtype, index), key
     _check_names_apart(path_leaves, names, path, caller)
-    for name, entry in ({} if own is None else own[1]).items():
+    if own is not None:
+        _with_own(found, own[1], caller, file)
+    zarr3 = bool(getattr(metadata, "use_zarr3", False))
+    views = set() if own is None else own[2]
+    return _with_views(found, views, caller, file), Held(layout, names, zarr3)
+
+
+def _with_own(
+    found: dict[str, Saved], own: dict[str, Saved], caller: str, file: str
+) -> None:
+    """Adds to `found` (orbax's arrays) eqshard's file's entries: the arrays held
+    in that file alone, and the dtypes of those whose bits orbax holds as
+    another; each checked to agree with orbax's metadata."""
+    for name, entry in own.items():
         field = f"arrays/{name}"
         if entry.stored == entry.dtype:  # zero-size: in eqshard's file only
             if name in found:
@@ -418,8 +442,23 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
                 f"is {list(entry.shape)}, but orbax holds shape {list(held.shape)}",
             )
         found[name] = held._replace(dtype=entry.dtype)
-    zarr3 = bool(getattr(metadata, "use_zarr3", False))
-    return found, Held(layout, names, zarr3)
+
+
+def _with_views(
+    found: dict[str, Saved], views: set[str], caller: str, file: str
+) -> dict[str, Saved]:
+    """`found`, the arrays named in `views` marked as saved in a circular
+    pipeline's view: each one the checkpoint holds, of three axes or more."""
+    for name in sorted(views):
+        if name not in found or len(found[name].shape) < 3:
+            what = (
+                "which the checkpoint does not hold"
+                if name not in found
+                else f"of shape {list(found[name].shape)}: not three layer axes"
+            )
+            raise lie_error(caller, file, "stage_views", f"names {name!r}, {what}")
+        found[name] = found[name]._replace(stage_view=True)
+    return found
 
 
 def check_staged(ocp: Any, staged: str, names: Sequence[str], caller: str) -> None:

@@ -57,7 +57,7 @@ from ._targets import (
     named_arrays,
     target_structs,
 )
-from ._views import into_views, layer_views
+from ._views import into_views, layer_views, unstaged_fix
 
 
 def _from_orbax(
@@ -408,7 +408,7 @@ def _compared(
             casts,
             caller=caller,
             where=f"the checkpoint at {path!r}",
-            fix=fix,
+            fix=fix + unstaged_fix(targets, named, saved),
         )
     except ValueError as error:
         raise _during_save(caller, path, before, error) from error.__cause__

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .._caches import register
@@ -35,6 +36,7 @@ from ._swap import (
     take_lock,
 )
 from ._targets import import_optional, named_arrays, stored_like
+from ._views import laid_as_stages
 
 
 # Integer types by width, whose bits hold arrays of dtypes tensorstore lacks.
@@ -123,6 +125,18 @@ def _check_leaves(
         kind = TypeError if any(typed for *_, typed in bad) else ValueError
         raise kind(listing(head, lines))
     return own
+
+
+def _stage_views(named: dict[str, tuple[int, KeyPath, Any]]) -> list[str]:
+    """The names of the arrays laid out as a circular pipeline's view of stacked
+    layers (`laid_as_stages`), which `restore` may read as `(L, ...)`."""
+    return [
+        name
+        for name, (_, _, leaf) in named.items()
+        if isinstance(leaf, jax.Array)
+        and isinstance(leaf.sharding, NamedSharding)
+        and laid_as_stages(tuple(leaf.shape), leaf.sharding)
+    ]
 
 
 def _check_apart(
@@ -281,6 +295,7 @@ def save(
                             "generation": uuid.uuid4().hex,
                             "orbax": bool(items),
                             "arrays": own,
+                            "stage_views": _stage_views(named),
                         },
                         f,
                     )

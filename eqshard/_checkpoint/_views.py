@@ -6,10 +6,12 @@ runs keep `(L, ...)`. A checkpoint of one restores into the other: where a leaf
 of `like` and the array saved differ only in their leading layer axes (one or
 three of them, the same number of layers, the same dimensions after), the array
 is read in its saved shape, its layer axes whole and the dimensions after them
-laid out as the target's, then reshaped onto the target's sharding. A target of
-three layer axes must have its stages laid out as the circular view's (over
-mesh axes as many as its dimension 1): arrays of the same size that merely
-differ in shape are a mismatch, not a view. Reshapes keep
+laid out as the target's, then reshaped onto the target's sharding. Both sides
+of three layer axes must be laid out as the circular view is (`laid_as_stages`:
+dimension 1 over mesh axes as many as its length): the target's sharding says
+so for `like`, and `save` records it for each array saved (eqshard's file,
+`stage_views`; a checkpoint without that record has none). Arrays of the same
+size that merely differ in shape are a mismatch, not a view. Reshapes keep
 the row-major order, so every value is where `jax.lax.scan` over the layers
 expects it, bit for bit.
 """
@@ -21,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._keys import is_key
+from .._tree import paths_text
 from .._typing import KeyPath
 from ._disk import Saved
 
@@ -42,19 +45,24 @@ def _leads(saved: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | 
     return None
 
 
-def _staged(target: jax.ShapeDtypeStruct) -> bool:
-    """Whether a target of three layer axes `(R, S, K, ...)` is laid out as the
-    circular view is: its dimension 1, the stages, over mesh axes of `S` devices
-    in all (`stacked(spec, stages=...)`). Other arrays of the same size (a
-    `(2, 3, 4)` saved, a `(4, 3, 2)` in `like`) differ in shape, not in view: a
-    reshape would scramble them silently."""
-    sharding = target.sharding
+def laid_as_stages(shape: tuple[int, ...], sharding: Any) -> bool:
+    """Whether an array of three layer axes `(R, S, K, ...)` on `sharding` is laid
+    out as the circular view is: its dimension 1, the stages, over mesh axes of
+    `S` devices in all (`stacked(spec, stages=...)`). Other arrays of the same
+    size (a `(2, 3, 4)` saved, a `(4, 3, 2)` in `like`) differ in shape, not in
+    view: a reshape would scramble them silently."""
+    if len(shape) < 3:
+        return False
     entry = None
     if isinstance(sharding, NamedSharding) and len(sharding.spec) > 1:
         entry = sharding.spec[1]
     names = () if entry is None else (entry,) if isinstance(entry, str) else entry
     sizes = dict(sharding.mesh.shape) if isinstance(sharding, NamedSharding) else {}
-    return math.prod(sizes[name] for name in names) == target.shape[1]
+    return math.prod(sizes[name] for name in names) == shape[1]
+
+
+def _staged(target: jax.ShapeDtypeStruct) -> bool:
+    return laid_as_stages(tuple(target.shape), target.sharding)
 
 
 def _read_as(
@@ -88,13 +96,46 @@ def layer_views(
             continue
         shape = tuple(saved[name].shape)
         leads = _leads(shape, tuple(target.shape))
-        if leads is None or (leads[1] == 3 and not _staged(target)):
+        if (
+            leads is None
+            or (leads[1] == 3 and not _staged(target))
+            or (leads[0] == 3 and not saved[name].stage_view)
+        ):
             continue
         i, path, leaf = named[name]
         read[name] = _read_as(target, shape, leads)
         compared[name] = (i, path, jax.ShapeDtypeStruct(shape, leaf.dtype))
         views[name] = target
     return read, compared, views
+
+
+def unstaged_fix(
+    targets: dict[str, jax.ShapeDtypeStruct],
+    named: dict[str, tuple[int, KeyPath, Any]],
+    saved: dict[str, Saved],
+) -> str:
+    """The fix for arrays saved with three leading axes that `like` has as one
+    (`(2, 3, 4)` saved, `(24,)` in `like`), not read as a view: the checkpoint
+    does not say they were a circular pipeline's view; empty if there are none."""
+    paths = [
+        named[name][1]
+        for name, target in targets.items()
+        if name in saved
+        and not saved[name].stage_view
+        and (leads := _leads(tuple(saved[name].shape), tuple(target.shape)))
+        and leads[0] == 3
+    ]
+    if not paths:
+        return ""
+    return (
+        f" The arrays at {paths_text(paths)} have three leading axes in the "
+        "checkpoint, which does not record them as a circular pipeline's stacked "
+        "layers (saved laid out by `eqshard.stacked(spec, stages=...)`; "
+        "checkpoints saved before eqshard recorded it have none), so they are not "
+        "reshaped: if they are layers in the view `(R, S, K, ...)`, restore them "
+        "in their saved shape, then `eqshard.unstage_view(tree, stages=S, "
+        "repeats=R)`."
+    )
 
 
 def into_views(
