@@ -730,13 +730,18 @@ def test_only_arrays_saved_as_a_stage_view_are_read_as_stacked_layers(tmp_path):
         "a": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
         "b": np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5),
     }
-    tree = {"w": view, **plain}
-    placed = eqshard.shard(tree, {"w": P(None, "pp"), "a": P(), "b": P()}, mesh)
+    one = np.arange(8, dtype=np.float32).reshape(2, 1, 4)  # S = 1, not over 'pp'
+    tree = {"w": view, "one": one, **plain}
+    rules = [("w", P(None, "pp")), ("one", P(None, None, "tp")), (".*", P())]
+    placed = eqshard.shard(tree, rules, mesh)
     eqshard.save(tmp_path / "c", placed)
     want = np.empty((8, 6), np.float32)  # layer l at [l // 4, (l // 2) % 2, l % 2]
     for layer in range(8):
         want[layer] = view[layer // 4, (layer // 2) % 2, layer % 2]
-    like = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}
+    like = {
+        "w": jax.ShapeDtypeStruct((8, 6), jnp.float32),
+        "one": jax.ShapeDtypeStruct((2, 1, 4), jnp.float32),
+    }
     got = eqshard.restore(tmp_path / "c", {**like, **plain}, P(), mesh)
     np.testing.assert_array_equal(np.asarray(got["w"]), want)
     flat = {

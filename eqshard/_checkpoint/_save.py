@@ -129,12 +129,16 @@ def _check_leaves(
 
 def _stage_views(named: dict[str, tuple[int, KeyPath, Any]]) -> list[str]:
     """The names of the arrays laid out as a circular pipeline's view of stacked
-    layers (`laid_as_stages`), which `restore` may read as `(L, ...)`."""
+    layers (`laid_as_stages`), which `restore` may read as `(L, ...)`: their
+    stages over mesh axes named (a `(2, 1, 4)` array with its dimension 1 unnamed
+    is no pipeline's, whatever its size)."""
     return [
         name
         for name, (_, _, leaf) in named.items()
         if isinstance(leaf, jax.Array)
         and isinstance(leaf.sharding, NamedSharding)
+        and len(leaf.sharding.spec) > 1
+        and leaf.sharding.spec[1] not in (None, ())
         and laid_as_stages(tuple(leaf.shape), leaf.sharding)
     ]
 
