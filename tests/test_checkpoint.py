@@ -17,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from multihost import run_processes
-from probes import RUN_TIMEOUT
+from probes import Compiles, RUN_TIMEOUT
 
 import eqshard
 
@@ -420,6 +420,31 @@ def test_typed_prng_keys_round_trip(tmp_path):
     want = np.asarray(jax.random.key_data(keys))
     assert np.array_equal(np.asarray(jax.random.key_data(out["keys"])), want)
     assert out["keys"].sharding == NamedSharding(mesh, P("tp"))
+
+
+def test_first_save_in_one_process_compiles_nothing(tmp_path):
+    # orbax's replica-parallel saving (the plain route) compiles a `slice` per
+    # array shape and device to split each replicated shard among its replicas;
+    # in one process, `save` writes each shard whole from one replica instead.
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    specs = [P(), P("dp"), P(None, "tp")]
+    host = {
+        f"a{i}": np.arange(rows * 12, dtype=np.float32).reshape(rows, 12) + i
+        for i, rows in enumerate((72, 88, 104))
+    }
+    tree = {
+        name: jax.device_put(x, NamedSharding(mesh, spec))
+        for (name, x), spec in zip(host.items(), specs)
+    }
+    with Compiles() as fast:
+        eqshard.save(tmp_path / "fast", tree)
+    with pytest.MonkeyPatch.context() as patch, Compiles() as plain:
+        patch.setenv("EQSHARD_PLAIN_ROUTES", "save")
+        eqshard.save(tmp_path / "plain", tree)
+    assert fast.count == 0
+    assert plain.count > 0  # 24 in orbax 0.12: a slice per shape and device
+    for route in ("fast", "plain"):
+        _assert_same(eqshard.restore(tmp_path / route, tree), host)
 
 
 # ---------------------------------------------------------------------------------

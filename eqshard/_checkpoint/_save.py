@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from .._caches import register
+from .._internals import orbax, routes
 from .._keys import is_key
 from .._move._host import unplaceable
 from .._move._multiprocess import check_timeout, fail_together, meet
@@ -182,6 +183,22 @@ def _items(
     return items
 
 
+def _writer(ocp: Any) -> Any:
+    """orbax's handler that `save` writes with: in one process, one whose
+    `jax.Array`s are saved shard by shard from one replica each (the `save` route,
+    `_internals/orbax.py` says why); otherwise, or where that handler cannot be
+    made, orbax's own (the plain route)."""
+    if jax.process_count() == 1 and not routes.plain("save"):
+        try:
+            handler = orbax.one_replica_writer()
+        except routes.Unrecognised as error:
+            routes.fall_back("save", str(error))
+        else:
+            if handler is not None:
+                return handler
+    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96)
+
+
 def _not_written(caller: str, path: str, error: Exception) -> ValueError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     failure = ValueError(
@@ -257,7 +274,7 @@ def save(
     own: dict[str, dict[str, Any]] = {}
     lock: int | None = None
     made = False
-    handler = ocp.StandardCheckpointHandler()
+    handler = _writer(ocp)
     try:
         try:
             named = named_arrays(tree, caller)
@@ -283,7 +300,7 @@ def save(
         try:  # every process writes its shards
             if items:
                 with literal_name(new, caller) as where:
-                    handler.save(epath.Path(where), args=ocp.args.StandardSave(items))
+                    handler.save(epath.Path(where), args=ocp.args.PyTreeSave(items))
         except Exception as error:
             failure = _not_written(caller, path, error)
         fail_together(caller, failure, timeout, cannot=cannot, rule=rule)

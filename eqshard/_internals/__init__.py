@@ -15,7 +15,8 @@ Everything eqshard reads beyond their public API lives here, one module per part
 - `xla`: XLA's warnings, captured from the process's stderr around a compile.
 - `errors`: JAX's and XLA's errors, known by their words or class name.
 - `distributed`: the distributed client's key-value store.
-- `orbax`: orbax's type handlers (the tensorstore specs it reads with).
+- `orbax`: orbax's type handlers (the tensorstore specs it reads with, and the
+  handler `save` writes with in one process).
 - `cpu`: XLA:CPU's buffers (addresses, alignment) for the CPU copy engine.
 - `routes`: the switches that force each fast path's plain-JAX route.
 

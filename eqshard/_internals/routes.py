@@ -10,6 +10,8 @@ every call: a comma-separated list of path names, or `all`.
 - `copies`: the CPU copy engine (threads, aligned blocks); plain:
   `jax.device_put` and `jax.device_get`.
 - `restore`: `restore`'s own block reads on CPU; plain: orbax's read.
+- `save`: in one process, `save` writes each shard from one replica (`orbax.py`);
+  plain: orbax's default, replica-parallel saving.
 """
 
 import os
@@ -17,8 +19,8 @@ import warnings
 from typing import Literal, TypeAlias
 
 
-Route: TypeAlias = Literal["init", "copies", "restore"]
-ROUTES: tuple[Route, ...] = ("init", "copies", "restore")
+Route: TypeAlias = Literal["init", "copies", "restore", "save"]
+ROUTES: tuple[Route, ...] = ("init", "copies", "restore", "save")
 VARIABLE = "EQSHARD_PLAIN_ROUTES"
 
 _warned: set[tuple[str, str]] = set()
