@@ -902,24 +902,63 @@ def _values_like(mesh):
     }
 
 
+def _rendezvous(sync, name, mode):
+    """Waits for the process that opens the FIFO `name` of `sync` the other way."""
+    os.close(os.open(os.path.join(sync, name), mode))
+
+
+def _hold_the_first_save(sync):
+    """Makes this process's first save wait, holding `path`'s lock, until the
+    other writer has tried its own save (FIFOs "held", then "tried"): one of two
+    saves that start together must lose, however fast a save is."""
+    from eqshard._checkpoint import _save
+
+    writer = _save._writer
+    waited = False
+
+    def held(ocp):
+        nonlocal waited
+        handler = writer(ocp)
+        if not waited:
+            waited = True
+            save = handler.save
+
+            def waiting(*args, **kwargs):
+                _rendezvous(sync, "held", os.O_WRONLY)
+                _rendezvous(sync, "tried", os.O_RDONLY)
+                return save(*args, **kwargs)
+
+            handler.save = waiting
+        return handler
+
+    _save._writer = held
+
+
 def _child_writers_and_reader(path, sync, saves):
     """Launch index 0 and 1 save `saves` trees each to `path`; index 2 restores
     it until both are done (and once after). Plain processes, no
     `jax.distributed`: they start together when each has opened its end of the
-    FIFOs in `sync` (an open waits for the other end)."""
+    FIFOs in `sync` (an open waits for the other end); writer 1's first save
+    starts while writer 0's first holds the lock."""
     role = int(os.environ["MULTIHOST_PROCESS_ID"])
     ends = {0: [("a", os.O_RDONLY)], 1: [("b", os.O_WRONLY), ("a", os.O_WRONLY)]}
     for name, mode in ends.get(role, [("b", os.O_RDONLY)]):
-        os.close(os.open(os.path.join(sync, name), mode))
+        _rendezvous(sync, name, mode)
+    if role == 0:
+        _hold_the_first_save(sync)
     if role < 2:
         said = []
         for j in range(saves):
             value = 100 * (role + 1) + j
+            if role == 1 and j == 0:
+                _rendezvous(sync, "held", os.O_RDONLY)
             try:
                 eqshard.save(path, _values_tree(value), overwrite=True)
                 said.append(value)
             except ValueError as error:
                 said.append(str(error))
+            if role == 1 and j == 0:
+                _rendezvous(sync, "tried", os.O_WRONLY)
         with open(os.path.join(sync, f"done-{role}"), "w"):
             pass
         return said
@@ -943,8 +982,8 @@ def test_concurrent_writers_and_a_reader(tmp_path):
     path = str(tmp_path / "c")
     sync = tmp_path / "sync"
     sync.mkdir()
-    os.mkfifo(sync / "a")
-    os.mkfifo(sync / "b")
+    for name in ("a", "b", "held", "tried"):
+        os.mkfifo(sync / name)
     eqshard.save(path, _values_tree(0))
     writer0, writer1, reader = run_processes(
         _child_writers_and_reader,
@@ -956,7 +995,8 @@ def test_concurrent_writers_and_a_reader(tmp_path):
     )
     saved = {v for v in writer0 + writer1 if isinstance(v, int)}
     lost = [said for said in writer0 + writer1 if isinstance(said, str)]
-    assert saved and lost  # the first saves of both start together: one loses
+    assert saved and lost  # writer 1's first save met writer 0's lock
+    assert writer1[0] in lost
     for said in lost:  # and is told why, naming the lock
         assert said.startswith(f"eqshard.save: another save is writing {path!r}")
         assert f"holds {path + '.eqshard-lock'!r}" in said
