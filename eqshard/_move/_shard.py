@@ -28,6 +28,10 @@ How data moves, in the order of this file:
      posting its digest before placing and reading the others' after
      (`_agreement.py`).
 
+A tree of NumPy arrays that `shard` checked before, with the same structure,
+specs, mesh, shapes and dtypes (a data pipeline's batch), skips the checks and
+is placed by the plan kept for it (`_plans.py`).
+
 With `max_inflight_bytes`, staging and placing run batch by batch (at most that
 many bytes of new blocks per device each), and with `donate` each batch's
 sources are freed once placed (`_reshard.py`).
@@ -413,8 +417,8 @@ def shard_tree(
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
     blocks (`host_local`) and, in one process, donated buffers (`donate`). With
     `release_sources`, the caller's arrays are deleted once their new ones are
-    placed, in batches of `max_inflight_bytes` per device (`_reshard.py`). The
-    records of a `plan`'s leaves are kept once checked (`_plans.py`)."""
+    placed, in batches of `max_inflight_bytes` per device (`_reshard.py`). For a
+    tree of NumPy arrays (`plan`), its plan is kept once checked (`_plans.py`)."""
     require_runnable(caller, mesh)
     agreed = agreed_alone
     if jax.process_count() > 1:
