@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._move._threads import spread, SPREAD_FROM
+from eqshard._move._threads import copy, spread, SPREAD_FROM
 
 
 def _tree(dtype, count=4):
@@ -119,3 +119,21 @@ def test_transfer_guards_see_every_array(mesh, capfd):
     for value in tree.values():
         rows, columns = value.shape
         assert f"float32[{rows},{columns}]" in logged
+
+
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (np.float32, (SPREAD_FROM // 4 // 7 + 3, 7)),  # rows that do not split evenly
+        (jnp.bfloat16, (SPREAD_FROM // 2 // 4, 4)),  # NumPy's loops hold the GIL
+        (np.float32, (1, SPREAD_FROM // 4)),  # one row
+        (np.int8, (5,)),  # small
+    ],
+    ids=str,
+)
+def test_copy_gives_the_source_bit_for_bit(dtype, shape):
+    rng = np.random.default_rng(0)
+    source = rng.standard_normal(shape).astype(dtype)[..., ::-1]  # strided
+    out = np.empty(shape, dtype)
+    copy(out, source)
+    np.testing.assert_array_equal(out.view(np.uint8), source.copy().view(np.uint8))

@@ -41,7 +41,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     which XLA's CPU client can use in place."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
+    start = -raw.__array_interface__["data"][0] % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 

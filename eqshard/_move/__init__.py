@@ -2,7 +2,9 @@
 
 `shard` (`_shard.py`) takes one record per leaf, validated (`_leaves.py`), then
 places them in three steps: tied arrays, staging on host (`_host.py`: dtypes no
-device holds, casts, private copies, no aliasing), placing. Arrays already on
+device holds, casts, private copies, no aliasing), placing. A tree of NumPy
+arrays that `shard` checked before (a data pipeline's batch) is placed by the
+plan it kept for it (`_plans.py`). Arrays already on
 devices are moved to other shardings or dtypes without a compile per shape
 (`_resident.py`). A placed state moves in batches of bounded bytes per device,
 each caller's array freed once its new one is placed (`_reshard.py`), and

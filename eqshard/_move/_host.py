@@ -69,6 +69,7 @@ from .._internals import cpu
 from .._internals.cpu import may_alias
 from .._tree import broadcast_prefix, is_array, listing, path_str, placed_dtype
 from .._typing import KeyPath
+from ._threads import copy
 
 
 # ---------------------------------------------------------------------------------
@@ -325,10 +326,26 @@ def _blocks_replicated(sharding: NamedSharding) -> bool:
 register(_blocks_replicated.cache_clear)
 
 
+@ft.lru_cache(maxsize=1024)
+def private_when(sharding: NamedSharding, small: bool, plain: bool) -> bool | None:
+    """Whether `host_ready` copies an array bound for `sharding` into a private
+    buffer: `True` or `False` whatever its memory, `None` if the devices would
+    take this array in place (`cpu.takes_in_place`). `small`: under
+    `PRIVATE_BELOW` bytes; `plain`: the copy engine's plain route."""
+    if not may_alias(sharding):
+        return False
+    if plain or _copied_per_device(sharding):
+        return True
+    return None if small or _blocks_replicated(sharding) else False
+
+
+register(private_when.cache_clear)
+
+
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own."""
     out = cpu.aligned_empty(leaf.shape, leaf.dtype)
-    np.copyto(out, leaf)
+    copy(out, leaf)
     return out
 
 
@@ -413,18 +430,17 @@ def host_ready(
     rather than imposed by JAX."""
     leaf = np.asarray(leaf)
     target = placed_dtype(leaf.dtype if cast is None else cast)
-    private = sharding is not None and may_alias(sharding)
-    if private and not plain and sharding is not None:
-        private = _copied_per_device(sharding) or (
-            (leaf.nbytes < PRIVATE_BELOW or _blocks_replicated(sharding))
-            and cpu.takes_in_place(leaf, sharding)
-        )
+    private = False
+    if sharding is not None:
+        private = private_when(sharding, leaf.nbytes < PRIVATE_BELOW, plain)
+        if private is None:
+            private = cpu.takes_in_place(leaf, sharding)
     if target == leaf.dtype and not private:
         return leaf, None, False
     allocate = cpu.aligned_empty if private and not plain else np.empty
     out = allocate(leaf.shape, target)
     if target == leaf.dtype:  # a copy alone, which loses nothing
-        np.copyto(out, leaf)
+        copy(out, leaf)
         return out, None, False
     with np.errstate(over="ignore", invalid="ignore"):  # checked by `cast_lost`
         np.copyto(out, leaf, casting="unsafe")

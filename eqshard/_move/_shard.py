@@ -28,6 +28,10 @@ How data moves, in the order of this file:
      posting its digest before placing and reading the others' after
      (`_agreement.py`).
 
+A tree of NumPy arrays that `shard` checked before, with the same structure,
+specs, mesh, shapes and dtypes (a data pipeline's batch), skips the checks and
+is placed by the plan kept for it (`_plans.py`).
+
 With `max_inflight_bytes`, staging and placing run batch by batch (at most that
 many bytes of new blocks per device each), and with `donate` each batch's
 sources are freed once placed (`_reshard.py`).
@@ -83,6 +87,7 @@ from ._multiprocess import (
     host_value,
     is_global,
 )
+from ._plans import keep, place as place_planned, Planned, planned
 from ._reshard import (
     batches,
     check_inflight,
@@ -370,6 +375,12 @@ def shard(
             "could delete arrays before a later cast is found to lose values. Cast "
             "first (`shard(tree, specs, mesh, dtype=...)`), then move with donate."
         )
+    plan = None
+    if (dtype, donate, max_inflight_bytes) == (None, False, None):
+        plan = planned(tree, specs, mesh) if jax.process_count() == 1 else None
+        placed = None if plan is None else place_planned(plan)
+        if placed is not None:  # a tree of NumPy arrays checked before
+            return placed
     check_traced("shard", tree)
     specs = resolve_specs(specs, tree, caller="shard", mesh=mesh)
     return shard_tree(
@@ -382,6 +393,7 @@ def shard(
         max_inflight_bytes=max_inflight_bytes,
         check_values=check_values,
         timeout=timeout,
+        plan=plan,
     )
 
 
@@ -399,12 +411,14 @@ def shard_tree(
     max_inflight_bytes: int | None = None,
     check_values: CheckValues = "sample",
     timeout: float | int = 300.0,
+    plan: Planned | None = None,
 ) -> PyTree:
     """[`eqshard.shard`][], also for one subtree at `root` (the functions of
     `make_shard_and_gather_fns`), and for `Partitioner.move_to_devices`: host-local
     blocks (`host_local`) and, in one process, donated buffers (`donate`). With
     `release_sources`, the caller's arrays are deleted once their new ones are
-    placed, in batches of `max_inflight_bytes` per device (`_reshard.py`)."""
+    placed, in batches of `max_inflight_bytes` per device (`_reshard.py`). For a
+    tree of NumPy arrays (`plan`), its plan is kept once checked (`_plans.py`)."""
     require_runnable(caller, mesh)
     agreed = agreed_alone
     if jax.process_count() > 1:
@@ -437,6 +451,8 @@ def shard_tree(
             root=root,
             host_local=host_local,
         )
+        if plan is not None:
+            keep(plan, [leaf.sharding for leaf in leaves])
         placed = _place(
             leaves,
             caller=caller,

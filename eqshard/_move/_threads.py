@@ -161,6 +161,29 @@ def spread(
     return out
 
 
+def copy(out: np.ndarray, source: np.ndarray) -> None:
+    """`np.copyto(out, source)` for arrays of one shape and dtype, in row ranges
+    over the cores where it moves `SPREAD_FROM` bytes or more: one thread does
+    not fill the memory's bandwidth, and a private copy is most of `shard`'s
+    time for a replicated array (`benchmarks/bench_shard_host.py`)."""
+    rows = len(out) if out.ndim else 0
+    parts = min(_cores(), rows)
+    if out.nbytes < SPREAD_FROM or parts < 2 or not native(out.dtype):
+        np.copyto(out, source)
+        return
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    futures = [
+        _pool().submit(np.copyto, out[a:b], source[a:b])
+        for a, b in zip(bounds[1:-1], bounds[2:], strict=True)
+    ]
+    try:
+        np.copyto(out[: bounds[1]], source[: bounds[1]])
+    finally:
+        wait(futures)
+    for future in futures:
+        future.result()  # raises what a thread raised
+
+
 def device_put(values: Sequence[Any], shardings: Sequence[Any]) -> list[jax.Array]:
     """`jax.device_put(values, shardings)`, the NumPy arrays bound for CPU devices
     whose blocks are strided spread over the cores. (XLA's CPU client copies
