@@ -14,6 +14,8 @@ these copies):
   them on threads of its own, faster than one thread copies here;
 - nor does placing one array's blocks from several threads (slower than one
   `device_put`); gathering them does.
+- a private copy of one large NumPy array (`shard`'s staging) gains a little:
+  `copy` splits it into row ranges, one a core.
 
 So those paths give their copies to `spread`: one bin of arrays per core, of
 about equal bytes, each bin copied by one thread, the first by the calling
