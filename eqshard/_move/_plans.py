@@ -4,12 +4,11 @@ A training loop shards a batch of NumPy arrays every step: the same structure,
 shapes, dtypes and specs each time. Checking it again (the tree flattened with
 its paths, the specs broadcast against it, each spec checked against its
 array's shape and the mesh) and deciding again how each array is staged is
-Python work that a hand-written `jax.device_put` does not do, as long as the
-transfer itself for a replicated batch of a few MiB
-(`benchmarks/bench_shard_host.py`). So once `shard` has
-checked such a tree, it keeps a plan: each leaf's sharding and whether it needs
-a private copy (`_host.private_when`), under a key of everything they were
-computed from:
+Python work that a hand-written `jax.device_put` does not do, and it took about
+as long as the transfer itself for a replicated batch of a few MiB
+(`benchmarks/bench_shard_host.py`). So once `shard` has checked such a tree, it
+keeps a plan: each leaf's sharding and whether it needs a private copy
+(`_host.private_when`), under a key of everything they were computed from:
 
 - the tree's structure (`PyTreeDef`, with an Equinox module's static fields);
 - the specs: the spec itself, or the spec tree's structure and leaves;
@@ -21,11 +20,11 @@ engine's `to_devices`, which waits for the transfers that read the caller's
 memory, as for any tree. What depends on the buffers (whether the devices would
 take an array in place) is read each call.
 
-Only trees that `shard` places without anything else get a plan: every leaf a
-NumPy array (not a subclass) that reaches the devices in its own dtype (no
-`dtype=` cast) whatever `jax_enable_x64` says (no 64-bit dtype), specs that are
-`PartitionSpec`s, `NamedSharding`s, `eqshard.host(PartitionSpec)`s or `None`s, no array
-at two leaves, one process, and the copy engine's fast route. Anything else
+Only the plainest trees get a plan: every leaf a NumPy array (not a subclass)
+that reaches the devices in its own dtype (no `dtype=` cast) whatever
+`jax_enable_x64` says (no 64-bit dtype); specs that are `PartitionSpec`s,
+`NamedSharding`s, `eqshard.host(PartitionSpec)`s or `None`s; no array at two
+leaves; one process; the copy engine's fast route. Anything else
 (JAX arrays, rules, functions of the tree, logical names, a static field that
 cannot say whether it equals another) is checked on every call. At most
 `MAX_PLANS` plans are kept; `eqshard.clear_caches` forgets them.
