@@ -3,6 +3,8 @@
 # the plan does not cover is still checked on every call. Whether a call checked
 # is seen by counting the calls of the check itself (`_shard.leaves_of`).
 
+import threading
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -147,3 +149,24 @@ def test_a_static_field_that_cannot_be_compared_is_checked_every_call(mesh, chec
         out = eqshard.shard(module, P("dp"), mesh)
         np.testing.assert_array_equal(np.asarray(out.x), module.x)
     assert checks[0] == 3
+
+
+def test_batches_sharded_from_two_threads_at_once(mesh):
+    # A prefetching loader shards from a thread of its own while the main thread
+    # shards too: each thread's batches land whole, with their own plans.
+    def run(rows, spec, results):
+        for step in range(20):
+            batch = _batch(step, rows)
+            out = eqshard.shard(batch, spec, mesh)
+            results.append((batch, out, spec))
+
+    results_a, results_b = [], []
+    # 5 MiB replicated batches: private copies split over the cores meanwhile.
+    other = threading.Thread(target=run, args=(1 << 16, P(), results_b))
+    other.start()
+    run(8, P("dp"), results_a)
+    other.join(timeout=60)
+    assert not other.is_alive()
+    assert len(results_a) == len(results_b) == 20
+    for batch, out, spec in results_a + results_b:
+        _assert_placed(out, batch, mesh, spec)
