@@ -92,6 +92,20 @@ def test_values_a_cast_loses_are_refused_on_every_call(mesh, checks):
     assert checks[0] == 2
 
 
+def test_a_cast_asked_for_is_made_on_every_call(mesh, checks):
+    # `np.dtype("float64") == None` holds in NumPy: the cast must not be taken
+    # for no cast at all.
+    with jax.enable_x64(True):
+        for _ in range(2):
+            out = eqshard.shard(_batch(0), P("dp"), mesh, dtype=np.dtype("float64"))
+            assert out["tokens"].dtype == np.int32  # only floats are cast
+            out = eqshard.shard(
+                np.ones((8, 4), np.float32), P("dp"), mesh, dtype=np.dtype("float64")
+            )
+            assert out.dtype == np.float64
+    assert checks[0] == 4
+
+
 def test_one_array_at_two_leaves_stays_one(mesh, checks):
     for _ in range(2):
         x = np.arange(32, dtype=np.float32).reshape(8, 4)

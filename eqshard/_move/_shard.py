@@ -376,7 +376,7 @@ def shard(
             "first (`shard(tree, specs, mesh, dtype=...)`), then move with donate."
         )
     plan = None
-    if (dtype, donate, max_inflight_bytes) == (None, False, None):
+    if dtype is None and not donate and max_inflight_bytes is None:
         plan = planned(tree, specs, mesh) if jax.process_count() == 1 else None
         placed = None if plan is None else place_planned(plan)
         if placed is not None:  # a tree of NumPy arrays checked before
