@@ -480,6 +480,18 @@ def test_dtype_casts_at_the_edge_of_the_range(mesh, dtype, resident):
     assert np.asarray(out["edge"]).tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize(
+    "source, dtype", [(np.float16, jnp.float32), (jnp.bfloat16, np.float32)]
+)
+def test_dtype_casts_to_a_wider_float_are_exact_and_quiet(mesh, source, dtype):
+    # Every warning is an error here: a range check that brought float32's
+    # largest value down to float16 warned that it overflowed.
+    host = np.array([[-65504.0, 1.5, 0.0, 65504.0]] * 8).astype(source)
+    out = eqshard.shard(host, P("dp"), mesh, dtype=dtype)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out), host.astype(np.float32))
+
+
 @pytest.mark.parametrize("resident", [False, True])
 def test_dtype_casts_to_types_without_inf_or_without_sign_are_checked(mesh, resident):
     # float4_e2m1fn has no inf or nan: 100 became its largest, 6, silently.

@@ -224,7 +224,9 @@ def _within_range(source: np.ndarray, dtype: np.dtype) -> bool:
     if not (real and signed_with_zero(dtype)):
         return False
     largest = float(jnp.finfo(dtype).max)
-    return bool(source.min() >= -largest and source.max() <= largest)
+    # As Python floats: NumPy would bring `largest` down to a narrower source's
+    # dtype, warning that it overflows (float16's range against float32's).
+    return float(source.min()) >= -largest and float(source.max()) <= largest
 
 
 @ft.lru_cache(maxsize=64)
