@@ -199,7 +199,9 @@ def cast_lost(source: np.ndarray, out: np.ndarray) -> Lost | None:
         bad = ~np.isfinite(out)
         kept = np.isfinite(source)  # inf and nan stay so, where the type has them
         if source.dtype.kind != "c" and jnp.issubdtype(out.dtype, jnp.floating):
-            bound = overflow_bound(out.dtype)  # saturated, where no inf or nan
+            # Saturated, where no inf or nan; compared as float64, which NumPy
+            # would otherwise bring down to a narrower source's dtype, warning.
+            bound = np.float64(overflow_bound(out.dtype))
             bad |= (source > bound) | (source < -bound)
             if saturates(out.dtype):  # inf became its largest, nan another value
                 bad, kept = bad | ~kept, True
@@ -224,9 +226,11 @@ def _within_range(source: np.ndarray, dtype: np.dtype) -> bool:
     if not (real and signed_with_zero(dtype)):
         return False
     largest = float(jnp.finfo(dtype).max)
+    with np.errstate(invalid="ignore"):  # ml_dtypes' reductions warn of a nan
+        low, high = float(source.min()), float(source.max())
     # As Python floats: NumPy would bring `largest` down to a narrower source's
     # dtype, warning that it overflows (float16's range against float32's).
-    return float(source.min()) >= -largest and float(source.max()) <= largest
+    return low >= -largest and high <= largest
 
 
 @ft.lru_cache(maxsize=64)
@@ -479,5 +483,8 @@ def loss_error(
             "float32's), or leave these arrays uncast: give `dtype` as a tree with "
             "`None` at their paths."
         )
-    header = f"eqshard.{caller}: placing these arrays would lose values:"
+    doing = (
+        "copying these arrays to host" if caller == "gather" else "placing these arrays"
+    )
+    header = f"eqshard.{caller}: {doing} would lose values:"
     return ValueError(listing(header, lines, *fixes))
