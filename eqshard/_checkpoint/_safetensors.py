@@ -175,7 +175,7 @@ def _load_tree(
         found,
         casts,
         caller=caller,
-        where="the safetensors files",
+        where="what the safetensors files hold",
         fix=f"Tensor names are `like`'s paths joined by sep={sep!r}; map the "
         "files' names onto them with `rename=`.",
         labels=labels,
