@@ -123,3 +123,16 @@ def test_host_private_copies_plain_numpy_only():
     np.testing.assert_array_equal(out["p"], plain)
     no_numpy = {"j": jax.numpy.ones(2)}
     assert host_private(no_numpy) is no_numpy
+
+
+def test_big_endian_arguments_are_read_in_native_order(mesh):
+    # `jax.jit` refuses big-endian NumPy arrays ("Error interpreting argument");
+    # `shard` converts them, and so do the calls that hand JAX a private copy.
+    x = np.arange(32, dtype=">f4").reshape(8, 4)
+    jitted = eqshard.filter_jit(lambda a: a * 2, in_specs=(P("dp"),), mesh=mesh)
+    mapped = eqshard.filter_shard_map(
+        lambda a: a * 2, in_specs=(P("dp"),), out_specs=P("dp"), mesh=mesh
+    )
+    for out in (jitted(x), mapped(x)):
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(out), x * 2)

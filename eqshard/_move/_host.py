@@ -349,8 +349,9 @@ register(private_when.cache_clear)
 
 
 def private_copy(leaf: np.ndarray) -> np.ndarray:
-    """A copy of `leaf` in a 64-byte aligned buffer of its own."""
-    out = cpu.aligned_empty(leaf.shape, leaf.dtype)
+    """A copy of `leaf` in a 64-byte aligned buffer of its own, in native byte
+    order (`jax.jit` refuses big-endian arguments; the swap loses nothing)."""
+    out = cpu.aligned_empty(leaf.shape, leaf.dtype.newbyteorder("="))
     copy(out, leaf)
     return out
 

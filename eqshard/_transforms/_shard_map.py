@@ -479,11 +479,15 @@ def filter_shard_map(
             hash(static)
         except TypeError:
             raise _unhashable_error(jtu.tree_leaves_with_path(args)) from None
-        arrays = jtu.tree_unflatten(
-            treedef, [leaf if is_array(leaf) else None for leaf in leaves]
+        # NumPy arguments as private copies, traced as JAX reads them (native
+        # byte order), so that the caller may write their buffers at once.
+        arrays = host_private(
+            jtu.tree_unflatten(
+                treedef, [leaf if is_array(leaf) else None for leaf in leaves]
+            )
         )
         config = _Map(fn, on, specs, out_specs, options, manual, rules, static)
         jitted, fed, rest = _called(config, arrays, leaves)
-        return eqx.combine(jitted(fed, host_private(arrays)), rest)
+        return eqx.combine(jitted(fed, arrays), rest)
 
     return mapped
