@@ -351,7 +351,8 @@ register(private_when.cache_clear)
 def private_copy(leaf: np.ndarray) -> np.ndarray:
     """A copy of `leaf` in a 64-byte aligned buffer of its own, in native byte
     order (`jax.jit` refuses big-endian arguments; the swap loses nothing)."""
-    out = cpu.aligned_empty(leaf.shape, leaf.dtype.newbyteorder("="))
+    dtype = leaf.dtype if leaf.dtype.isnative else leaf.dtype.newbyteorder("=")
+    out = cpu.aligned_empty(leaf.shape, dtype)
     copy(out, leaf)
     return out
 
