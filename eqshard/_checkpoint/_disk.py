@@ -8,7 +8,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -289,44 +289,27 @@ def lie_error(caller: str, file: str, field: str, what: str) -> ValueError:
     return damaged_error(caller, repr(file), f"its field '{field}' {what}")
 
 
-def storage_key(name: str) -> str:
-    """Where the files of orbax's checkpoint keep the data of the array named
-    `name`: tensorstore reads a name and the same name with one '/' more (`a`
-    and `a/`) as one place."""
-    return name if name.endswith("/") else name + "/"
-
-
-def one_place_error(
-    caller: str, where: str, first: tuple[KeyPath, str], second: tuple[KeyPath, str]
-) -> ValueError:
-    """The error for two arrays whose data one place holds in orbax's files."""
-    return ValueError(
-        f"eqshard.{caller}: {where} the arrays at '{path_str(first[0])}' and "
-        f"'{path_str(second[0])}' in one place, as {first[1]!r} and {second[1]!r} "
-        "(orbax joins a path's keys with '.', and tensorstore reads a name and the "
-        "same name with one '/' more as one), so the files keep the data of only "
-        "one of them. Rename one of the keys, and save again."
-    )
-
-
-def _check_names_apart(
-    path_leaves: list[tuple[KeyPath, Any]],
-    names: list[str | None],
-    path: str,
-    caller: str,
+def check_apart(
+    arrays: Iterable[tuple[KeyPath, str]], *, where: str, caller: str
 ) -> None:
-    """Raises if two arrays have one place for their data in orbax's files
-    (`{"a": {"b": x}}` and `{"a.b": y}` saved by orbax, `a` and `a/`): one
-    array's data was written over the other's when the checkpoint was saved,
-    and reading would give it at both paths."""
+    """Raises if two of `arrays` (each its path and its name in orbax's files)
+    have one place for their data there: orbax joins a path's keys with '.'
+    (`{"a": {"b": x}}` and `{"a.b": y}`), and tensorstore reads a name and the
+    same name with one '/' more (`a` and `a/`) as one place, so one array's data
+    overwrites the other's. `where` begins the message's account of it."""
     holder: dict[str, tuple[KeyPath, str]] = {}
-    for (key, _), name in zip(path_leaves, names, strict=True):
-        if name is None:
-            continue
-        place = storage_key(name)
+    for key, name in arrays:
+        place = name if name.endswith("/") else name + "/"
         if place in holder:
-            where = f"the checkpoint at {path!r} holds"
-            raise one_place_error(caller, where, holder[place], (key, name))
+            first = holder[place]
+            raise ValueError(
+                f"eqshard.{caller}: {where} the arrays at '{path_str(first[0])}' "
+                f"and '{path_str(key)}' in one place, as {first[1]!r} and "
+                f"{name!r} (orbax joins a path's keys with '.', and tensorstore "
+                "reads a name and the same name with one '/' more as one), so the "
+                "files keep the data of only one of them. Rename one of the keys, "
+                "and save again."
+            )
         holder[place] = (key, name)
 
 
@@ -398,7 +381,15 @@ def saved_arrays(ocp: Any, path: str, caller: str) -> tuple[dict[str, Saved], He
         dtype = np.dtype(meta.dtype)
         shape = tuple(int(n) for n in meta.shape)
         found[name], where[name] = Saved(shape, dtype, dtype, index), key
-    _check_names_apart(path_leaves, names, path, caller)
+    check_apart(
+        (
+            (key, name)
+            for (key, _), name in zip(path_leaves, names, strict=True)
+            if name is not None
+        ),
+        where=f"the checkpoint at {path!r} holds",
+        caller=caller,
+    )
     if own is not None:
         _with_own(found, own[1], caller, file)
     zarr3 = bool(getattr(metadata, "use_zarr3", False))

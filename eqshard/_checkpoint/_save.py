@@ -26,7 +26,7 @@ from .._tree import (
     path_str,
 )
 from .._typing import KeyPath, typecheck
-from ._disk import check_directory, check_staged, one_place_error, storage_key
+from ._disk import check_apart, check_directory, check_staged
 from ._swap import (
     literal_name,
     OWN_FILE,
@@ -149,17 +149,17 @@ def _check_apart(
     own: dict[str, dict[str, Any]],
     caller: str,
 ) -> None:
-    """Refuses two arrays orbax would write to one place (`a` and `a/`, see
-    `storage_key`): one would overwrite the other."""
-    holder: dict[str, tuple[KeyPath, str]] = {}
-    for name, (_, path, _) in named.items():
-        if name in own and own[name]["saved_as"] is None:
-            continue  # zero-size: in eqshard's file alone
-        place = storage_key(name)
-        if place in holder:
-            where = "nothing was written, as orbax would store"
-            raise one_place_error(caller, where, holder[place], (path, name))
-        holder[place] = (path, name)
+    """Refuses two arrays orbax would write to one place (`check_apart`); a
+    zero-size array is in eqshard's file alone."""
+    check_apart(
+        (
+            (path, name)
+            for name, (_, path, _) in named.items()
+            if not (name in own and own[name]["saved_as"] is None)
+        ),
+        where="nothing was written, as orbax would store",
+        caller=caller,
+    )
 
 
 def _bits(leaf: Any, stored: np.dtype) -> Any:
