@@ -13,8 +13,8 @@ is installed.
 replica-parallel saving, where each replica of a shard writes a slice of it, so
 that the hosts of a multi-host run share the writing of a replicated array. In
 one process, the one host writes every slice anyway, and cutting them costs a
-compiled `slice` per array shape and device on the first save (400 compiles,
-16 s on CPU, for 50 arrays on a mesh of 8 devices). So one process saves each
+compiled `slice` per array shape and device on the first save (50 arrays on a
+mesh of 8 devices: 400 compiles). So one process saves each
 shard whole from one replica, through orbax's own handler made without that
 option; several processes keep orbax's default, which buys them the sharing.
 `EQSHARD_PLAIN_ROUTES=save` takes orbax's default in one process too.
