@@ -115,6 +115,7 @@ def p2p_transfers(computation: Computation) -> list[Transfer]:
         data = first.get("send", 0) if recv is None else recv if done is None else done
         positions = [p for where in channels for p in where.values()]
         names = [computation.instructions[p].name for p in positions]
+        span = positions + [ends[n] for n in names if n in ends]
         groups = tuple(
             pair for p in positions for pair in _pairs(computation.instructions[p])
         )
@@ -126,8 +127,8 @@ def p2p_transfers(computation: Computation) -> list[Transfer]:
                 first.get("recv"),
                 data,
                 first.get("send", first.get("recv", 0)),
-                min(positions + [ends[n] for n in names if n in ends]),
-                max(positions + [ends[n] for n in names if n in ends]),
+                min(span),
+                max(span),
                 all(name in ends for name in names),
                 tuple(dict.fromkeys(groups)),
                 0,
