@@ -111,6 +111,8 @@ def planned(tree: Any, specs: Any, mesh: Mesh | AbstractMesh | None) -> Planned 
 def keep(tree: Planned, shardings: Sequence[NamedSharding | None]) -> None:
     """Keeps the plan of `tree`, whose leaves `shard` checked and found to go to
     `shardings`, if it is one of the trees the module docstring names."""
+    if len({id(value) for value in tree.values}) < len(tree.values) or plain():
+        return
     steps = []
     for value, sharding in zip(tree.values, shardings, strict=True):
         if placed_dtype(value.dtype) != value.dtype or not movable(value.dtype):
@@ -118,8 +120,6 @@ def keep(tree: Planned, shardings: Sequence[NamedSharding | None]) -> None:
         small = value.nbytes < PRIVATE_BELOW
         private = sharding is not None and private_when(sharding, small, False)
         steps.append(_Step(sharding, private))
-    if len({id(value) for value in tree.values}) < len(tree.values) or plain():
-        return
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     try:
